@@ -1,0 +1,33 @@
+// The one Python binding of the device code: raw addresses and ints in, an error code out.
+// No torch headers: tensors cross as data_ptr() ints, streams as their cudaStream_t handle.
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include "kernels/fused_launch.h"
+
+namespace py = pybind11;
+
+namespace mk {
+int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
+}
+
+#define FIELD(name) .def_readwrite(#name, &mk::FusedLaunch::name)
+
+PYBIND11_MODULE(_mkernel_ext, m) {
+  m.doc() = "mkernel device kernels (launchers over raw pointers)";
+  py::class_<mk::FusedLaunch>(m, "FusedLaunch")
+      .def(py::init<>())
+      FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm) FIELD(compute_units)
+      FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap) FIELD(tile_config) FIELD(engine)
+      FIELD(world_size) FIELD(rank0) FIELD(ranks_here) FIELD(timeout_ns) FIELD(status)
+      FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank) FIELD(delay_ns) FIELD(a) FIELD(b)
+      FIELD(out) FIELD(a_rank_stride) FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N)
+      FIELD(K) FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs) FIELD(rows_per_rank)
+      FIELD(tiles_per_rank) FIELD(chunk_rows);
+  m.def(
+      "launch_gemm_rs",
+      [](const mk::FusedLaunch& L, uintptr_t stream) {
+        return mk::launch_gemm_rs(L, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("launch"), py::arg("stream"));
+}

@@ -1,0 +1,122 @@
+// GEMM + ReduceScatter: out[r] = rows r*M/W .. (r+1)*M/W of sum over ranks q of A_q @ B_q.
+//
+// Each rank computes every tile of its partial product (tile order from the plan: by default the
+// tiles of rank r+1 first, its own last). The engine's epilogue reduce-adds the fp32 tile straight
+// into the owner's accumulator (red.global.add through the peer mapping), then signals the owner
+// flag[u][me]. The owner's comm role waits for all W flags of tile u (consuming them), converts the
+// accumulator tile to bf16 into out, and zeroes it for the next call. W == 1: tiles go straight to out.
+//
+//   W = 2, M split in two row blocks; t = time
+//   rank 0 compute:  [tiles of 1][tiles of 0]     -- red.add --> acc[1] / acc[0]
+//   rank 1 compute:  [tiles of 0][tiles of 1]     -- red.add --> acc[0] / acc[1]
+//   rank 0 comm:           wait flags[0][u][*] -> out[0] tile u (as soon as both contributions land)
+#include "kernels/fused_host.cuh"
+
+namespace mk {
+
+template <class EngineT>
+struct GemmRS {
+  using Engine = EngineT;
+  static constexpr int kCommSmemBytes = 0;
+  struct Args {
+    FusedCommon common;
+    typename Engine::Params engine[kMaxLocalRanks];
+    RankPtr<__nv_bfloat16> out;  // [Ms, N] per rank
+    SymPtr<float> acc;           // [Ms, N] fp32 accumulators per rank
+    SymPtr<int> flags;           // [U, W] per rank: flag[u][src]
+    int N, Ms, U;
+  };
+
+  struct ComputeHooks {
+    const Args& a;
+    const CtaInfo& cta;
+    const TaskList& tasks;
+    __device__ int num_tasks() const { return tasks.count(); }
+    __device__ Tile task(int i) const { return load_tile(a.common.plan, tasks[i]); }
+    __device__ void before_load(int) const {}
+    __device__ simple::DestKind kind() const {
+      return a.common.world.world_size == 1 ? simple::kStoreBf16 : simple::kReduceAddF32;
+    }
+    struct Dest {
+      void* ptr;
+      long long ld;
+      int kind;
+    };
+    __device__ Dest dest(int i) const {
+      const Tile t = task(i);
+      const long long off = (long long)(t.m0 - t.tag * a.Ms) * a.N + t.n0;
+      if (a.common.world.world_size == 1) return Dest{a.out.at(cta.local_rank) + off, a.N, simple::kStoreBf16};
+      return Dest{a.acc.map(t.tag) + off, a.N, simple::kReduceAddF32};
+    }
+    __device__ void after_store(int i) const {
+      const FusedCommon& c = a.common;
+      if (c.world.world_size == 1 || cta.rank == c.faults.silent_rank) return;
+      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+      const int id = tasks[i], owner = load_tile(c.plan, id).tag, u = id - owner * a.U;
+      signal_set_release(a.flags.map(owner) + u * c.world.world_size + cta.rank);
+    }
+  };
+
+  static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
+                                      char* smem) {
+    ComputeHooks h{a, cta, tasks};
+    Engine::run(a.engine[cta.local_rank], smem, h);
+  }
+
+  // Owner side: tile u of my rows is complete once every rank's flag[u][src] is raised.
+  static __device__ void comm_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
+                                   const Team& team, char*) {
+    const FusedCommon& c = a.common;
+    const int W = c.world.world_size;
+    for (int i = 0; i < tasks.count(); ++i) {
+      const int id = tasks[i], u = id - cta.rank * a.U;
+      const Tile t = load_tile(c.plan, id);
+      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+      if (team.lane == 0) {
+        for (int j = 0; j < W; ++j) {
+          const int src = (cta.rank + 1 + j) % W;
+          const WaitSite site{cta.rank, src, id, kRoleComm, 1, u};
+          wait_acquire_reset(a.flags.map(cta.rank) + u * W + src, 1, c.wait, site);
+        }
+      }
+      team.sync();
+      float* acc = a.acc.map(cta.rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
+      __nv_bfloat16* out = a.out.at(cta.local_rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
+      const int quads = t.rows * (t.cols / 4);  // cols % 8 == 0
+      for (int q = team.lane; q < quads; q += team.size) {
+        const long long off = (long long)(q / (t.cols / 4)) * a.N + (q % (t.cols / 4)) * 4;
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(acc + off));
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+        *reinterpret_cast<uint2*>(out + off) = packed;
+        __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+      team.sync();
+    }
+  }
+};
+
+template <class Engine>
+int launch_gemm_rs_with(const FusedLaunch& L, cudaStream_t s) {
+  using Op = GemmRS<Engine>;
+  typename Op::Args args{};
+  args.common = make_common(L);
+  fill_simple_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride);
+  args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
+  args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
+  args.flags = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
+  args.N = L.N;
+  args.Ms = L.rows_per_rank;
+  args.U = L.tiles_per_rank;
+  return launch_persistent<Op>(args, L, s);
+}
+
+int launch_gemm_rs(const FusedLaunch& L, cudaStream_t s) {
+  switch (L.tile_config) {
+    case 0: return launch_gemm_rs_with<simple::Engine<simple::Cfg<128, 256>>>(L, s);
+    case 1: return launch_gemm_rs_with<simple::Engine<simple::Cfg<128, 128>>>(L, s);
+    default: return kBadConfig;
+  }
+}
+
+}  // namespace mk

@@ -1,0 +1,28 @@
+"""mkernel: multi-GPU kernels that fuse communication with computation.
+
+Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
+(``gemm_rs``), their unfused references (``mkernel.reference``), ``CommTimeout`` and the CPU
+interpreter's errors.
+"""
+
+from . import reference
+from .errors import CommTimeout, DeadlockError, PlanError, RaceError, TileWriteError
+from .ops.gemm_rs import gemm_rs
+from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
+from .world import World
+
+__all__ = [
+    "World",
+    "Schedule",
+    "Plan",
+    "Faults",
+    "Tile",
+    "TILE_CONFIGS",
+    "gemm_rs",
+    "reference",
+    "CommTimeout",
+    "DeadlockError",
+    "PlanError",
+    "RaceError",
+    "TileWriteError",
+]

@@ -1,0 +1,229 @@
+"""What every fused op shares: input checks, the interpreter driver, the GPU launch plumbing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import CommTimeout
+from ..interp.machine import Machine
+from ..schedule import Plan, Schedule
+from ..world import World
+
+ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pairs / quads
+BARRIER_SLOTS = 256  # templates/persistent.cuh kMaxBarrierSlots
+MAX_LOCAL_RANKS = 16  # templates/persistent.cuh kMaxLocalRanks
+ROLE_NAMES = {0: "compute", 1: "comm", 2: "barrier"}
+
+
+# -- input checks (before anything is launched) -------------------------------------------------
+
+
+def check_world(world: Any) -> World:
+    if not isinstance(world, World):
+        raise TypeError(f"world must be an mkernel.World, got {type(world).__name__}")
+    return world
+
+
+def check_schedule(schedule: Any) -> Schedule:
+    if schedule is None:
+        return Schedule()
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be an mkernel.Schedule or None, got {type(schedule).__name__}")
+    return schedule
+
+
+def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tuple[int, ...]:
+    """Checks a per-rank operand and returns its per-rank shape. ``form`` names the expected shape."""
+    lead = f"[W={world.size}, {form[1:]}" if world.emulated_world else form
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be torch.bfloat16 (fp32 accumulation inside), got {t.dtype}")
+    if t.device != world.device and not (
+        t.device.type == world.device.type == "cuda" and t.device.index == world.device.index
+    ):
+        raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
+    want = ndim + (1 if world.emulated_world else 0)
+    if t.dim() != want:
+        raise ValueError(f"{name} must have shape {lead} ({want} dims), got {tuple(t.shape)}")
+    if world.emulated_world and t.shape[0] != world.size:
+        raise ValueError(
+            f"{name} has leading dimension {t.shape[0]}, but this world has {world.size} ranks: "
+            f"expected {lead} (a tensor of another world?)"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {lead}")
+    if t.numel() and t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned")
+    return tuple(t.shape[1:]) if world.emulated_world else tuple(t.shape)
+
+
+def check_divides(name: str, value: int, by: int, what: str) -> None:
+    if value <= 0 or value % by:
+        raise ValueError(f"{name}={value} must be a positive multiple of {by} ({what})")
+
+
+def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
+    """The result tensor: the caller's ``out`` (checked) or a new one, poisoned with NaN on the CPU
+    so that an unwritten tile shows."""
+    full = (world.size, *shape) if world.emulated_world else shape
+    if out is None:
+        if world.on_gpu:
+            return torch.empty(full, dtype=torch.bfloat16, device=world.device)
+        return torch.full(full, float("nan"), dtype=torch.bfloat16)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != full:
+        raise ValueError(f"out must be bfloat16 of shape {list(full)}, got {out.dtype} {list(out.shape)}")
+    if out.device.type != world.device.type or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor on {world.device}")
+    return out
+
+
+# -- the CPU interpreter driver -----------------------------------------------------------------
+
+
+def run_interpreter(
+    world: World,
+    plan: Plan,
+    pads: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    compute: Callable,
+    comm: Callable,
+    seed: int,
+    expected_outputs: dict[int, list[int]],
+    barrier_pad: str = "barrier",
+) -> Machine:
+    """Runs one call of an op: an agent per compute unit and per comm unit of every rank, each
+    starting with the template's entry barrier (intra_sm: the CTA's barrier, then its comm warp)."""
+    from ..interp import twins
+
+    steps = max(10_000, int(world.timeout_s * 200_000))
+    m = Machine(world.size, pads, buffers, seed=seed, deadline_steps=steps)
+
+    def cta_prologue(slot: int, publish: bool):
+        def prologue(ctx):
+            yield from twins.entry_barrier(ctx, barrier_pad, slot)
+            if publish:  # intra_sm: the comm warp starts after its CTA's barrier
+                yield from twins.local_event_set(ctx, ctx.sig("cta_ready", ctx.rank, slot))
+
+        return prologue
+
+    def wait_cta(slot: int):
+        def prologue(ctx):
+            yield from twins.wait_acquire_reset(ctx, ctx.sig("cta_ready", ctx.rank, slot), 1, ctx.rank)
+
+        return prologue
+
+    def with_prologue(program: Callable, prologue: Callable) -> Callable:
+        def run(ctx, task):
+            yield from program(ctx, task)
+
+        run.prologue = prologue
+        return run
+
+    pads.setdefault("cta_ready", torch.zeros(world.size, BARRIER_SLOTS, dtype=torch.int32))
+    intra = plan.overlap == "intra_sm"
+    for r in range(world.size):
+        for u in range(plan.compute_units):
+            prologue = cta_prologue(u, publish=intra)
+            m.add_agent(r, "compute", u, plan.tasks_of("compute", r, u), with_prologue(compute, prologue))
+        for u in range(plan.comm_units):
+            prologue = wait_cta(u) if intra else cta_prologue(plan.compute_units + u, publish=False)
+            m.add_agent(r, "comm", u, plan.tasks_of("comm", r, u), with_prologue(comm, prologue))
+    m.run()
+    m.check_outputs(expected_outputs)
+    world.last_timeline = m.timeline
+    return m
+
+
+# -- the GPU launch -----------------------------------------------------------------------------
+
+_EXT: Any = None
+
+
+def extension() -> Any:
+    global _EXT
+    if _EXT is None:
+        from .. import jit
+
+        _EXT = jit.load()
+    return _EXT
+
+
+class _StatusBlock:
+    """CommStatus (primitives/signal.cuh) in pinned, mapped host memory: the kernel records a
+    timeout there; the host reads it after the launch without a device copy."""
+
+    FIELDS = ("error", "rank", "peer", "task", "role", "signal", "index", "abort")
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(len(self.FIELDS), dtype=torch.int32, pin_memory=True)
+
+    def ptr(self) -> int:
+        return self.t.data_ptr()
+
+    def raise_if_set(self, signal_names: dict[int, str]) -> None:
+        v = dict(zip(self.FIELDS, self.t.tolist()))
+        if not v["error"]:
+            return
+        self.t.zero_()
+        name = signal_names.get(v["signal"], f"signal{v['signal']}")
+        raise CommTimeout(
+            v["rank"], v["peer"], f"{name}[{v['index']}]", v["task"], ROLE_NAMES.get(v["role"], "?")
+        )
+
+
+def status_block(world: World) -> _StatusBlock:
+    blk = getattr(world, "_status", None)
+    if blk is None:
+        blk = _StatusBlock()
+        world._status = blk
+    return blk
+
+
+def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
+    """A FusedLaunch with the plan, world, status and fault fields set; the op fills its operands."""
+    from ..schedule import TILE_CONFIG_IDS
+
+    if world.emulated_world and world.size > MAX_LOCAL_RANKS:
+        raise ValueError(f"an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, got {world.size}")
+    ext = extension()
+    L = ext.FusedLaunch()
+    tables = plan.device_tables(world.device)
+    L.tiles = tables["tiles"].data_ptr()
+    L.compute_order = tables["compute_order"].data_ptr()
+    L.comm_tasks = tables["comm_tasks"].data_ptr()
+    L.tc, L.tm = plan.compute_order.shape[1], plan.comm_tasks.shape[1]
+    L.compute_units, L.comm_units = plan.compute_units, plan.comm_units
+    L.ctas_per_rank = plan.ctas_per_rank
+    L.overlap = 0 if plan.overlap == "intra_sm" else 1
+    L.tile_config = TILE_CONFIG_IDS[plan.tile.name]
+    L.engine = engine
+    L.world_size = world.size
+    L.rank0 = 0 if world.emulated_world else world.rank
+    L.ranks_here = world.size if world.emulated_world else 1
+    L.timeout_ns = int(world.timeout_s * 1e9)
+    L.status = status_block(world).ptr()
+    f = plan.faults
+    L.silent_rank = -1 if f.silent_rank is None else f.silent_rank
+    L.delay_rank = -1 if f.delay_rank is None else f.delay_rank
+    L.delay_ns = int(f.delay_us * 1000)
+    return L
+
+
+def launch_and_check(world: World, fn: Callable, L: Any, signal_names: dict[int, str]) -> None:
+    """Launches on the current stream. Outside graph capture it waits for the kernel and raises
+    CommTimeout if a wait timed out (the kernel has exited cleanly by then)."""
+    status = status_block(world)
+    status.raise_if_set(signal_names)  # a timeout left by an earlier, unchecked launch
+    stream = torch.cuda.current_stream(world.device)
+    rc = fn(L, stream.cuda_stream)
+    if rc != 0:
+        raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
+    if not torch.cuda.is_current_stream_capturing() and world.sync_checks:
+        stream.synchronize()
+        status.raise_if_set(signal_names)

@@ -1,0 +1,14 @@
+"""Op name -> module (each module: make_plan, the op function, its reference, its program twins)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+
+def get(op: str) -> ModuleType:
+    from . import gemm_rs
+
+    ops = {"gemm_rs": gemm_rs}
+    if op not in ops:
+        raise ValueError(f"unknown op {op!r}; known: {sorted(ops)}")
+    return ops[op]

@@ -1,0 +1,8 @@
+"""Unfused references of every op, in the ops' own conventions (emulated: leading rank dimension;
+distributed: local tensors, gathered with torch.distributed). fp32 math, bf16 results."""
+
+from __future__ import annotations
+
+from .ops.gemm_rs import reference as gemm_rs
+
+__all__ = ["gemm_rs"]

@@ -1,0 +1,214 @@
+"""Schedules and plans.
+
+A ``Schedule`` says who does what, when: intra-SM or inter-SM overlap, how many SMs each role gets,
+the order of tiles on each rank (a user's Python hook), chunk sizes. ``schedule.plan(op, world,
+...)`` compiles it into a ``Plan``: small int32 tables (the tile table, each rank's compute order and
+comm tasks) plus the few compile-time choices (overlap mode, tile config). The GPU kernel and the CPU
+interpreter run the same plan.
+
+Task assignment is static and shared by both backends: the c-th unit of a role on a rank (a CTA, or
+the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in plan order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+OVERLAPS = ("intra_sm", "inter_sm")
+
+
+class TileConfig(NamedTuple):
+    """A named compile-time tile shape of the GEMM engine."""
+
+    name: str
+    bm: int
+    bn: int
+    bk: int
+
+
+TILE_CONFIGS = {
+    "128x256x64": TileConfig("128x256x64", 128, 256, 64),
+    "128x128x64": TileConfig("128x128x64", 128, 128, 64),
+}
+# Config ids shared with device code (primitives/gemm/config.cuh).
+TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1}
+
+
+class Tile(NamedTuple):
+    """One output tile: origin (m0, n0), valid extent (rows, cols), and an op-specific tag (the
+    owner rank for gemm_rs / gemm_ar, the A row chunk for ag_gemm)."""
+
+    index: int
+    m0: int
+    n0: int
+    rows: int
+    cols: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Injected faults for tests: ``silent_rank`` never raises its signals (its peers' waits must time
+    out); ``delay_rank`` sleeps ``delay_us`` before each of its communication tasks (results must not
+    change)."""
+
+    silent_rank: int | None = None
+    delay_rank: int | None = None
+    delay_us: int = 0
+
+
+TileOrderHook = Callable[[int, Sequence[Tile]], Sequence[int]]
+
+
+@dataclass
+class Schedule:
+    """How an op runs. Every field has a default chosen per shape; set one to override it.
+
+    overlap:   "intra_sm" (each CTA has compute warpgroups and a communicator warp) or "inter_sm"
+               (separate compute CTAs and communication CTAs).
+    sms:       SMs per rank (default: the GPU's SMs divided among the emulated ranks; the CPU
+               interpreter uses a small virtual count).
+    comm_sms:  inter_sm only: how many of those SMs run the communication role.
+    tile:      a TILE_CONFIGS name (default: a heuristic per shape).
+    tile_order: hook ``fn(rank, tiles) -> order`` returning a permutation of ``range(len(tiles))``:
+               the order in which ``rank`` computes its tiles (e.g. the tiles a peer waits for first).
+    chunk_rows: rows per transfer chunk (ag_gemm); default one tile row.
+    faults:    injected faults for tests (Faults).
+    seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
+    """
+
+    overlap: str = "intra_sm"
+    sms: int | None = None
+    comm_sms: int | None = None
+    tile: str | None = None
+    tile_order: TileOrderHook | None = None
+    chunk_rows: int | None = None
+    faults: Faults = field(default_factory=Faults)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Schedule.overlap must be one of {OVERLAPS}, got {self.overlap!r}")
+        if self.tile is not None and self.tile not in TILE_CONFIGS:
+            raise ValueError(
+                f"Schedule.tile must be one of {sorted(TILE_CONFIGS)}, got {self.tile!r}"
+            )
+        for name in ("sms", "comm_sms", "chunk_rows"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Schedule.{name} must be a positive int or None, got {v!r}")
+        if self.overlap == "intra_sm" and self.comm_sms is not None:
+            raise ValueError("Schedule.comm_sms applies to overlap='inter_sm' only")
+        if self.tile_order is not None and not callable(self.tile_order):
+            raise TypeError("Schedule.tile_order must be a callable fn(rank, tiles) -> order")
+
+    def plan(self, op: str, world: Any, **shapes: int) -> Plan:
+        """Compile this schedule for ``op`` ("gemm_rs", "ag_gemm", "gemm_ar") over ``world`` and the
+        op's shapes (m, n, k: the global GEMM sizes)."""
+        from .ops import registry
+
+        return registry.get(op).make_plan(self, world, **shapes)
+
+
+@dataclass
+class Plan:
+    """What both backends execute. Tables are int32 CPU tensors; ``to(device)`` copies them once."""
+
+    op: str
+    world_size: int
+    overlap: str
+    tile: TileConfig
+    shapes: dict[str, int]
+    tiles: list[Tile]
+    compute_order: torch.Tensor  # [W, Tc] tile indices, per rank, in compute order
+    comm_tasks: torch.Tensor  # [W, Tm] op-specific comm task ids, per rank, in order
+    compute_units: int  # per rank: compute CTAs
+    comm_units: int  # per rank: comm CTAs (inter_sm) or comm warps (intra_sm, one per CTA)
+    faults: Faults = field(default_factory=Faults)
+    extra: dict[str, Any] = field(default_factory=dict)
+    _device_tables: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def ctas_per_rank(self) -> int:
+        if self.overlap == "intra_sm":
+            return self.compute_units
+        return self.compute_units + self.comm_units
+
+    def tasks_of(self, role: str, rank: int, unit: int) -> list[int]:
+        """The tasks that unit ``unit`` of ``role`` on ``rank`` runs, in order (static round robin)."""
+        table, n = (
+            (self.compute_order, self.compute_units)
+            if role == "compute"
+            else (self.comm_tasks, self.comm_units)
+        )
+        return table[rank, unit::n].tolist()
+
+    def tile_table(self) -> torch.Tensor:
+        """[T, 5] int32: m0, n0, rows, cols, tag per tile."""
+        return torch.tensor([t[1:] for t in self.tiles], dtype=torch.int32).reshape(-1, 5)
+
+    def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self._device_tables:
+            self._device_tables = {
+                "tiles": self.tile_table().to(device),
+                "compute_order": self.compute_order.contiguous().to(device),
+                "comm_tasks": self.comm_tasks.contiguous().to(device),
+            }
+        return self._device_tables
+
+
+# -- helpers the ops use to build plans ----------------------------------------------------------
+
+
+def pick_tile(m: int, n: int, k: int) -> TileConfig:
+    """Small heuristic: the wide tile when N is wide enough to fill it, else 128x128."""
+    return TILE_CONFIGS["128x256x64"] if n >= 2048 else TILE_CONFIGS["128x128x64"]
+
+
+def grid_tiles(m0: int, rows: int, n: int, cfg: TileConfig, tag: int, start: int) -> list[Tile]:
+    """Tiles covering rows [m0, m0 + rows) x all n columns, row-major, clipped at the edges."""
+    out = []
+    for i in range(0, rows, cfg.bm):
+        for j in range(0, n, cfg.bn):
+            r, c = min(cfg.bm, rows - i), min(cfg.bn, n - j)
+            out.append(Tile(start + len(out), m0 + i, j, r, c, tag))
+    return out
+
+
+def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], default: list[int]):
+    """The rank's compute order: the user's hook if given (checked to be a permutation)."""
+    if hook is None:
+        return default
+    order = [int(i) for i in hook(rank, list(tiles))]
+    if sorted(order) != list(range(len(tiles))):
+        raise ValueError(
+            f"Schedule.tile_order returned an order for rank {rank} that is not a permutation of "
+            f"range({len(tiles)}) (got {len(order)} entries)"
+        )
+    return order
+
+
+def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[int, int]:
+    """(compute units, comm units) per rank."""
+    if world.on_gpu:
+        total_sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+        per_rank = total_sms // world.size if world.emulated_world else total_sms
+    else:
+        per_rank = 8  # virtual SMs per rank in the CPU interpreter
+    sms = min(schedule.sms or per_rank, per_rank)
+    if sms < 1 or (schedule.overlap == "inter_sm" and sms < 2):
+        raise ValueError(
+            f"{sms} SMs per rank cannot serve overlap={schedule.overlap!r} with world size "
+            f"{world.size} (inter_sm needs >= 2 SMs per rank)"
+        )
+    if schedule.overlap == "intra_sm":
+        units = max(1, min(sms, n_compute_tasks))
+        return units, units
+    comm = schedule.comm_sms or max(1, sms // 8)
+    if comm >= sms:
+        raise ValueError(f"Schedule.comm_sms={comm} leaves no compute SMs out of {sms} per rank")
+    return max(1, min(sms - comm, n_compute_tasks)), comm

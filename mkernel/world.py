@@ -1,0 +1,176 @@
+"""Worlds: who the ranks are and where their memory lives.
+
+An emulated world holds W virtual ranks in one process, on the CPU (run by the interpreter) or on one
+GPU (all ranks' CTAs in one launch). Every per-rank tensor is one tensor whose leading dimension is
+the rank: ``x[r]`` is rank r's tensor. A distributed world is one process per GPU (torchrun); a
+per-rank tensor is the local tensor, and symmetric buffers come from PyTorch's symmetric memory
+(CUDA IPC peer mappings, never multicast).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# NOTE: NVLink multicast / NVLS can take shared GPUs out of service on our machines; every path that
+# may touch NCCL or symmetric memory keeps it off.
+_NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def disable_multicast() -> None:
+    for key, value in _NO_MULTICAST_ENV.items():
+        os.environ[key] = value
+
+
+disable_multicast()
+
+
+@dataclass
+class SymBuffer:
+    """A symmetric buffer: the same shape on every rank, each rank able to address every peer's.
+
+    ``local`` is this process's view: in an emulated world the [W, ...] tensor of all ranks; in a
+    distributed world the local rank's tensor. ``peer_ptrs`` (int64, on the world's device) holds the
+    address of every rank's buffer, for device code (``SymPtr::map(rank)``).
+    """
+
+    local: torch.Tensor
+    peer_ptrs: torch.Tensor | None
+    handle: Any = None
+
+    def rank_view(self, rank: int) -> torch.Tensor:
+        return self.local[rank] if self.handle is None else self.local
+
+
+@dataclass(eq=False)
+class World:
+    """The set of ranks an op runs over. Build one with ``World.emulated`` or ``from_process_group``."""
+
+    size: int
+    device: torch.device
+    kind: str  # "emulated" | "distributed"
+    nodes: int = 1
+    rank: int = 0  # this process's rank (distributed); 0 in an emulated world
+    group: Any = None
+    timeout_s: float = 5.0
+    # After each GPU launch, wait for it and raise CommTimeout at once (off: a timeout is raised by
+    # the next call or by ``check()``; benchmarks turn it off to keep launches queued).
+    sync_checks: bool = True
+    last_timeline: Any = field(default=None, repr=False)
+    _buffers: dict[tuple, SymBuffer] = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def emulated(
+        ranks: int, device: str | torch.device = "cpu", nodes: int = 1, timeout_s: float = 5.0
+    ) -> World:
+        """W virtual ranks in this process. device "cpu" runs ops in the CPU interpreter; "cuda"
+        runs all ranks' CTAs in one launch on the current GPU. ``nodes`` splits the ranks into that
+        many equal virtual nodes. ``timeout_s`` bounds every wait."""
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"ranks must be a positive int, got {ranks!r}")
+        if not isinstance(nodes, int) or nodes < 1 or ranks % nodes:
+            raise ValueError(f"nodes must be a positive int dividing ranks={ranks}, got {nodes!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        return World(size=ranks, device=dev, kind="emulated", nodes=nodes, timeout_s=timeout_s)
+
+    @staticmethod
+    def from_process_group(group: Any = None, timeout_s: float = 5.0) -> World:
+        """One process per GPU: the world of ``group`` (default: the default process group). Symmetric
+        buffers come from ``torch.distributed._symmetric_memory`` with multicast disabled."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("from_process_group needs torch.distributed initialised (torchrun)")
+        group = group if group is not None else dist.group.WORLD
+        if not torch.cuda.is_available():
+            raise ValueError("a distributed world needs a CUDA device per process")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        return World(
+            size=dist.get_world_size(group),
+            device=dev,
+            kind="distributed",
+            rank=dist.get_rank(group),
+            group=group,
+            timeout_s=timeout_s,
+        )
+
+    def check(self) -> None:
+        """Waits for this world's launches and raises CommTimeout if a wait timed out."""
+        if self.on_gpu:
+            from .ops.common import status_block
+
+            torch.cuda.current_stream(self.device).synchronize()
+            status_block(self).raise_if_set({})
+
+    # -- properties -------------------------------------------------------------------------------
+    @property
+    def emulated_world(self) -> bool:
+        return self.kind == "emulated"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.size // self.nodes
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def __repr__(self) -> str:
+        return f"World({self.kind}, size={self.size}, device={self.device}, nodes={self.nodes})"
+
+    # -- symmetric memory ---------------------------------------------------------------------------
+    def symmetric(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> SymBuffer:
+        """A zero-initialised symmetric buffer, cached under ``key`` (ops keep their workspace and
+        signal pads here between calls; signals reset themselves, so the cache stays valid)."""
+        full_key = (key, tuple(shape), dtype)
+        buf = self._buffers.get(full_key)
+        if buf is None:
+            buf = self._alloc(tuple(shape), dtype)
+            self._buffers[full_key] = buf
+        return buf
+
+    def signal_pads(self) -> dict[tuple, torch.Tensor]:
+        """Every int32 symmetric buffer (signal pads) this world holds, by key; tests check that each
+        is back to all zeros after an op."""
+        return {k: b.local for k, b in self._buffers.items() if b.local.dtype == torch.int32}
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> SymBuffer:
+        if self.emulated_world:
+            t = torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
+            ptrs = None
+            if self.on_gpu:
+                stride = t[0].numel() * t.element_size()
+                base = t.data_ptr()
+                ptrs = torch.tensor(
+                    [base + r * stride for r in range(self.size)], dtype=torch.int64
+                )
+                ptrs = ptrs.to(self.device)
+            return SymBuffer(local=t, peer_ptrs=ptrs)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        t = symm_mem.empty(shape, dtype=dtype, device=self.device)
+        t.zero_()
+        handle = symm_mem.rendezvous(t, self.group)
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize()
+        handle.barrier()
+        return SymBuffer(local=t, peer_ptrs=ptrs, handle=handle)

@@ -1,0 +1,143 @@
+// Signals and waits between ranks (peer GPUs, or virtual ranks in one launch).
+//
+// Protocol
+// - A producer writes data, then raises a signal with a release at system scope
+//   (signal_set_release / signal_add_release): every earlier write of the producer (and, through a
+//   preceding CTA barrier, of its CTA) is visible to whoever acquires that value.
+//   NOTE: TMA bulk stores / reduce-stores must be complete (cp.async.bulk.wait_group 0, not .read)
+//   before the release; the caller owns that.
+// - A consumer spins with ld.acquire.sys until the flag holds the expected value (wait_acquire),
+//   and, when it is the flag's only consumer, sets it back to 0 (wait_acquire_reset). That is how
+//   signal pads reset themselves: no host-side reset, safe across loops and CUDA-graph replays.
+// - Every wait is bounded by a deadline on %globaltimer. On expiry the first waiter records rank,
+//   peer, task, role and signal in the launch's CommStatus and raises `abort`; every later wait then
+//   returns at once. Waits report failure but the caller carries on (its data is garbage), so the
+//   kernel always exits cleanly and the host raises CommTimeout.
+// - The entry barrier (entry_barrier) pairs CTA `slot` of every rank; arrivals CAS 0 -> 1, so an
+//   arrival for the next call waits until the previous call's flag was consumed.
+#pragma once
+#include <cstdint>
+
+namespace mk {
+
+// Written by device code, read by the host (pinned, mapped memory). Layout shared with
+// mkernel/ops/common.py.
+struct CommStatus {
+  int error;  // 0: none, 1: a wait passed its deadline
+  int rank, peer, task, role, signal, index;
+  int abort;  // set with `error`: later waits return at once
+};
+
+enum Role : int { kRoleCompute = 0, kRoleComm = 1, kRoleBarrier = 2 };
+
+// Who waits for what: copied into CommStatus when the wait times out.
+struct WaitSite {
+  int rank, peer, task, role, signal, index;
+};
+
+struct WaitPolicy {
+  CommStatus* status;  // may be null (then waits never time out: tests must not do that)
+  long long timeout_ns;
+};
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_relaxed_sys(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(int* p, int v) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(int* p, int v) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int cas_acq_rel_sys(int* p, int expected, int desired) {
+  int old;
+  asm volatile("atom.acq_rel.sys.global.cas.b32 %0, [%1], %2, %3;"
+               : "=r"(old)
+               : "l"(p), "r"(expected), "r"(desired)
+               : "memory");
+  return old;
+}
+
+// Named after what they do, so kernels read as the protocol above.
+__device__ __forceinline__ void signal_set_release(int* flag, int v = 1) { st_release_sys(flag, v); }
+__device__ __forceinline__ void signal_add_release(int* flag, int v = 1) { red_add_release_sys(flag, v); }
+
+__device__ __forceinline__ bool aborting(const WaitPolicy& w) {
+  return w.status != nullptr && ld_relaxed_sys(&w.status->abort) != 0;
+}
+
+// Records the first timeout of the launch; later ones only see `abort`.
+__device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
+  if (w.status == nullptr) return;
+  if (atomicCAS(&w.status->error, 0, 1) == 0) {
+    w.status->rank = s.rank;
+    w.status->peer = s.peer;
+    w.status->task = s.task;
+    w.status->role = s.role;
+    w.status->signal = s.signal;
+    w.status->index = s.index;
+    __threadfence_system();
+  }
+  st_release_sys(&w.status->abort, 1);
+}
+
+// Spin until pred(observed value) holds, bounded by the deadline. `load` is the polling access.
+template <class Poll>
+__device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Poll poll) {
+  if (poll()) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t i = 1;; ++i) {
+    if (poll()) return true;
+    if ((i & 63) == 0) {
+      if (aborting(w)) return false;
+      if (w.timeout_ns > 0 && (long long)(globaltimer_ns() - start) > w.timeout_ns) {
+        record_timeout(w, site);
+        return false;
+      }
+    }
+  }
+}
+
+// Wait until *flag == value, acquire. False on timeout / abort (then the caller carries on).
+__device__ inline bool wait_acquire(const int* flag, int value, const WaitPolicy& w,
+                                    const WaitSite& site) {
+  return spin_until(w, site, [&] { return ld_acquire_sys(flag) == value; });
+}
+
+// wait_acquire, then consume: the single consumer sets the flag back to 0.
+__device__ inline bool wait_acquire_reset(int* flag, int value, const WaitPolicy& w,
+                                          const WaitSite& site) {
+  const bool ok = wait_acquire(flag, value, w, site);
+  st_relaxed_sys(flag, 0);
+  return ok;
+}
+
+// Injected lateness (tests): sleep `ns` on the global timer.
+__device__ inline void delay_ns(long long ns) {
+  if (ns <= 0) return;
+  const uint64_t start = globaltimer_ns();
+  while ((long long)(globaltimer_ns() - start) < ns) __nanosleep(1000);
+}
+
+}  // namespace mk
