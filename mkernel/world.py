@@ -113,10 +113,22 @@ class World:
     def check(self) -> None:
         """Waits for this world's launches and raises CommTimeout if a wait timed out."""
         if self.on_gpu:
-            from .ops.common import status_block
+            from .ops.common import raise_timeout, status_block
 
             torch.cuda.current_stream(self.device).synchronize()
-            status_block(self).raise_if_set({})
+            raise_timeout(self, status_block(self))
+
+    def reset(self) -> None:
+        """Zeroes every workspace and signal pad of this world. Needed only after a CommTimeout in
+        a distributed world (call it on every rank); an emulated world resets itself then."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        for buf in self._buffers.values():
+            buf.local.zero_()
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            if buf_handle := next((b.handle for b in self._buffers.values() if b.handle), None):
+                buf_handle.barrier()
 
     # -- properties -------------------------------------------------------------------------------
     @property

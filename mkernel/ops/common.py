@@ -16,6 +16,8 @@ ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pai
 BARRIER_SLOTS = 256  # templates/persistent.cuh kMaxBarrierSlots
 MAX_LOCAL_RANKS = 16  # templates/persistent.cuh kMaxLocalRanks
 ROLE_NAMES = {0: "compute", 1: "comm", 2: "barrier"}
+# Signal ids recorded by device waits (WaitSite::signal), shared by every op.
+SIGNAL_NAMES = {0: "barrier", 1: "tile_flag", 2: "chunk_ready", 3: "tile_ready"}
 
 
 # -- input checks (before anything is launched) -------------------------------------------------
@@ -166,12 +168,12 @@ class _StatusBlock:
     def ptr(self) -> int:
         return self.t.data_ptr()
 
-    def raise_if_set(self, signal_names: dict[int, str]) -> None:
+    def raise_if_set(self, signal_names: dict[int, str] | None = None) -> None:
         v = dict(zip(self.FIELDS, self.t.tolist()))
         if not v["error"]:
             return
         self.t.zero_()
-        name = signal_names.get(v["signal"], f"signal{v['signal']}")
+        name = (signal_names or SIGNAL_NAMES).get(v["signal"], f"signal{v['signal']}")
         raise CommTimeout(
             v["rank"], v["peer"], f"{name}[{v['index']}]", v["task"], ROLE_NAMES.get(v["role"], "?")
         )
@@ -219,11 +221,25 @@ def launch_and_check(world: World, fn: Callable, L: Any, signal_names: dict[int,
     """Launches on the current stream. Outside graph capture it waits for the kernel and raises
     CommTimeout if a wait timed out (the kernel has exited cleanly by then)."""
     status = status_block(world)
-    status.raise_if_set(signal_names)  # a timeout left by an earlier, unchecked launch
+    raise_timeout(world, status, signal_names)  # a timeout left by an earlier, unchecked launch
     stream = torch.cuda.current_stream(world.device)
     rc = fn(L, stream.cuda_stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
     if not torch.cuda.is_current_stream_capturing() and world.sync_checks:
         stream.synchronize()
+        raise_timeout(world, status, signal_names)
+
+
+def raise_timeout(
+    world: World, status: _StatusBlock, signal_names: dict[int, str] | None = None
+) -> None:
+    # NOTE: a timed-out call leaves flags and accumulators dirty (late producers land after the
+    # waiter gave up). An emulated world's kernel has fully exited here, so it is safe to clear them;
+    # a distributed world needs world.reset() on every rank.
+    try:
         status.raise_if_set(signal_names)
+    except CommTimeout:
+        if world.emulated_world:
+            world.reset()
+        raise

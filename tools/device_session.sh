@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device-machine session: unpack the carried JIT cache, run the given steps, pack the cache.
+# Usage (on the device machine, repo root): bash tools/device_session.sh "<cmd1>" "<cmd2>" ...
+# Each step's output goes to $OUT/<n>.log; a summary table is printed last.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MKERNEL_CACHE_DIR=$PWD/.mkcache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" .mkcache && chmod 700 .mkcache
+if [ -f .carry/mkcache.tgz ]; then tar xzf .carry/mkcache.tgz && chmod -R go-w .mkcache; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+summary=()
+i=0
+for cmd in "$@"; do
+  i=$((i + 1))
+  t0=$(date +%s)
+  echo "=== step $i: $cmd"
+  bash -c "$cmd" >"$OUT/step$i.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/step$i.log"
+  summary+=("step $i rc=$rc $(($(date +%s) - t0))s: $cmd")
+done
+tar czf "$OUT/mkcache.tgz" .mkcache 2>/dev/null
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
