@@ -79,7 +79,10 @@ class World:
             raise ValueError(f"nodes must be a positive int dividing ranks={ranks}, got {nodes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from e
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError("device='cuda' asked for, but torch sees no CUDA device")

@@ -1,0 +1,172 @@
+"""gemm_rs on the CPU interpreter: properties over shapes, world sizes, schedules and interleavings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mkernel
+from tests.helpers import assert_close_bf16, randn_bf16
+
+
+def _inputs(W, m, n, kl, seed):
+    g = torch.Generator().manual_seed(seed)
+    return randn_bf16(W, m, kl, generator=g), randn_bf16(W, kl, n, generator=g)
+
+
+def _random_order(seed):
+    def hook(rank, tiles):
+        order = list(range(len(tiles)))
+        random.Random(seed * 31 + rank).shuffle(order)
+        return order
+
+    return hook
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    W=st.integers(1, 8),
+    rows=st.integers(1, 160),
+    n8=st.integers(1, 40),
+    k8=st.integers(1, 12),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    tile=st.sampled_from([None, "128x128x64", "128x256x64"]),
+    sms=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+    shuffle=st.booleans(),
+)
+def test_matches_reference(W, rows, n8, k8, overlap, tile, sms, seed, shuffle):
+    m, n, kl = W * rows, 8 * n8, 8 * k8
+    world = mkernel.World.emulated(W)
+    a, b = _inputs(W, m, n, kl, seed)
+    sched = mkernel.Schedule(
+        overlap=overlap,
+        tile=tile,
+        sms=sms,
+        seed=seed,
+        tile_order=_random_order(seed) if shuffle else None,
+    )
+    out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
+    assert out.shape == (W, rows, n)
+    assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), f"W={W} {m}x{n}x{kl}")
+    for key, pad in world.signal_pads().items():
+        assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
+    acc = world._buffers[(("gemm_rs", "acc"), (rows, n), torch.float32)].local
+    assert int((acc != 0).sum()) == 0, "accumulators not zeroed for the next call"
+    # Running twice (another interleaving) gives the same result.
+    again = mkernel.gemm_rs(a, b, world=world, schedule=sched)
+    assert torch.equal(again, out) or W > 1  # W > 1: fp32 add order may differ by one rounding
+    assert_close_bf16(again, out, "second call")
+
+
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
+    W = 3
+    world = mkernel.World.emulated(W, timeout_s=0.05)
+    a, b = _inputs(W, 3 * 64, 64, 16, 1)
+    sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
+    with pytest.raises(mkernel.CommTimeout) as e:
+        mkernel.gemm_rs(a, b, world=world, schedule=sched)
+    assert e.value.peer == 1
+    assert e.value.rank != 1
+    assert "flags" in e.value.signal
+    assert "peer 1" in str(e.value)
+
+
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_delayed_rank_leaves_result_unchanged(overlap):
+    W = 4
+    world = mkernel.World.emulated(W)
+    a, b = _inputs(W, 4 * 40, 48, 24, 2)
+    sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(delay_rank=2, delay_us=500))
+    out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
+    assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), "delayed")
+
+
+def test_timeline_exports_chrome_trace(tmp_path):
+    import json
+
+    W = 2
+    world = mkernel.World.emulated(W)
+    a, b = _inputs(W, 2 * 200, 300 - 300 % 8, 16, 3)
+    mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(tile="128x128x64"))
+    tl = world.last_timeline
+    path = tl.save_chrome(tmp_path / "t.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    tiles = 2 * 2 * 3  # per rank: 2 owners x 2 row tiles x 3 col tiles
+    assert sum(e["name"].startswith("compute") for e in spans) == W * tiles
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert all(e["dur"] >= 1 for e in spans)
+    assert "r1" in tl.ascii()
+
+
+# -- bad input: clear errors before anything runs ---------------------------------------------
+
+
+def _good(W=2):
+    return _inputs(W, W * 16, 16, 16, 0)
+
+
+def test_bad_dtype():
+    world = mkernel.World.emulated(2)
+    a, b = _good()
+    with pytest.raises(TypeError, match="a must be torch.bfloat16"):
+        mkernel.gemm_rs(a.float(), b, world=world)
+    with pytest.raises(TypeError, match="b must be torch.bfloat16"):
+        mkernel.gemm_rs(a, b.half(), world=world)
+
+
+def test_bad_shapes():
+    world = mkernel.World.emulated(2)
+    a, b = _good()
+    with pytest.raises(ValueError, match="M .* multiple of 2"):
+        mkernel.gemm_rs(a[:, :15].contiguous(), b, world=world)
+    with pytest.raises(ValueError, match="K/W differs"):
+        mkernel.gemm_rs(a, b[:, :8].contiguous(), world=world)
+    with pytest.raises(ValueError, match="N .* multiple of 8"):
+        mkernel.gemm_rs(a, b[:, :, :12].contiguous(), world=world)
+    with pytest.raises(ValueError, match="K/W .* multiple of 8"):
+        mkernel.gemm_rs(a[:, :, :12].contiguous(), b[:, :12].contiguous(), world=world)
+    with pytest.raises(ValueError, match="3 dims"):
+        mkernel.gemm_rs(a[0], b, world=world)
+
+
+def test_non_contiguous_and_wrong_world():
+    world = mkernel.World.emulated(2)
+    a, b = _good()
+    with pytest.raises(ValueError, match="a must be contiguous"):
+        mkernel.gemm_rs(a.transpose(1, 2).contiguous().transpose(1, 2), b, world=world)
+    a4, b4 = _good(4)
+    with pytest.raises(ValueError, match="another world"):
+        mkernel.gemm_rs(a4, b, world=world)
+    with pytest.raises(TypeError, match="world must be an mkernel.World"):
+        mkernel.gemm_rs(a, b, world="2 ranks")
+
+
+def test_bad_schedule_and_out():
+    world = mkernel.World.emulated(2)
+    a, b = _good()
+    with pytest.raises(ValueError, match="overlap"):
+        mkernel.Schedule(overlap="both")
+    with pytest.raises(ValueError, match="not a permutation"):
+        mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(tile_order=lambda r, t: [0]))
+    with pytest.raises(ValueError, match="inter_sm needs >= 2 SMs"):
+        mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(overlap="inter_sm", sms=1))
+    with pytest.raises(ValueError, match="out must be bfloat16"):
+        mkernel.gemm_rs(a, b, world=world, out=torch.empty(2, 8, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="silent_rank"):
+        mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(faults=mkernel.Faults(silent_rank=5)))
+
+
+def test_bad_world():
+    with pytest.raises(ValueError):
+        mkernel.World.emulated(0)
+    with pytest.raises(ValueError):
+        mkernel.World.emulated(4, nodes=3)
+    with pytest.raises(ValueError):
+        mkernel.World.emulated(2, device="tpu")
