@@ -65,6 +65,7 @@ class World:
     sync_checks: bool = True
     last_timeline: Any = field(default=None, repr=False)
     _buffers: dict[tuple, SymBuffer] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def emulated(

@@ -85,6 +85,31 @@ def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
+def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int) -> Plan:
+    """The op's plan for these shapes, built once per (schedule settings, shapes) and kept on the
+    world: its device tables are copied once, so calls (and CUDA-graph captures) copy nothing."""
+    hook = schedule.tile_order
+    key = (
+        op_module.__name__,
+        schedule.overlap,
+        schedule.sms,
+        schedule.comm_sms,
+        schedule.tile,
+        id(hook) if hook is not None else None,
+        schedule.chunk_rows,
+        schedule.faults,
+        tuple(sorted(shapes.items())),
+    )
+    plans = world._plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = op_module.make_plan(schedule, world, **shapes)
+        if hook is not None:
+            plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
+        plans[key] = plan
+    return plan
+
+
 # -- the CPU interpreter driver -----------------------------------------------------------------
 
 

@@ -13,6 +13,8 @@ zeroes the accumulator tile for the next call.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..interp import twins
@@ -90,7 +92,7 @@ def gemm_rs(
     common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
     _check_faults(schedule, world)
     out = common.check_out(out, world, (m // world.size, n))
-    plan = make_plan(schedule, world, m, n, kl * world.size)
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=kl * world.size)
     if world.on_gpu:
         return _run_gpu(world, plan, a, b, out)
     return _run_cpu(world, plan, a, b, schedule, out)
@@ -209,6 +211,9 @@ def _per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
         return list(x.unbind(0))
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(world.size)]
-    dist.all_gather(parts, x.contiguous(), group=world.group)
-    return parts
+    # gloo (e.g. two processes sharing one GPU) gathers host tensors only.
+    host = dist.get_backend(world.group) == "gloo"
+    src = x.detach().cpu().contiguous() if host else x.contiguous()
+    parts = [torch.empty_like(src) for _ in range(world.size)]
+    dist.all_gather(parts, src, group=world.group)
+    return [p.to(x.device) for p in parts]

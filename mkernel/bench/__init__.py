@@ -1,0 +1,1 @@
+"""Benchmarks: tables against the baselines (cuBLAS, NCCL, PyTorch's fused ops), JSON results."""

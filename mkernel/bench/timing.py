@@ -1,0 +1,69 @@
+"""Timing and result records shared by the benchmarks.
+
+Method: CUDA events around each call, warm-up first, the median of >= 20 timed calls, inputs rotated
+over several sets so the 60 MB L2 holds none of them between calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def median_ms(fn: Callable[[int], Any], sets: int, iters: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn(i)`` where ``i`` cycles over ``sets`` input sets."""
+    for i in range(warmup):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i % sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rotation(bytes_per_set: int, l2_bytes: int = 60 << 20) -> int:
+    """How many input sets make the rotation several times larger than the L2."""
+    return max(2, min(8, -(-4 * l2_bytes // max(1, bytes_per_set))))
+
+
+def environment() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def save(name: str, records: Sequence[dict], out_dir: str | Path = "benchmarks/results") -> Path:
+    env = environment()
+    path = Path(out_dir) / f"{name}_{env['date'][:10]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, **env, "records": list(records)}, indent=1))
+    return path
+
+
+def table(rows: Sequence[dict], cols: Sequence[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    line = "  ".join(c.rjust(w) for c, w in zip(cols, widths))
+    body = ["  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join([line, *body])
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)

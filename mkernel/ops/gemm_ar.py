@@ -1,0 +1,244 @@
+"""GEMM + AllReduce: API, plan, program twins and reference, side by side.
+
+Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
+
+    out_r = sum(a_q.float() @ b_q.float() for q in range(W)).bfloat16()   # [M, N], same on all
+
+Device protocol (kernels/gemm_ar.cu), no multicast: tile t of the [M, N] output is owned by rank
+t % W. Every rank computes every tile of its partial product (all ranks in the same row-major order,
+so a tile's W contributions arrive close together, while consecutive tiles go to different owners);
+the epilogue reduce-adds the fp32 tile into the owner's accumulator and raises
+``tile_flag[t][me]`` there. The owner's comm role waits for all W flags of t (consuming them),
+converts the accumulator tile to bf16, writes it into EVERY rank's result (its own first), zeroes the
+accumulator tile for the next call and raises ``tile_ready[t]`` on every peer. Each rank's comm role
+then waits for ``tile_ready`` of every tile it does not own, so no kernel exits before its whole
+result has landed.
+
+    W = 2, tiles t0 t1 t2 t3 (owners 0 1 0 1)
+    compute, both ranks: t0 t1 t2 t3  -- red.add --> acc[owner] ; tile_flag[t][me] on the owner
+    rank 0 comm:  finalize t0, t2 (-> out[0], out[1]; tile_ready on 1), then wait tile_ready t1, t3
+    rank 1 comm:  finalize t1, t3 (-> out[1], out[0]; tile_ready on 0), then wait tile_ready t0, t2
+
+In a distributed world the peers write into a symmetric ``result`` buffer, copied into ``out`` after
+the kernel (one extra [M, N] device copy per call); an emulated world writes ``out`` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CommTimeout
+from ..interp import twins
+from ..schedule import TILE_CONFIGS, Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units
+from ..world import World
+from . import common
+from .ag_gemm import device_tables
+
+
+def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    W = world.size
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k // W)
+    tiles = [t._replace(tag=t.index % W) for t in grid_tiles(0, m, n, cfg, 0, 0)]  # tag = owner
+    T = len(tiles)
+    orders, comms = [], []
+    for r in range(W):
+        orders.append(apply_order(schedule.tile_order, r, tiles, list(range(T))))
+        # Finalize ids t (owned tiles) first, then "wait tile_ready t" ids T + t for the others.
+        # NOTE: no cycle. A unit takes every n-th entry of this list, so each unit runs all of its
+        # finalizes before any of its waits; a finalize waits only on compute epilogues, which wait
+        # on nothing; so every finalize completes, and with them every tile_ready a wait needs.
+        owned = [t for t in range(T) if t % W == r]
+        comms.append(owned + [T + t for t in range(T) if t % W != r])
+    compute_units, comm_units = split_units(schedule, world, T)
+    return Plan(
+        op="gemm_ar",
+        world_size=W,
+        overlap=schedule.overlap,
+        tile=cfg,
+        shapes={"m": m, "n": n, "k": k},
+        tiles=tiles,
+        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, T),
+        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, T),
+        compute_units=compute_units,
+        comm_units=comm_units,
+        faults=schedule.faults,
+        extra={"tiles": T},
+    )
+
+
+def gemm_ar(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    world: World,
+    schedule: Schedule | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GEMM + AllReduce in one persistent kernel: the sum over ranks of ``a @ b``, on every rank.
+
+    Unfused equivalent, per rank r::
+
+        out[r] = sum(a[q].float() @ b[q].float() for q in range(W)).bfloat16()
+
+    Args:
+        a: bf16, per rank [M, K/W] (emulated world: [W, M, K/W]); contiguous.
+        b: bf16, per rank [K/W, N] (emulated world: [W, K/W, N]); contiguous.
+        world: the World the ranks belong to.
+        schedule: a Schedule (overlap mode, SM split, tile order...); default Schedule().
+        out: optional bf16 result tensor of the result's shape (written in full; tests poison it).
+
+    Returns:
+        bf16, per rank [M, N] (emulated: [W, M, N]): the sum over ranks of a@b, accumulated in
+        fp32 (the same on every rank). Equivalent to ``reference.gemm_ar(a, b, world=world)``.
+        In a distributed world peers write a symmetric buffer that is then copied into ``out``
+        (one extra device copy of [M, N] bf16).
+
+    Requires M >= 1, and K/W and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
+    naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
+    """
+    world = common.check_world(world)
+    schedule = common.check_schedule(schedule)
+    m, kl = common.check_operand("a", a, world, 2, "[M, K/W]")
+    kb, n = common.check_operand("b", b, world, 2, "[K/W, N]")
+    if kb != kl:
+        raise ValueError(f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs")
+    common.check_divides("M (rows of a)", m, 1, "at least one row")
+    common.check_divides("K/W (columns of a)", kl, common.ALIGN, "16-byte rows")
+    common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
+    _check_faults(schedule, world)
+    out = common.check_out(out, world, (m, n))
+    plan = make_plan(schedule, world, m, n, kl * world.size)
+    if world.on_gpu:
+        return _run_gpu(world, plan, a, b, out)
+    return _run_cpu(world, plan, a, b, schedule, out)
+
+
+def _check_faults(schedule: Schedule, world: World) -> None:
+    f = schedule.faults
+    for name in ("silent_rank", "delay_rank"):
+        v = getattr(f, name)
+        if v is not None and not 0 <= v < world.size:
+            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
+
+
+def _workspace(world: World, plan: Plan):
+    W, m, n, T = world.size, plan.shapes["m"], plan.shapes["n"], plan.extra["tiles"]
+    acc = world.symmetric(("gemm_ar", "acc"), (m, n), torch.float32)  # owned tiles only are used
+    flags = world.symmetric(("gemm_ar", "flags"), (T, W), torch.int32)
+    ready = world.symmetric(("gemm_ar", "ready"), (T,), torch.int32)
+    barrier = world.symmetric(("fused", "barrier"), (common.BARRIER_SLOTS, W), torch.int32)
+    return acc, flags, ready, barrier
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+
+def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
+    acc, flags, ready, barrier = _workspace(world, plan)
+    m, n = plan.shapes["m"], plan.shapes["n"]
+    device_tables(world, plan)  # cached: no host-to-device copy once warmed up (graph capture)
+    L = common.fill_launch(world, plan)
+    per_rank = world.emulated_world
+    L.a, L.b = a.data_ptr(), b.data_ptr()
+    L.a_rank_stride = a[0].numel() if per_rank else 0
+    L.b_rank_stride = b[0].numel() if per_rank else 0
+    result = None
+    if per_rank:  # peers' results are slices of one tensor: out + p * M * N
+        L.out, L.out_rank_stride, L.aux_ptr = out.data_ptr(), m * n, 0
+    else:  # peers' results must be symmetric memory: their addresses come from a table
+        result = world.symmetric(("gemm_ar", "result"), (m, n), torch.bfloat16)
+        L.out, L.aux_ptr = result.local.data_ptr(), result.peer_ptrs.data_ptr()
+    L.M, L.N, L.K = m, n, a.shape[-1]
+    L.work_ptrs, L.flag_ptrs = acc.peer_ptrs.data_ptr(), flags.peer_ptrs.data_ptr()
+    L.flag2_ptrs, L.barrier_ptrs = ready.peer_ptrs.data_ptr(), barrier.peer_ptrs.data_ptr()
+    L.tiles_per_rank = plan.extra["tiles"]
+    common.launch_and_check(world, common.extension().launch_gemm_ar, L, common.SIGNAL_NAMES)
+    if result is not None:
+        out.copy_(result.local)
+    return out
+
+
+# -- CPU interpreter: program twins mirroring kernels/gemm_ar.cu ---------------------------------
+
+
+def compute_program(plan: Plan):
+    k = plan.shapes["k"] // plan.world_size
+    f = plan.faults
+
+    def run(ctx, task):
+        t = plan.tiles[task]
+        a = yield from twins.tile_load(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
+        rect = (t.m0, t.rows, t.n0, t.cols)
+        yield from twins.reduce_add(ctx, "acc", t.tag, rect, a.float() @ b.float())
+        if ctx.rank == f.silent_rank:
+            return
+        if ctx.rank == f.delay_rank:
+            yield from twins.delay(ctx, f.delay_us)
+        yield from twins.signal_set_release(ctx, ctx.sig("tile_flag", t.tag, task, ctx.rank))
+
+    return run
+
+
+def comm_program(plan: Plan):
+    W, T = plan.world_size, plan.extra["tiles"]
+    f = plan.faults
+
+    def run(ctx, task):
+        me = ctx.rank
+        if task >= T:  # wait until the owner's reduced tile has landed in our result
+            t = task - T
+            yield from twins.wait_acquire_reset(ctx, ctx.sig("tile_ready", me, t), 1, t % W)
+            return
+        t = plan.tiles[task]
+        if me == f.delay_rank:
+            yield from twins.delay(ctx, f.delay_us)
+        for j in range(W):
+            src = (me + 1 + j) % W
+            yield from twins.wait_acquire_reset(ctx, ctx.sig("tile_flag", me, task, src), 1, src)
+        rect = (t.m0, t.rows, t.n0, t.cols)
+        v = yield from twins.tile_load(ctx, "acc", me, rect)
+        for j in range(W):  # own result first, then r+1, r+2, ...
+            yield from twins.output_store(ctx, "out", (me + j) % W, rect, v.bfloat16(), task)
+        yield from twins.tile_send(ctx, "acc", me, rect, torch.zeros_like(v))
+        if me == f.silent_rank:
+            return
+        for j in range(1, W):
+            yield from twins.signal_set_release(ctx, ctx.sig("tile_ready", (me + j) % W, task))
+
+    return run
+
+
+def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.Tensor:
+    acc, flags, ready, barrier = _workspace(world, plan)
+    buffers = {"a": a, "b": b, "acc": acc.local, "out": out}
+    pads = {"tile_flag": flags.local, "tile_ready": ready.local, "barrier": barrier.local}
+    expected = {r: list(range(len(plan.tiles))) for r in range(world.size)}
+    try:
+        common.run_interpreter(
+            world, plan, pads, buffers, compute_program(plan), comm_program(plan), schedule.seed,
+            expected,
+        )
+    except CommTimeout:
+        world.reset()  # as on the GPU: a failed call leaves pads dirty; the next call starts clean
+        raise
+    return out
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
+    """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, bf16 on every rank."""
+    parts = _per_rank(a, world), _per_rank(b, world)
+    full = sum(x.float() @ y.float() for x, y in zip(*parts)).bfloat16()
+    if world.emulated_world:
+        return full.expand(world.size, *full.shape).contiguous()
+    return full
+
+
+def _per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
+    if world.emulated_world:
+        return list(x.unbind(0))
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(world.size)]
+    dist.all_gather(parts, x.contiguous(), group=world.group)
+    return parts

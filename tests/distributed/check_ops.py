@@ -1,0 +1,119 @@
+"""Distributed-world checks, one process per rank (launch with torchrun; see run.sh beside this).
+
+Every rank draws all ranks' inputs from the same seeds, so the reference needs no communication:
+rank r checks its own result against the emulated-convention reference. Prints one line per check
+on rank 0 and exits non-zero on any failure.
+
+  torchrun --nproc_per_node=2 tests/distributed/check_ops.py --ops gemm_rs --loop 1000 --sms 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import mkernel  # noqa: E402
+from tests.helpers import assert_close_bf16  # noqa: E402
+
+SHAPES = {  # op -> (global m, n, k), per-rank shards derived below
+    "gemm_rs": lambda W: (W * 512, 1024, W * 256),
+    "ag_gemm": lambda W: (W * 256, 1024, 512),
+    "gemm_ar": lambda W: (640, 1024, W * 256),
+}
+
+
+def inputs(op: str, W: int, rank: int, seed: int):
+    """All ranks' inputs in the emulated convention (leading rank dim) and rank's own shards."""
+    m, n, k = SHAPES[op](W)
+    g = torch.Generator().manual_seed(seed)
+    if op == "ag_gemm":
+        a = torch.randn(W, m // W, k, generator=g)
+        b = torch.randn(1, k, n, generator=g).expand(W, k, n)
+    else:
+        a = torch.randn(W, m, k // W, generator=g)
+        b = torch.randn(W, k // W, n, generator=g)
+    a, b = a.bfloat16(), b.bfloat16().contiguous()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return a, b, a[rank].to(dev).contiguous(), b[rank].to(dev).contiguous()
+
+
+def reference(op: str, a, b, W: int, rank: int) -> torch.Tensor:
+    emu = mkernel.World.emulated(W)
+    return getattr(mkernel.reference, op)(a, b, world=emu)[rank]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="gemm_rs")
+    p.add_argument("--loop", type=int, default=100)
+    p.add_argument("--sms", type=int, default=None, help="SMs per rank (processes sharing a GPU)")
+    p.add_argument("--device", type=int, default=None, help="GPU index (default: local rank)")
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(args.device if args.device is not None else local % torch.cuda.device_count())
+    backend = "gloo" if torch.cuda.device_count() < int(os.environ["WORLD_SIZE"]) else "nccl"
+    dist.init_process_group(backend)
+    world = mkernel.World.from_process_group(timeout_s=5.0)
+    W, rank = world.size, world.rank
+    failures = 0
+
+    def report(name: str, ok: bool, detail: str = "") -> None:
+        nonlocal failures
+        flags = torch.tensor([0 if ok else 1], device="cpu" if backend == "gloo" else "cuda")
+        dist.all_reduce(flags)
+        bad = int(flags.item())
+        failures += bad > 0
+        if rank == 0:
+            print(f"{'PASS' if bad == 0 else 'FAIL'} W={W} {name} {detail}", flush=True)
+
+    for op in args.ops.split(","):
+        fn = getattr(mkernel, op)
+        for overlap in ("intra_sm", "inter_sm"):
+            sched = mkernel.Schedule(overlap=overlap, sms=args.sms)
+            a, b, la, lb = inputs(op, W, rank, seed=1)
+            ref = reference(op, a, b, W, rank)
+            try:
+                out = fn(la, lb, world=world, schedule=sched)
+                assert_close_bf16(out.cpu(), ref, op)
+                report(f"{op} {overlap} correct", True)
+            except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
+                report(f"{op} {overlap} correct", False, repr(e)[:300])
+                continue
+            world.sync_checks = False
+            t0 = time.perf_counter()
+            for _ in range(args.loop):
+                out = fn(la, lb, world=world, schedule=sched)
+            try:
+                world.check()
+                assert_close_bf16(out.cpu(), ref, op)
+                ok, detail = True, f"{(time.perf_counter() - t0) / args.loop * 1e6:.0f} us/call"
+            except Exception as e:  # noqa: BLE001
+                ok, detail = False, repr(e)[:300]
+            world.sync_checks = True
+            report(f"{op} {overlap} loop x{args.loop}", ok, detail)
+            late = mkernel.Schedule(
+                overlap=overlap, sms=args.sms, faults=mkernel.Faults(delay_rank=W - 1, delay_us=300)
+            )
+            try:
+                out = fn(la, lb, world=world, schedule=late)
+                assert_close_bf16(out.cpu(), ref, op)
+                report(f"{op} {overlap} straggler rank {W - 1}", True)
+            except Exception as e:  # noqa: BLE001
+                report(f"{op} {overlap} straggler", False, repr(e)[:300])
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
