@@ -9,6 +9,8 @@ namespace py = pybind11;
 
 namespace mk {
 int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
+int launch_ag_gemm(const FusedLaunch&, cudaStream_t);
+int launch_gemm_ar(const FusedLaunch&, cudaStream_t);
 }
 
 #define FIELD(name) .def_readwrite(#name, &mk::FusedLaunch::name)
@@ -23,11 +25,23 @@ PYBIND11_MODULE(_mkernel_ext, m) {
       FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank) FIELD(delay_ns) FIELD(a) FIELD(b)
       FIELD(out) FIELD(a_rank_stride) FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N)
       FIELD(K) FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs) FIELD(rows_per_rank)
-      FIELD(tiles_per_rank) FIELD(chunk_rows);
+      FIELD(tiles_per_rank) FIELD(chunk_rows) FIELD(work_local) FIELD(aux_ptr);
   m.def(
       "launch_gemm_rs",
       [](const mk::FusedLaunch& L, uintptr_t stream) {
         return mk::launch_gemm_rs(L, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("launch"), py::arg("stream"));
+  m.def(
+      "launch_ag_gemm",
+      [](const mk::FusedLaunch& L, uintptr_t stream) {
+        return mk::launch_ag_gemm(L, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("launch"), py::arg("stream"));
+  m.def(
+      "launch_gemm_ar",
+      [](const mk::FusedLaunch& L, uintptr_t stream) {
+        return mk::launch_gemm_ar(L, reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("launch"), py::arg("stream"));
 }

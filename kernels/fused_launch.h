@@ -31,6 +31,11 @@ struct FusedLaunch {
   int rows_per_rank = 0;    // M / W of the op
   int tiles_per_rank = 0;   // tiles owned by one rank (gemm_rs / gemm_ar) or chunks per rank (ag_gemm)
   int chunk_rows = 0;       // ag_gemm
+  // added for ag_gemm / gemm_ar (device code reads only what its op sets)
+  uint64_t work_local = 0;  // host-known address of the first served rank's data workspace
+                            // (ag_gemm: its gather buffer, the engine's A; + r*M*K per rank)
+  uint64_t aux_ptr = 0;     // op's extra device table (ag_gemm: int32 [W*C] consumers per chunk;
+                            // gemm_ar: [W] result addresses in a distributed world, else 0)
 };
 
 }  // namespace mk

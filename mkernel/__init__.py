@@ -1,12 +1,14 @@
 """mkernel: multi-GPU kernels that fuse communication with computation.
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
-(``gemm_rs``), their unfused references (``mkernel.reference``), ``CommTimeout`` and the CPU
-interpreter's errors.
+(``gemm_rs``, ``ag_gemm``, ``gemm_ar``), their unfused references (``mkernel.reference``),
+``CommTimeout`` and the CPU interpreter's errors.
 """
 
 from . import reference
 from .errors import CommTimeout, DeadlockError, PlanError, RaceError, TileWriteError
+from .ops.ag_gemm import ag_gemm
+from .ops.gemm_ar import gemm_ar
 from .ops.gemm_rs import gemm_rs
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
 from .world import World
@@ -19,6 +21,8 @@ __all__ = [
     "Tile",
     "TILE_CONFIGS",
     "gemm_rs",
+    "ag_gemm",
+    "gemm_ar",
     "reference",
     "CommTimeout",
     "DeadlockError",

@@ -3,6 +3,8 @@ distributed: local tensors, gathered with torch.distributed). fp32 math, bf16 re
 
 from __future__ import annotations
 
+from .ops.ag_gemm import reference as ag_gemm
+from .ops.gemm_ar import reference as gemm_ar
 from .ops.gemm_rs import reference as gemm_rs
 
-__all__ = ["gemm_rs"]
+__all__ = ["gemm_rs", "ag_gemm", "gemm_ar"]

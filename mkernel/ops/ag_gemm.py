@@ -25,14 +25,25 @@ resets both its ready flag and its counter, so every pad is back to zero when th
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import CommTimeout
 from ..interp import twins
-from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, apply_order, grid_tiles, pick_tile
-from ..schedule import split_units
+from ..schedule import (
+    TILE_CONFIGS,
+    Plan,
+    Schedule,
+    Tile,
+    apply_order,
+    grid_tiles,
+    pick_tile,
+    split_units,
+)
 from ..world import World
 from . import common
+from .gemm_rs import _per_rank
 
 CHUNK_READY = 2  # WaitSite::signal id (common.SIGNAL_NAMES)
 
@@ -129,7 +140,7 @@ def ag_gemm(
     _check_faults(schedule, world)
     m = ms * world.size
     out = common.check_out(out, world, (m, n))
-    plan = make_plan(schedule, world, m, n, k)
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=k)
     if world.on_gpu:
         return _run_gpu(world, plan, a, b, out)
     return _run_cpu(world, plan, a, b, schedule, out)
@@ -155,32 +166,11 @@ def _workspace(world: World, plan: Plan):
 # -- GPU ----------------------------------------------------------------------------------------
 
 
-def device_tables(world: World, plan: Plan, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The plan's device tables (and the op's ``extra`` int tables), cached on the world by content.
-
-    NOTE: ``Plan.device_tables`` copies CPU tables to the device on every call (a new plan per
-    call); a host-to-device copy is not allowed while a CUDA graph is being captured. Caching by
-    content makes every call after the first copy nothing, so a warmed-up call can be captured.
-    Entries are never evicted: a captured graph keeps their addresses.
-    """
-    cache = world.__dict__.setdefault("_table_cache", {})
-    host = {"tiles": plan.tile_table(), "compute_order": plan.compute_order,
-            "comm_tasks": plan.comm_tasks, **extra}  # fmt: skip
-    out = {}
-    for name, t in host.items():
-        t = t.contiguous()
-        key = (name, t.dtype, tuple(t.shape), t.numpy().tobytes())
-        if key not in cache:
-            cache[key] = t.to(world.device)
-        out[name] = cache[key]
-    plan._device_tables = {k: out[k] for k in ("tiles", "compute_order", "comm_tasks")}
-    return out
-
-
 def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     gather, ready, consumed, barrier = _workspace(world, plan)
     m, n, k = plan.shapes["m"], plan.shapes["n"], plan.shapes["k"]
-    tables = device_tables(world, plan, consumers=plan.extra["consumers"])
+    if "consumers_dev" not in plan.extra:  # copied once: the plan is cached on the world
+        plan.extra["consumers_dev"] = plan.extra["consumers"].to(world.device)
     L = common.fill_launch(world, plan)
     per_rank = world.emulated_world
     L.a, L.b, L.out = a.data_ptr(), b.data_ptr(), out.data_ptr()
@@ -191,7 +181,7 @@ def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     L.work_ptrs, L.flag_ptrs = gather.peer_ptrs.data_ptr(), ready.peer_ptrs.data_ptr()
     L.flag2_ptrs, L.barrier_ptrs = consumed.peer_ptrs.data_ptr(), barrier.peer_ptrs.data_ptr()
     L.work_local = gather.local.data_ptr()  # the engine's A (first served rank; + r*M*K per rank)
-    L.aux_ptr = tables["consumers"].data_ptr()
+    L.aux_ptr = plan.extra["consumers_dev"].data_ptr()
     L.rows_per_rank, L.tiles_per_rank = plan.extra["rows_per_rank"], plan.extra["chunks"]
     L.chunk_rows = plan.extra["chunk_rows"]
     common.launch_and_check(world, common.extension().launch_ag_gemm, L, common.SIGNAL_NAMES)
@@ -208,29 +198,30 @@ def compute_program(plan: Plan):
 
     def run(ctx, task):
         t: Tile = plan.tiles[task]
+        me = ctx.rank
         chunks = range(t.tag, _chunk_of(t.m0 + t.rows - 1, ms, cr, C) + 1)
         # before_load: wait for every chunk the tile's rows overlap.
         for g in chunks:
-            yield from twins.wait_acquire(ctx, ctx.sig("chunk_ready", ctx.rank, g), 1, g // C)
+            yield from twins.wait_acquire(ctx, ctx.sig("chunk_ready", me, g), 1, g // C)
         # Count ourselves as a consumer; the last one resets the chunk's flag and counter. The add
         # and the read of the old value happen in one step (the device's atomicAdd).
         for g in chunks:
-            n_now = int(ctx.m.pads["consumed"][ctx.rank][g]) + 1
-            yield from twins.signal_add_release(ctx, ctx.sig("consumed", ctx.rank, g))
+            n_now = int(ctx.m.pads["consumed"][me][g]) + 1
+            yield from twins.signal_add_release(ctx, ctx.sig("consumed", me, g))
             if n_now == consumers[g]:
-                yield from twins.wait_acquire_reset(ctx, ctx.sig("consumed", ctx.rank, g), n_now, ctx.rank)
-                yield from twins.wait_acquire_reset(ctx, ctx.sig("chunk_ready", ctx.rank, g), 1, g // C)
-        a = yield from twins.tile_load(ctx, "gather", ctx.rank, (t.m0, t.rows, 0, k))
-        b = yield from twins.tile_load(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
-        rect = (t.m0, t.rows, t.n0, t.cols)
-        yield from twins.output_store(ctx, "out", ctx.rank, rect, (a.float() @ b.float()).bfloat16(), task)
+                yield from twins.wait_acquire_reset(ctx, ctx.sig("consumed", me, g), n_now, me)
+                yield from twins.wait_acquire_reset(ctx, ctx.sig("chunk_ready", me, g), 1, g // C)
+        a = yield from twins.tile_load(ctx, "gather", me, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load(ctx, "b", me, (0, k, t.n0, t.cols))
+        c = (a.float() @ b.float()).bfloat16()
+        yield from twins.output_store(ctx, "out", me, (t.m0, t.rows, t.n0, t.cols), c, task)
 
     return run
 
 
 def comm_program(plan: Plan):
-    W, ms, cr, C = plan.world_size, plan.extra["rows_per_rank"], plan.extra["chunk_rows"], plan.extra["chunks"]
-    k = plan.shapes["k"]
+    W, ms, k = plan.world_size, plan.extra["rows_per_rank"], plan.shapes["k"]
+    cr, C = plan.extra["chunk_rows"], plan.extra["chunks"]
     f = plan.faults
 
     def run(ctx, g):
@@ -253,11 +244,9 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     buffers = {"a": a, "b": b, "gather": gather.local, "out": out}
     pads = {"chunk_ready": ready.local, "consumed": consumed.local, "barrier": barrier.local}
     expected = {r: list(range(len(plan.tiles))) for r in range(world.size)}
+    programs = compute_program(plan), comm_program(plan)
     try:
-        common.run_interpreter(
-            world, plan, pads, buffers, compute_program(plan), comm_program(plan), schedule.seed,
-            expected,
-        )
+        common.run_interpreter(world, plan, pads, buffers, *programs, schedule.seed, expected)
     except CommTimeout:
         world.reset()  # as on the GPU: a failed call leaves pads dirty; the next call starts clean
         raise
@@ -265,18 +254,8 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
-    """The unfused reference in the op's conventions: gather the shards, fp32 GEMM per rank, bf16."""
+    """The unfused reference in the op's conventions: gather shards, fp32 GEMM per rank, bf16."""
     full_a = torch.cat(_per_rank(a, world)).float()
     if world.emulated_world:
         return torch.stack([full_a @ b[r].float() for r in range(world.size)]).bfloat16()
     return (full_a @ b.float()).bfloat16()
-
-
-def _per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
-    if world.emulated_world:
-        return list(x.unbind(0))
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(world.size)]
-    dist.all_gather(parts, x.contiguous(), group=world.group)
-    return parts

@@ -9,10 +9,10 @@ t % W. Every rank computes every tile of its partial product (all ranks in the s
 so a tile's W contributions arrive close together, while consecutive tiles go to different owners);
 the epilogue reduce-adds the fp32 tile into the owner's accumulator and raises
 ``tile_flag[t][me]`` there. The owner's comm role waits for all W flags of t (consuming them),
-converts the accumulator tile to bf16, writes it into EVERY rank's result (its own first), zeroes the
-accumulator tile for the next call and raises ``tile_ready[t]`` on every peer. Each rank's comm role
-then waits for ``tile_ready`` of every tile it does not own, so no kernel exits before its whole
-result has landed.
+converts the accumulator tile to bf16, writes it into EVERY rank's result (its own first), zeroes
+the accumulator tile for the next call and raises ``tile_ready[t]`` on every peer. Each rank's comm
+role then waits for ``tile_ready`` of every tile it does not own, so no kernel exits before its
+whole result has landed.
 
     W = 2, tiles t0 t1 t2 t3 (owners 0 1 0 1)
     compute, both ranks: t0 t1 t2 t3  -- red.add --> acc[owner] ; tile_flag[t][me] on the owner
@@ -25,6 +25,8 @@ the kernel (one extra [M, N] device copy per call); an emulated world writes ``o
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import CommTimeout
@@ -32,7 +34,7 @@ from ..interp import twins
 from ..schedule import TILE_CONFIGS, Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units
 from ..world import World
 from . import common
-from .ag_gemm import device_tables
+from .gemm_rs import _per_rank
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
@@ -101,13 +103,13 @@ def gemm_ar(
     m, kl = common.check_operand("a", a, world, 2, "[M, K/W]")
     kb, n = common.check_operand("b", b, world, 2, "[K/W, N]")
     if kb != kl:
-        raise ValueError(f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs")
+        raise ValueError(f"a is [M, K/W] = [{m}, {kl}], b is [K/W, N] = [{kb}, {n}]: K/W differs")
     common.check_divides("M (rows of a)", m, 1, "at least one row")
     common.check_divides("K/W (columns of a)", kl, common.ALIGN, "16-byte rows")
     common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
     _check_faults(schedule, world)
     out = common.check_out(out, world, (m, n))
-    plan = make_plan(schedule, world, m, n, kl * world.size)
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=kl * world.size)
     if world.on_gpu:
         return _run_gpu(world, plan, a, b, out)
     return _run_cpu(world, plan, a, b, schedule, out)
@@ -136,7 +138,6 @@ def _workspace(world: World, plan: Plan):
 def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     acc, flags, ready, barrier = _workspace(world, plan)
     m, n = plan.shapes["m"], plan.shapes["n"]
-    device_tables(world, plan)  # cached: no host-to-device copy once warmed up (graph capture)
     L = common.fill_launch(world, plan)
     per_rank = world.emulated_world
     L.a, L.b = a.data_ptr(), b.data_ptr()
@@ -214,11 +215,9 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     buffers = {"a": a, "b": b, "acc": acc.local, "out": out}
     pads = {"tile_flag": flags.local, "tile_ready": ready.local, "barrier": barrier.local}
     expected = {r: list(range(len(plan.tiles))) for r in range(world.size)}
+    programs = compute_program(plan), comm_program(plan)
     try:
-        common.run_interpreter(
-            world, plan, pads, buffers, compute_program(plan), comm_program(plan), schedule.seed,
-            expected,
-        )
+        common.run_interpreter(world, plan, pads, buffers, *programs, schedule.seed, expected)
     except CommTimeout:
         world.reset()  # as on the GPU: a failed call leaves pads dirty; the next call starts clean
         raise
@@ -226,19 +225,9 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
-    """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, bf16 on every rank."""
+    """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, bf16 everywhere."""
     parts = _per_rank(a, world), _per_rank(b, world)
-    full = sum(x.float() @ y.float() for x, y in zip(*parts)).bfloat16()
+    full = sum(x.float() @ y.float() for x, y in zip(*parts, strict=True)).bfloat16()
     if world.emulated_world:
         return full.expand(world.size, *full.shape).contiguous()
     return full
-
-
-def _per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
-    if world.emulated_world:
-        return list(x.unbind(0))
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(world.size)]
-    dist.all_gather(parts, x.contiguous(), group=world.group)
-    return parts

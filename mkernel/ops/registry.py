@@ -6,9 +6,9 @@ from types import ModuleType
 
 
 def get(op: str) -> ModuleType:
-    from . import gemm_rs
+    from . import ag_gemm, gemm_ar, gemm_rs
 
-    ops = {"gemm_rs": gemm_rs}
+    ops = {"gemm_rs": gemm_rs, "ag_gemm": ag_gemm, "gemm_ar": gemm_ar}
     if op not in ops:
         raise ValueError(f"unknown op {op!r}; known: {sorted(ops)}")
     return ops[op]
