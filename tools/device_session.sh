@@ -8,6 +8,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .mkcache && chmod 700 .mkcache
 if [ -f .carry/mkcache.tgz ]; then tar xzf .carry/mkcache.tgz && chmod -R go-w .mkcache; fi
+# Run from a snapshot of committed work when one was packed (git archive HEAD > .carry/snapshot.tar):
+# other engineers' uncommitted edits in the working tree then cannot break the build.
+if [ -f .carry/snapshot.tar ]; then
+  rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xf .carry/snapshot.tar -C /tmp/snap
+  cd /tmp/snap && export PYTHONPATH=/tmp/snap
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 summary=()
 i=0
@@ -20,6 +26,6 @@ for cmd in "$@"; do
   tail -n 25 "$OUT/step$i.log"
   summary+=("step $i rc=$rc $(($(date +%s) - t0))s: $cmd")
 done
-tar czf "$OUT/mkcache.tgz" .mkcache 2>/dev/null
+(cd "$(dirname "$MKERNEL_CACHE_DIR")" && tar czf "$OUT/mkcache.tgz" .mkcache 2>/dev/null)
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
