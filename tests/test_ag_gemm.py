@@ -34,7 +34,7 @@ def _pads_zero(world):
         assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     W=st.integers(1, 8),
     ms=st.integers(1, 160),
