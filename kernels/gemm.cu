@@ -1,0 +1,166 @@
+// gemm.cu: the plain local GEMM op, a persistent kernel that drives mk::gemm::Engine.
+//
+//   grid = min(#SMs, #tiles) CTAs, one per SM; CTA b owns list positions b, b+grid, b+2*grid, ...
+//   threads: warpgroup 0 = producer (warp 0 runs Engine::run; warps 1..3 idle), warpgroups 1.. =
+//   consumers.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../primitives/gemm/config.cuh"
+#include "../primitives/gemm/engine.cuh"
+#include "../primitives/host/tensor_map.h"
+#include "gemm_args.h"
+
+namespace {
+
+using namespace mk::gemm;
+
+template <class Cfg>
+struct GemmKernelParams {
+  typename Engine<Cfg>::Params engine;
+  void* c;
+  long ldc;
+  int kind;
+  const int32_t* order;  // [tiles] or nullptr
+  int tiles_n, total;
+};
+
+// Hooks of the plain GEMM: a static task list, no waits, no signals.
+template <class Cfg>
+struct GemmHooks {
+  const GemmKernelParams<Cfg>& p;
+  static constexpr bool kDeferAfterStore = true;
+
+  __device__ __forceinline__ int num_tasks() const {
+    const int b = blockIdx.x, g = gridDim.x;
+    return b < p.total ? (p.total - b + g - 1) / g : 0;
+  }
+  __device__ __forceinline__ TileTask task(int i) const {
+    const int pos = blockIdx.x + i * gridDim.x;
+    const int id = p.order != nullptr ? __ldg(p.order + pos) : pos;
+    const int tm = id / p.tiles_n, tn = id - tm * p.tiles_n;
+    TileTask t;
+    t.m0 = tm * Cfg::BM;
+    t.n0 = tn * Cfg::BN;
+    t.rows = min(Cfg::BM, p.engine.M - t.m0);
+    t.cols = min(Cfg::BN, p.engine.N - t.n0);
+    return t;
+  }
+  __device__ __forceinline__ void before_load(int) const {}
+  __device__ __forceinline__ Dest dest(int i) const {
+    const TileTask t = task(i);
+    const long esize = p.kind == kStoreBF16 ? 2 : 4;
+    Dest d;
+    d.ptr = static_cast<char*>(p.c) + ((long)t.m0 * p.ldc + t.n0) * esize;
+    d.ld = p.ldc;
+    d.kind = p.kind;
+    return d;
+  }
+  __device__ __forceinline__ void after_store(int) const {}
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    gemm_kernel(const __grid_constant__ GemmKernelParams<Cfg> p) {
+  extern __shared__ __align__(1024) char smem[];
+  using E = Engine<Cfg>;
+  GemmHooks<Cfg> hooks{p};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<E::kProducerRegs>();
+    if (threadIdx.x < 32) E::run(p.engine, smem, hooks);
+  } else {
+    setmaxnreg_inc<E::kConsumerRegs>();
+    E::run(p.engine, smem, hooks);
+  }
+}
+
+int num_sms_of_current_device() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+  return n;
+}
+
+template <class Cfg>
+int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
+  GemmKernelParams<Cfg> p{};
+  int e = mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.M, a.K, a.K, Cfg::BM, 64, 128);
+  if (e != mk::host::kTensorMapOk) return kGemmTensorMap;
+  e = mk::host::make_tensor_map_bf16_2d(&p.engine.b, a.b, a.K, a.N, a.N, 64, 64, 128);
+  if (e != mk::host::kTensorMapOk) return kGemmTensorMap;
+  p.engine.M = a.M;
+  p.engine.N = a.N;
+  p.engine.K = a.K;
+  p.c = a.c;
+  p.ldc = a.ldc > 0 ? a.ldc : a.N;
+  p.kind = a.out_kind;
+  p.order = a.tile_order;
+  const int tiles_m = (a.M + Cfg::BM - 1) / Cfg::BM;
+  p.tiles_n = (a.N + Cfg::BN - 1) / Cfg::BN;
+  p.total = tiles_m * p.tiles_n;
+  const int grid = p.total < num_sms ? p.total : num_sms;
+
+  auto* kernel = gemm_kernel<Cfg>;
+  static bool attr_set = false;  // NOTE: per process; fine for one device kind
+  if (!attr_set) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Cfg::kSmemBytes) != cudaSuccess)
+      return kGemmLaunchFailed;
+    attr_set = true;
+  }
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return cudaGetLastError() == cudaSuccess ? kGemmOk : kGemmLaunchFailed;
+}
+
+}  // namespace
+
+const char* gemm_status_string(int s) {
+  switch (s) {
+    case kGemmOk: return "ok";
+    case kGemmBadShape: return "M, N and K must be >= 1";
+    case kGemmBadAlignment: return "N and K must be multiples of 8 (16-byte TMA strides)";
+    case kGemmBadPointer: return "a, b, c must be non-null and a, b 16-byte aligned";
+    case kGemmBadConfig: return "unknown GEMM config id";
+    case kGemmBadKind: return "out_kind must be 0 (bf16), 1 (fp32 reduce-add) or 2 (fp32)";
+    case kGemmBadLdc: return "ldc must be >= N";
+    case kGemmTensorMap: return "could not encode a TMA tensor map (cuTensorMapEncodeTiled)";
+    case kGemmLaunchFailed: return "CUDA launch failed";
+    default: return "unknown status";
+  }
+}
+
+int gemm_pick_config(int M, int N, int K, int num_sms) {
+  return mk::gemm::pick_config(M, N, K, num_sms);
+}
+
+int gemm_tile_order(int M, int N, int config, int num_sms, int32_t* out, int capacity) {
+  return mk::gemm::make_tile_order(M, N, config, num_sms, out, capacity);
+}
+
+int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
+  if (a.M < 1 || a.N < 1 || a.K < 1) return kGemmBadShape;
+  if (a.N % 8 != 0 || a.K % 8 != 0) return kGemmBadAlignment;
+  if (a.a == nullptr || a.b == nullptr || a.c == nullptr ||
+      (reinterpret_cast<uintptr_t>(a.a) & 15) || (reinterpret_cast<uintptr_t>(a.b) & 15))
+    return kGemmBadPointer;
+  if (a.out_kind < 0 || a.out_kind > 2) return kGemmBadKind;
+  if (a.ldc != 0 && a.ldc < a.N) return kGemmBadLdc;
+  const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
+  if (num_sms < 1) return kGemmLaunchFailed;
+  const int cfg = a.config >= 0 ? a.config : mk::gemm::pick_config(a.M, a.N, a.K, num_sms);
+  switch (cfg) {
+    case Tile128x256x64::kId: return launch<Tile128x256x64>(a, stream, num_sms);
+    case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
+    case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);
+#ifdef MK_GEMM_EXPERIMENTS
+    case Exp3StageOnePass::kId: return launch<Exp3StageOnePass>(a, stream, num_sms);
+    case ExpDirectEpi::kId: return launch<ExpDirectEpi>(a, stream, num_sms);
+    case ExpSkipEpi::kId: return launch<ExpSkipEpi>(a, stream, num_sms);
+    case ExpFourPass::kId: return launch<ExpFourPass>(a, stream, num_sms);
+    case ExpNoOverlap::kId: return launch<ExpNoOverlap>(a, stream, num_sms);
+#endif
+    default: return kGemmBadConfig;
+  }
+}

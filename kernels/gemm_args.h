@@ -1,0 +1,46 @@
+// gemm_args.h: the plain local GEMM op's launcher interface (raw pointers and ints, no torch).
+//
+//   C = A @ B      A [M, K] bf16 row-major, B [K, N] bf16 row-major,
+//                  C [M, ldc] row-major: bf16 (out_kind 0), fp32 (out_kind 1: C += A@B atomically,
+//                  out_kind 2: C = A@B in fp32).
+// One persistent launch: grid = min(num_sms, tiles), one CTA per SM; CTA b computes tiles
+// tile_order[b], tile_order[b + grid], ... (tile id = tm * tiles_n + tn over the config's tile grid).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+struct GemmArgs {
+  const void* a = nullptr;             // [M, K] bf16, 16-byte aligned
+  const void* b = nullptr;             // [K, N] bf16, 16-byte aligned
+  void* c = nullptr;                   // [M, ldc] bf16 or fp32 (see out_kind)
+  int M = 0, N = 0, K = 0;             // N % 8 == 0, K % 8 == 0
+  int config = -1;                     // mk::gemm config id; -1: gemm_pick_config
+  const int32_t* tile_order = nullptr; // device int32[tiles], or nullptr for row-major order
+  long ldc = 0;                        // row pitch of C in elements; 0 means N
+  int out_kind = 0;                    // 0 store bf16, 1 reduce-add fp32, 2 store fp32
+  int num_sms = 0;                     // 0: the device's multiprocessor count
+};
+
+enum GemmStatus : int {
+  kGemmOk = 0,
+  kGemmBadShape = 1,       // M, N or K < 1
+  kGemmBadAlignment = 2,   // N % 8 != 0 or K % 8 != 0 (TMA needs 16-byte row strides)
+  kGemmBadPointer = 3,     // a, b or c null, or a / b not 16-byte aligned
+  kGemmBadConfig = 4,      // config id unknown
+  kGemmBadKind = 5,        // out_kind not in 0..2
+  kGemmBadLdc = 6,         // ldc < N
+  kGemmTensorMap = 7,      // cuTensorMapEncodeTiled unavailable or failed
+  kGemmLaunchFailed = 8,   // a CUDA runtime error at launch (see cudaGetLastError)
+};
+
+const char* gemm_status_string(int status);
+
+// Launches C = A @ B on `stream`; returns a GemmStatus. Nothing is launched unless kGemmOk.
+int launch_gemm(const GemmArgs& args, cudaStream_t stream);
+
+// The config heuristic (mk::gemm::pick_config) and the host-built grouped tile order.
+int gemm_pick_config(int M, int N, int K, int num_sms);
+// Writes the tile order into out[0..tiles) and returns tiles; with out == nullptr returns tiles only;
+// returns -1 for an unknown config or a too small capacity.
+int gemm_tile_order(int M, int N, int config, int num_sms, int32_t* out, int capacity);

@@ -1,0 +1,75 @@
+// gemm_binding.cpp: pybind11 registration of the plain GEMM launcher (no torch headers).
+// kernels/binding.cpp (the package's module) calls register_gemm(m); the dev harness does too.
+//
+// Python view:
+//   args = GemmArgs(); args.a = A.data_ptr(); args.b = B.data_ptr(); args.c = C.data_ptr()
+//   args.M, args.N, args.K = M, N, K; args.config = gemm_pick_config(M, N, K, sms)
+//   status = launch_gemm(args, torch.cuda.current_stream().cuda_stream)   # 0 = ok
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../primitives/gemm/config.cuh"
+#include "gemm_args.h"
+
+namespace py = pybind11;
+
+void register_gemm(py::module_& m) {
+  py::class_<GemmArgs>(m, "GemmArgs", "Arguments of launch_gemm (pointers as integer addresses).")
+      .def(py::init<>())
+      .def_property(
+          "a", [](const GemmArgs& g) { return reinterpret_cast<uintptr_t>(g.a); },
+          [](GemmArgs& g, uintptr_t v) { g.a = reinterpret_cast<const void*>(v); })
+      .def_property(
+          "b", [](const GemmArgs& g) { return reinterpret_cast<uintptr_t>(g.b); },
+          [](GemmArgs& g, uintptr_t v) { g.b = reinterpret_cast<const void*>(v); })
+      .def_property(
+          "c", [](const GemmArgs& g) { return reinterpret_cast<uintptr_t>(g.c); },
+          [](GemmArgs& g, uintptr_t v) { g.c = reinterpret_cast<void*>(v); })
+      .def_property(
+          "tile_order", [](const GemmArgs& g) { return reinterpret_cast<uintptr_t>(g.tile_order); },
+          [](GemmArgs& g, uintptr_t v) { g.tile_order = reinterpret_cast<const int32_t*>(v); })
+      .def_readwrite("M", &GemmArgs::M)
+      .def_readwrite("N", &GemmArgs::N)
+      .def_readwrite("K", &GemmArgs::K)
+      .def_readwrite("config", &GemmArgs::config)
+      .def_readwrite("ldc", &GemmArgs::ldc)
+      .def_readwrite("out_kind", &GemmArgs::out_kind)
+      .def_readwrite("num_sms", &GemmArgs::num_sms);
+
+  m.def(
+      "launch_gemm",
+      [](const GemmArgs& a, uintptr_t stream) {
+        return launch_gemm(a, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("args"), py::arg("stream"),
+      "C = A @ B on the given CUDA stream handle; returns a GemmStatus (0 = ok).");
+  m.def("gemm_status_string", &gemm_status_string, py::arg("status"));
+  m.def("gemm_pick_config", &gemm_pick_config, py::arg("M"), py::arg("N"), py::arg("K"),
+        py::arg("num_sms"), "Config id the heuristic picks for an M x N x K GEMM.");
+  m.def(
+      "gemm_tile_order",
+      [](int M, int N, int config, int num_sms) {
+        const int n = gemm_tile_order(M, N, config, num_sms, nullptr, 0);
+        if (n < 0) throw py::value_error("gemm_tile_order: unknown config");
+        std::vector<int32_t> v(n);
+        gemm_tile_order(M, N, config, num_sms, v.data(), n);
+        return v;
+      },
+      py::arg("M"), py::arg("N"), py::arg("config"), py::arg("num_sms"),
+      "Grouped (L2-friendly) tile order: tile ids tm * tiles_n + tn.");
+  m.def(
+      "gemm_config_info",
+      [](int id) {
+        mk::gemm::ConfigInfo c = mk::gemm::config_info(id);
+        if (c.id < 0) throw py::value_error("gemm_config_info: unknown config");
+        py::dict d;
+        d["id"] = c.id; d["BM"] = c.bm; d["BN"] = c.bn; d["BK"] = c.bk; d["stages"] = c.stages;
+        d["consumers"] = c.consumers; d["threads"] = c.threads; d["smem_bytes"] = c.smem_bytes;
+        return d;
+      },
+      py::arg("config"));
+  m.attr("gemm_num_configs") = mk::gemm::kNumConfigs;
+}

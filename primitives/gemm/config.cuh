@@ -1,0 +1,167 @@
+// config.cuh: named tile configurations of the GEMM engine, the shared-memory map they imply, the
+// config heuristic and the host-side tile order (L2-friendly grouped rasterisation).
+//
+// A config is a struct of named constants; the engine takes it as its only template argument.
+//   BM x BN x BK   tile of C computed per task, k-slice per pipeline stage (BK = 64: one 128-byte
+//                  swizzle span of bf16, so each stage is exactly what TMA writes with 128B swizzle)
+//   STAGES         depth of the TMA -> wgmma ring
+//   CONSUMERS      consumer warpgroups; each owns 64 rows of the tile (BM = 64 * CONSUMERS)
+//   EPI_COLS       columns per epilogue pass through the shared-memory staging tile
+//   EPI_OVERLAP    write the staged bf16 passes during the next task's first k-slices
+//   EPI_MODE       kEpiStaged (bf16 through staging + bulk copies, fp32 direct), kEpiDirect (all kinds
+//                  straight from registers), kEpiSkip (writes nothing: only for timing the epilogue)
+//   kProducerRegs / kConsumerRegs   setmaxnreg targets (the caller's template applies them)
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MK_HD __host__ __device__
+#else
+#define MK_HD
+#endif
+
+namespace mk::gemm {
+
+// Shared-memory map (bytes from the 1024-aligned base), derived from a config:
+//   [A stages: STAGES x BM x BK bf16][B stages: STAGES x BK x BN bf16]
+//   [epilogue staging: CONSUMERS x 64 rows x (EPI_COLS*2 + 16) bytes][full[STAGES], empty[STAGES]]
+// NOTE: staging rows are padded by 16 bytes so that stmatrix rows of 8 consecutive rows hit distinct
+// banks; the bulk copies read each padded row as one contiguous run.
+template <class Cfg>
+struct SmemMap {
+  static constexpr int kABytesPerStage = Cfg::BM * Cfg::BK * 2;           // [BM, BK] bf16
+  static constexpr int kBBytesPerStage = Cfg::BK * Cfg::BN * 2;           // [BK, BN] bf16
+  static constexpr int kBChunkBytes = Cfg::BK * 128;                      // [BK, 64] bf16 chunk
+  static constexpr int kStagingStride = Cfg::EPI_COLS * 2 + 16;           // bytes per staged row
+  static constexpr int kStagingBytesPerWG = 64 * kStagingStride;          // [64, EPI_COLS] bf16
+  static constexpr int kAOffset = 0;
+  static constexpr int kBOffset = kAOffset + Cfg::STAGES * kABytesPerStage;
+  static constexpr int kStagingOffset = kBOffset + Cfg::STAGES * kBBytesPerStage;
+  static constexpr int kBarOffset = kStagingOffset + Cfg::CONSUMERS * kStagingBytesPerWG;
+  static constexpr int kBytes = kBarOffset + 2 * Cfg::STAGES * 8;
+  static_assert(kABytesPerStage % 1024 == 0 && kBBytesPerStage % 1024 == 0, "1024-B stages");
+  static_assert(kStagingBytesPerWG % 16 == 0, "bulk copies need 16-byte aligned rows");
+};
+
+constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
+
+enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2 };
+
+template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
+          int EPI_MODE_ = kEpiStaged>
+struct TileConfig {
+  static constexpr int kId = ID_;
+  static constexpr int BM = BM_, BN = BN_, BK = 64;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int CONSUMERS = BM_ / 64;
+  static constexpr int EPI_COLS = BN_ < EPI_COLS_ ? BN_ : EPI_COLS_;
+  static constexpr int EPI_MODE = EPI_MODE_;
+  static constexpr bool EPI_OVERLAP = true;  // staged passes run during the next task's k-slices
+  static constexpr int kThreads = 128 * (1 + CONSUMERS);
+  static constexpr int kProducerRegs = REG_P;
+  static constexpr int kConsumerRegs = REG_C;
+  static constexpr int kSmemBytes = SmemMap<TileConfig>::kBytes;
+  static_assert(BM_ % 64 == 0 && BN_ % 64 == 0 && BN_ <= 256, "wgmma m64nNk16, N <= 256");
+  static_assert(kSmemBytes <= kMaxDynamicSmem, "shared memory over the sm_90 limit");
+  static_assert(128 * REG_P + 128 * CONSUMERS * REG_C <= 65536, "register file");
+};
+
+// 2 consumer warpgroups, each 64 x 256: the large-problem workhorse.
+using Tile128x256x64 = TileConfig<128, 256, 4, 0, 24, 240>;
+// 2 consumer warpgroups, each 64 x 128: more tiles for mid-size problems.
+using Tile128x128x64 = TileConfig<128, 128, 6, 1, 40, 232>;
+// 1 consumer warpgroup, 64 x 128: small M or few tiles.
+using Tile64x128x64 = TileConfig<64, 128, 8, 2, 40, 232>;
+
+constexpr int kNumConfigs = 3;
+
+#ifdef MK_GEMM_EXPERIMENTS
+// Dev-harness variants (ids >= 100), never picked by the heuristic.
+using Exp3StageOnePass = TileConfig<128, 256, 3, 100, 24, 240, 256>;
+using ExpDirectEpi = TileConfig<128, 256, 4, 101, 24, 240, 128, kEpiDirect>;
+using ExpSkipEpi = TileConfig<128, 256, 4, 102, 24, 240, 128, kEpiSkip>;
+using ExpFourPass = TileConfig<128, 256, 4, 103, 24, 240, 64>;
+struct ExpNoOverlap : Tile128x256x64 {
+  static constexpr int kId = 104;
+  static constexpr bool EPI_OVERLAP = false;
+};
+#endif
+
+struct ConfigInfo {
+  int id, bm, bn, bk, stages, consumers, threads, smem_bytes;
+};
+
+template <class Cfg>
+MK_HD constexpr ConfigInfo info_of() {
+  return {Cfg::kId, Cfg::BM, Cfg::BN, Cfg::BK, Cfg::STAGES, Cfg::CONSUMERS, Cfg::kThreads,
+          Cfg::kSmemBytes};
+}
+
+MK_HD inline ConfigInfo config_info(int id) {
+  switch (id) {
+    case 0: return info_of<Tile128x256x64>();
+    case 1: return info_of<Tile128x128x64>();
+    case 2: return info_of<Tile64x128x64>();
+#ifdef MK_GEMM_EXPERIMENTS
+    case 100: return info_of<Exp3StageOnePass>();
+    case 101: return info_of<ExpDirectEpi>();
+    case 102: return info_of<ExpSkipEpi>();
+    case 103: return info_of<ExpFourPass>();
+    case 104: return info_of<ExpNoOverlap>();
+#endif
+    default: return {-1, 0, 0, 0, 0, 0, 0, 0};
+  }
+}
+
+// Heuristic: persistent CTAs run ceil(tiles / SMs) waves, each as long as one tile, and a tile of
+// BM x BN takes BM*BN / rate time, where `rate` is the config's relative efficiency per SM (128x256
+// reads the least shared memory per FLOP). Pick the config with the smallest predicted time.
+// NOTE: rates 1.0 / 0.90 / 0.75 are estimates, not fitted; see docs/gemm_engine.md.
+MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
+  (void)K;
+  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f};
+  int best = 0;
+  float best_cost = 0.f;
+  for (int id = 0; id < kNumConfigs; ++id) {
+    ConfigInfo c = config_info(id);
+    long tiles = (long)((M + c.bm - 1) / c.bm) * ((N + c.bn - 1) / c.bn);
+    long waves = (tiles + num_sms - 1) / num_sms;
+    float cost = (float)waves * (float)(c.bm * c.bn) / rate[id];
+    if (id == 0 || cost < best_cost) {
+      best = id;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// Host: tile ids (row-major over the tile grid: id = tm * tiles_n + tn) in grouped order. Tiles go
+// down a group of `group_m` tile-rows, then to the next tile-column, so the ~num_sms tiles in flight
+// cover a near-square block of C and share A rows / B columns in L2. Columns snake (alternate
+// direction per group) so that consecutive groups start on B columns that are still in L2.
+inline int tile_order_group_m(int tiles_m, int bm, int bn, int num_sms) {
+  int g = 1;
+  while ((g + 1) * (g + 1) * bm <= num_sms * bn) ++g;  // g ~ sqrt(num_sms * bn / bm)
+  return g < tiles_m ? g : tiles_m;
+}
+
+inline int make_tile_order(int M, int N, int config_id, int num_sms, int32_t* out, int capacity) {
+  ConfigInfo c = config_info(config_id);
+  if (c.id < 0) return -1;
+  const int tiles_m = (M + c.bm - 1) / c.bm, tiles_n = (N + c.bn - 1) / c.bn;
+  const int total = tiles_m * tiles_n;
+  if (out == nullptr) return total;
+  if (capacity < total) return -1;
+  const int g = tile_order_group_m(tiles_m, c.bm, c.bn, num_sms);
+  int k = 0;
+  for (int m_base = 0, grp = 0; m_base < tiles_m; m_base += g, ++grp) {
+    const int rows = (tiles_m - m_base) < g ? (tiles_m - m_base) : g;
+    for (int jn = 0; jn < tiles_n; ++jn) {
+      const int tn = (grp & 1) ? (tiles_n - 1 - jn) : jn;
+      for (int im = 0; im < rows; ++im) out[k++] = (m_base + im) * tiles_n + tn;
+    }
+  }
+  return total;
+}
+
+}  // namespace mk::gemm

@@ -1,0 +1,236 @@
+// engine.cuh: the bf16 GEMM engine (sm_90a): TMA loads into an mbarrier ring, wgmma consumers,
+// warp-specialised and persistent over a task list that the caller's hooks describe.
+//
+//   warpgroup 0, warp 0, lane 0 (producer)          warpgroups 1..CONSUMERS (consumers)
+//   for task i:  hooks.before_load(i)               for task i:
+//     for k-slice: wait empty[s]                      for k-slice: wait full[s]; 4 x wgmma m64nBNk16
+//                  expect_tx(full[s]); TMA A, B                    commit; wait_group<1>;
+//                                                                  release empty[s-1]
+//                                                     wait_group<0>; release the last stage
+//                                                     [complete task i-1: after_store(i-1)]
+//                                                     epilogue of task i -> hooks.dest(i):
+//                                                       bf16: pack to registers; its staged passes
+//                                                       run after k-slices 0, 1 of task i+1
+//                                                       fp32 kinds: stored directly here
+//   The ring's stage index and phase run on across tasks, so the producer loads task i+1 while the
+//   consumers run task i's epilogue.
+//
+// Contract with the caller (the persistent template or a plain kernel):
+//   * run() is called by warp 0 of warpgroup 0 and by every thread of warpgroups 1..CONSUMERS; warps
+//     1..3 of warpgroup 0 are the caller's (they take part in nothing here).
+//   * The caller has already executed setmaxnreg: dec to kProducerRegs in warpgroup 0, inc to
+//     kConsumerRegs in the consumer warpgroups. Launch with __launch_bounds__(kThreads, 1).
+//   * smem: kSmemBytes of dynamic shared memory, 1024-byte aligned (declare
+//     `extern __shared__ __align__(1024) char smem[]`); run() traps if it is not.
+//   * params: must live in param / const / global memory (pass the __grid_constant__ kernel
+//     parameter by reference), because TMA reads the tensor maps from there.
+//   * Named barriers used: kBarInit, kBarConsumers, kBarWG0 .. kBarWG0 + CONSUMERS - 1 (8..11).
+//   * Hooks (all __device__): num_tasks(), task(i) -> TileTask, before_load(i) [producer lane],
+//     dest(i) -> Dest, after_store(i) [one consumer thread, once task i's writes are complete and
+//     visible at system scope]. Optional: `static constexpr bool kDeferAfterStore` (default true):
+//     when true, task i's completion (bulk wait + barrier + fence + after_store) is done at the start
+//     of task i+1's epilogue (or after the last task), so consumers never stall on write latency;
+//     when false it is done right after task i's epilogue.
+// Remainders: A rows >= M, B columns >= N and k >= K are zero-filled by TMA; stores are clipped to
+// TileTask::rows x cols. Requirements (checked by launchers): K % 8 == 0, N % 8 == 0.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "config.cuh"
+#include "epilogue.cuh"
+#include "mbarrier.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace mk::gemm {
+
+struct TileTask {
+  int m0, n0;      // origin of the tile in C (A rows m0.., B columns n0..)
+  int rows, cols;  // valid extent, <= BM, BN
+};
+
+template <class H, class = void>
+struct defer_after_store : std::true_type {};
+template <class H>
+struct defer_after_store<H, std::void_t<decltype(H::kDeferAfterStore)>>
+    : std::bool_constant<H::kDeferAfterStore> {};
+
+template <class Cfg>
+struct Engine {
+  using Map = SmemMap<Cfg>;
+  using Epi = WarpgroupEpilogue<Cfg::BN, Cfg::EPI_COLS>;
+  static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
+  static constexpr int CONSUMERS = Cfg::CONSUMERS;
+  static constexpr int kThreads = Cfg::kThreads;
+  static constexpr int kSmemBytes = Cfg::kSmemBytes;
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kProducerRegs = Cfg::kProducerRegs;
+  static constexpr int kConsumerRegs = Cfg::kConsumerRegs;
+  static constexpr int kBarInit = 8, kBarConsumers = 9, kBarWG0 = 10;
+  static constexpr int kAccRegs = BN / 2;
+  static constexpr uint32_t kStageTxBytes = (uint32_t)(Map::kABytesPerStage + Map::kBBytesPerStage);
+
+  struct Params {
+    CUtensorMap a, b;  // A [M,K] bf16 row-major, box {64, BM}; B [K,N] bf16 row-major, box {64, 64}
+    int M, N, K;
+  };
+
+  template <class Hooks>
+  __device__ static void run(const Params& p, char* smem, Hooks& hooks) {
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);  // [STAGES]
+    uint64_t* empty = full + STAGES;                                        // [STAGES]
+    if (threadIdx.x == 0) {
+      if (smem_u32(smem) % kSmemAlign != 0) __trap();
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(&full[s], 1);                  // producer's arrive_expect_tx
+        mbar_init(&empty[s], 4 * CONSUMERS);     // lane 0 of every consumer warp
+      }
+      mbar_fence_init();
+    }
+    named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
+    if (threadIdx.x < 128) {
+      if (threadIdx.x == 0) producer(p, smem, hooks, full, empty);
+    } else {
+      consumer(p, smem, hooks, full, empty);
+    }
+  }
+
+ private:
+  template <class Hooks>
+  __device__ static void producer(const Params& p, char* smem, Hooks& hooks, uint64_t* full,
+                                  uint64_t* empty) {
+    tma_prefetch_map(&p.a);
+    tma_prefetch_map(&p.b);
+    const int nk = (p.K + BK - 1) / BK;
+    PipeState<STAGES> ps;
+    const int ntasks = hooks.num_tasks();
+    for (int i = 0; i < ntasks; ++i) {
+      const TileTask t = hooks.task(i);
+      hooks.before_load(i);
+      for (int kb = 0; kb < nk; ++kb) {
+        mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
+        uint64_t* bar = &full[ps.stage];
+        mbar_arrive_expect_tx(bar, kStageTxBytes);
+        char* sa = smem + Map::kAOffset + ps.stage * Map::kABytesPerStage;  // [BM, 64] sw128
+        char* sb = smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
+        tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
+#pragma unroll
+        for (int c = 0; c < BN / 64; ++c)
+          tma_load_2d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK);
+        ps.advance();
+      }
+    }
+  }
+
+  // Task i's writes are complete and visible: tell the hooks (one thread).
+  template <class Hooks>
+  __device__ static void complete(Hooks& hooks, int i) {
+    if (threadIdx.x % 128 < 64) bulk_wait<0>();  // staged bulk copies fully landed
+    named_barrier_sync(kBarConsumers, 128 * CONSUMERS);
+    if (threadIdx.x == 128) {
+      __threadfence_system();
+      hooks.after_store(i);
+    }
+  }
+
+  template <class Hooks>
+  __device__ static void consumer(const Params& p, char* smem, Hooks& hooks, uint64_t* full,
+                                  uint64_t* empty) {
+    const int wg = threadIdx.x / 128 - 1;
+    const int lt = threadIdx.x % 128;
+    const int nk = (p.K + BK - 1) / BK;
+    constexpr bool kDefer = defer_after_store<Hooks>::value;
+    // This warpgroup's 64 rows of each A stage start 64 * 128 bytes further in.
+    const uint32_t a_base = smem_u32(smem + Map::kAOffset) + wg * 64 * 128;
+    const uint32_t b_base = smem_u32(smem + Map::kBOffset);
+    char* staging = smem + Map::kStagingOffset + wg * Map::kStagingBytesPerWG;
+
+    float acc[kAccRegs];
+#pragma unroll
+    for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
+    // Staged bf16 epilogue, overlapped: the finished tile is packed to bf16 registers and its staged
+    // passes are written during the NEXT task's first k-slices, while those wgmmas run.
+    uint32_t packed[Epi::kPacked];
+    int todo = 0;  // staged passes of the previous task still to write
+    Dest pd{};
+    int p_rows = 0, p_cols = 0;
+    auto next_pass = [&]() {
+      Epi::store_staged_pass_rt(Epi::kPasses - todo, packed, staging, pd, p_rows, p_cols,
+                                kBarWG0 + wg);
+      --todo;
+    };
+
+    PipeState<STAGES> ps;
+    int pending = -1;  // task whose completion (after_store) is deferred
+    const int ntasks = hooks.num_tasks();
+    for (int i = 0; i < ntasks; ++i) {
+      int prev_stage = 0;
+      for (int kb = 0; kb < nk; ++kb) {
+        mbar_wait(&full[ps.stage], ps.phase);
+        const uint64_t da = desc_k_major_sw128(a_base + ps.stage * Map::kABytesPerStage);
+        const uint64_t db =
+            desc_mn_major_sw128(b_base + ps.stage * Map::kBBytesPerStage, Map::kBChunkBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<BN>::mma(acc, desc_advance(da, kk * 32), desc_advance(db, kk * 16 * 128),
+                         (kb | kk) != 0 ? 1u : 0u);
+        wgmma_commit();
+        if (kb > 0) {
+          wgmma_wait<1>();  // the previous k-slice's MMAs are done reading their stage
+          if (lt % 32 == 0) mbar_arrive(&empty[prev_stage]);
+        }
+        if (todo > 0) next_pass();  // overlaps the wgmmas just issued
+        prev_stage = ps.stage;
+        ps.advance();
+      }
+      wgmma_wait<0>();
+      fence_operands(acc);
+      if (nk > 0 && lt % 32 == 0) mbar_arrive(&empty[prev_stage]);
+      if (nk == 0) {
+#pragma unroll
+        for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
+      }
+      while (todo > 0) next_pass();  // fewer k-slices than passes
+
+      // ---- epilogue of task i (the producer is already loading task i+1) ----
+      if (kDefer && pending >= 0) complete(hooks, pending);
+      const TileTask t = hooks.task(i);
+      Dest d = hooks.dest(i);
+      const int rows_wg = t.rows - 64 * wg;  // valid rows of this warpgroup's 64
+      const long esize = d.kind == kStoreBF16 ? 2 : 4;
+      d.ptr = static_cast<char*>(d.ptr) + (long)(64 * wg) * d.ld * esize;
+      if constexpr (Cfg::EPI_MODE == kEpiSkip) {
+        // timing only: keep the accumulators alive (so the MMAs stay), write nothing real
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < kAccRegs; ++r) sum += acc[r];
+        if (sum == 1.2345e-30f && rows_wg > 0) static_cast<float*>(d.ptr)[0] = sum;
+      } else if (Cfg::EPI_MODE == kEpiStaged && Epi::staged_ok(d, t.cols)) {
+        Epi::pack(acc, packed);
+        pd = d;
+        p_rows = rows_wg;
+        p_cols = t.cols;
+        todo = Epi::kPasses;
+        if (!kDefer || !Cfg::EPI_OVERLAP) {
+          while (todo > 0) next_pass();
+        }
+      } else if (rows_wg > 0) {
+        Epi::store_direct(acc, d, rows_wg, t.cols);
+      }
+      if (kDefer) {
+        pending = i;
+      } else {
+        complete(hooks, i);
+      }
+    }
+    while (todo > 0) next_pass();
+    if (kDefer && pending >= 0) complete(hooks, pending);
+  }
+};
+
+}  // namespace mk::gemm

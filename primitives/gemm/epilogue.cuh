@@ -1,0 +1,187 @@
+// epilogue.cuh: how a consumer warpgroup writes its 64 x BN fp32 accumulator tile to a destination.
+//
+// Destination kinds (Dest::kind):
+//   kStoreBF16   = 0: C[r][c] = bf16(acc)                 (element type bf16)
+//   kReduceF32   = 1: C[r][c] += acc, atomically (.sys)  (element type fp32; several GPUs may add)
+//   kStoreF32    = 2: C[r][c] = acc                      (element type fp32)
+// Dest::ptr is the address of the tile's element (0,0), Dest::ld the row pitch in ELEMENTS; it may be
+// a peer GPU's memory (NVLink), so no tensor map is used for destinations.
+//
+// Paths:
+//   * staged (kind 0 when ptr and ld*2 are 16-byte aligned and the valid column count is a multiple
+//     of 8): the warpgroup writes EPI_COLS columns at a time into its padded shared-memory staging
+//     tile with stmatrix, fences the async proxy, and threads 0..63 each issue one non-tensor bulk copy
+//     (cp.async.bulk.global.shared::cta) per row. The copies join each thread's bulk group; the caller
+//     must bulk_wait<0>() in threads 0..63 before it tells anybody the data landed.
+//   * direct (everything else): vector st.global / red.global.add.v2.f32 straight from registers,
+//     scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
+//     __threadfence_system() in the signalling thread.
+// Every path writes only rows < rows_valid and columns < cols_valid of the tile.
+#pragma once
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "mbarrier.cuh"
+#include "tma.cuh"
+
+namespace mk::gemm {
+
+enum DestKind : int { kStoreBF16 = 0, kReduceF32 = 1, kStoreF32 = 2 };
+
+struct Dest {
+  void* ptr;  // element (0,0) of the tile's destination
+  long ld;    // row pitch in elements
+  int kind;   // DestKind
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low address) = lo
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ void red_add_f32x2_sys(float* p, float a, float b) {
+  asm volatile("red.relaxed.sys.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b)
+               : "memory");
+}
+__device__ __forceinline__ void red_add_f32_sys(float* p, float a) {
+  asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+}
+
+// BN: tile width (accumulator has BN/2 floats per thread); EPI_COLS: columns per staged pass.
+template <int BN, int EPI_COLS>
+struct WarpgroupEpilogue {
+  static constexpr int kRegs = BN / 2;
+  static constexpr int kStagingStride = EPI_COLS * 2 + 16;  // bytes, see SmemMap
+  static_assert(BN % EPI_COLS == 0 && EPI_COLS % 16 == 0, "passes of whole 16-column blocks");
+
+  __device__ __forceinline__ static bool staged_ok(const Dest& d, int cols_valid) {
+    return d.kind == kStoreBF16 && (reinterpret_cast<uintptr_t>(d.ptr) & 15) == 0 &&
+           ((d.ld * 2) & 15) == 0 && (cols_valid & 7) == 0;
+  }
+
+  static constexpr int kPasses = BN / EPI_COLS;
+  static constexpr int kPacked = BN / 4;  // packed[m] = bf16x2(acc[2m], acc[2m+1])
+
+  __device__ __forceinline__ static void pack(const float (&acc)[kRegs], uint32_t (&packed)[kPacked]) {
+#pragma unroll
+    for (int m = 0; m < kPacked; ++m) packed[m] = pack_bf16x2(acc[2 * m], acc[2 * m + 1]);
+  }
+
+  // One staged pass (columns PASS*EPI_COLS ..), all 128 threads of the warpgroup. `d.ptr` already
+  // points at this warpgroup's first row. wg_bar: a named-barrier id private to this warpgroup.
+  // Safe to run while this warpgroup's wgmmas are in flight: it touches only `packed` and staging.
+  template <int PASS>
+  __device__ static void store_staged_pass(const uint32_t (&packed)[kPacked], char* staging,
+                                           const Dest& d, int rows_valid, int cols_valid,
+                                           int wg_bar) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    // stmatrix row address of this lane: matrices (rows 0-7 | 8-15) x (cols j | j+1) of its warp.
+    const int st_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const uint32_t st_base = smem_u32(staging) + st_row * kStagingStride + ((lane >> 4) & 1) * 16;
+    // The staging tile may still be read by the previous pass's (or tile's) bulk copies.
+    if (lt < 64) bulk_wait_read<0>();
+    named_barrier_sync(wg_bar, 128);
+#pragma unroll
+    for (int jj = 0; jj < EPI_COLS / 16; ++jj) {
+      const int j = PASS * (EPI_COLS / 8) + 2 * jj;  // first 8-column group of this stmatrix
+      stmatrix_x4(st_base + jj * 32, packed[2 * j], packed[2 * j + 1], packed[2 * j + 2],
+                  packed[2 * j + 3]);
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(wg_bar, 128);
+    if (lt < 64) {
+      const int c0 = PASS * EPI_COLS;
+      if (lt < rows_valid && c0 < cols_valid) {
+        const int ncols = (cols_valid - c0) < EPI_COLS ? (cols_valid - c0) : EPI_COLS;
+        bulk_store_s2g(static_cast<__nv_bfloat16*>(d.ptr) + (long)lt * d.ld + c0,
+                       staging + lt * kStagingStride, (uint32_t)ncols * 2u);
+      }
+      bulk_commit();
+    }
+  }
+
+  // Pass number `pass` (run-time) of kPasses; dispatches to the compile-time pass.
+  __device__ __forceinline__ static void store_staged_pass_rt(int pass,
+                                                              const uint32_t (&packed)[kPacked],
+                                                              char* staging, const Dest& d,
+                                                              int rows_valid, int cols_valid,
+                                                              int wg_bar) {
+    static_assert(kPasses >= 1 && kPasses <= 4, "1..4 passes");
+    if (pass == 0) store_staged_pass<0>(packed, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kPasses > 1)
+      if (pass == 1) store_staged_pass<1>(packed, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kPasses > 2)
+      if (pass == 2) store_staged_pass<2>(packed, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kPasses > 3)
+      if (pass == 3) store_staged_pass<3>(packed, staging, d, rows_valid, cols_valid, wg_bar);
+  }
+
+  // All 128 threads of the warpgroup; any kind, any alignment.
+  __device__ static void store_direct(const float (&acc)[kRegs], const Dest& d, int rows_valid,
+                                      int cols_valid) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(d.ptr);
+    if (d.kind == kStoreBF16) {
+      const bool vec = (base & 3) == 0 && (d.ld & 1) == 0;
+      __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(d.ptr);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_base + 8 * h, c = 8 * j + c_base;
+          if (r < rows_valid && c < cols_valid) {
+            __nv_bfloat16* p = out + (long)r * d.ld + c;
+            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+            if (vec && c + 1 < cols_valid) {
+              *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(v0, v1);
+            } else {
+              p[0] = __float2bfloat16_rn(v0);
+              if (c + 1 < cols_valid) p[1] = __float2bfloat16_rn(v1);
+            }
+          }
+        }
+      }
+    } else {
+      const bool vec = (base & 7) == 0 && (d.ld & 1) == 0;
+      const bool reduce = d.kind == kReduceF32;
+      float* out = reinterpret_cast<float*>(d.ptr);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_base + 8 * h, c = 8 * j + c_base;
+          if (r < rows_valid && c < cols_valid) {
+            float* p = out + (long)r * d.ld + c;
+            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+            const bool pair = c + 1 < cols_valid;
+            if (reduce) {
+              if (vec && pair) {
+                red_add_f32x2_sys(p, v0, v1);
+              } else {
+                red_add_f32_sys(p, v0);
+                if (pair) red_add_f32_sys(p + 1, v1);
+              }
+            } else {
+              if (vec && pair) {
+                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+              } else {
+                p[0] = v0;
+                if (pair) p[1] = v1;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace mk::gemm
