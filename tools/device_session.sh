@@ -4,6 +4,7 @@
 # Each step's output goes to $OUT/<n>.log; a summary table is printed last.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MKERNEL_CACHE_DIR=$PWD/.mkcache
+export MKERNEL_BENCH_DIR=${OUT:-/tmp/out}  # benchmark JSON comes back with the run
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .mkcache && chmod 700 .mkcache

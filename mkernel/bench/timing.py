@@ -50,8 +50,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-def save(name: str, records: Sequence[dict], out_dir: str | Path = "benchmarks/results") -> Path:
+def save(name: str, records: Sequence[dict], out_dir: str | Path | None = None) -> Path:
+    """Writes the JSON record under ``$MKERNEL_BENCH_DIR`` (default benchmarks/results)."""
+    import os
+
     env = environment()
+    out_dir = out_dir or os.environ.get("MKERNEL_BENCH_DIR", "benchmarks/results")
     path = Path(out_dir) / f"{name}_{env['date'][:10]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, **env, "records": list(records)}, indent=1))

@@ -221,10 +221,13 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
     ext = extension()
     L = ext.FusedLaunch()
     tables = plan.device_tables(world.device)
-    L.tiles = tables["tiles"].data_ptr()
-    L.compute_order = tables["compute_order"].data_ptr()
-    L.comm_tasks = tables["comm_tasks"].data_ptr()
     L.tc, L.tm = plan.compute_order.shape[1], plan.comm_tasks.shape[1]
+    # The kernel indexes the per-rank tables by its local rank: in a distributed world (one rank
+    # per launch) point them at this rank's row.
+    row = 0 if world.emulated_world else world.rank
+    L.tiles = tables["tiles"].data_ptr()
+    L.compute_order = tables["compute_order"].data_ptr() + row * L.tc * 4
+    L.comm_tasks = tables["comm_tasks"].data_ptr() + row * L.tm * 4
     L.compute_units, L.comm_units = plan.compute_units, plan.comm_units
     L.ctas_per_rank = plan.ctas_per_rank
     L.overlap = 0 if plan.overlap == "intra_sm" else 1
