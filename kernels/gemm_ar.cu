@@ -95,7 +95,8 @@ struct GemmAR {
       }
       team.sync();
       const Tile tl = load_tile(c.plan, t);
-      float* acc = a.acc.map(me) + (long long)tl.m0 * a.N + tl.n0;
+      const long long base = (long long)tl.m0 * a.N + tl.n0;
+      float* acc = a.acc.map(me) + base;
       const int per_row = tl.cols / 8;  // cols % 8 == 0: 8 fp32 in, one 16-byte bf16 vector out
       for (int v = team.lane; v < tl.rows * per_row; v += team.size) {
         const long long off = (long long)(v / per_row) * a.N + (v % per_row) * 8;
@@ -103,8 +104,7 @@ struct GemmAR {
         const float4 y = __ldcg(reinterpret_cast<const float4*>(acc + off + 4));
         const uint4 packed = make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w),
                                         pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
-        const long long dst = (long long)tl.m0 * a.N + tl.n0 + off;
-        for (int j = 0; j < W; ++j) peer_store_v4(a.out_of((me + j) % W) + dst, packed);
+        for (int j = 0; j < W; ++j) peer_store_v4(a.out_of((me + j) % W) + base + off, packed);
         __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
         __stcg(reinterpret_cast<float4*>(acc + off + 4), make_float4(0.f, 0.f, 0.f, 0.f));
       }

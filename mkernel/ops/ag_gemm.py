@@ -125,6 +125,10 @@ def ag_gemm(
         bf16, per rank [M, N] (emulated: [W, M, N]), accumulated in fp32. Equivalent to
         ``reference.ag_gemm(a, b, world=world)``.
 
+    Transfers: each rank pushes its shard in chunks into every rank's gather buffer, chunk-major
+    (chunk c reaches every rank before chunk c+1 leaves, so all ranks start on every shard early);
+    GEMM tiles wait only for the chunks their rows need.
+
     Requires M/W >= 1, and K and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
