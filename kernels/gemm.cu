@@ -155,11 +155,8 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
     case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);
 #ifdef MK_GEMM_EXPERIMENTS
-    case Exp3StageOnePass::kId: return launch<Exp3StageOnePass>(a, stream, num_sms);
-    case ExpDirectEpi::kId: return launch<ExpDirectEpi>(a, stream, num_sms);
     case ExpSkipEpi::kId: return launch<ExpSkipEpi>(a, stream, num_sms);
-    case ExpFourPass::kId: return launch<ExpFourPass>(a, stream, num_sms);
-    case ExpNoOverlap::kId: return launch<ExpNoOverlap>(a, stream, num_sms);
+    case ExpOverlap::kId: return launch<ExpOverlap>(a, stream, num_sms);
 #endif
     default: return kGemmBadConfig;
   }

@@ -8,10 +8,9 @@
 //                                                                  release empty[s-1]
 //                                                     wait_group<0>; release the last stage
 //                                                     [complete task i-1: after_store(i-1)]
-//                                                     epilogue of task i -> hooks.dest(i):
-//                                                       bf16: pack to registers; its staged passes
-//                                                       run after k-slices 0, 1 of task i+1
-//                                                       fp32 kinds: stored directly here
+//                                                     epilogue of task i -> hooks.dest(i)
+//                                                       (Cfg::EPI_OVERLAP: the bf16 staged passes
+//                                                       run after k-slices 0, 1 of task i+1)
 //   The ring's stage index and phase run on across tasks, so the producer loads task i+1 while the
 //   consumers run task i's epilogue.
 //
@@ -152,8 +151,9 @@ struct Engine {
     float acc[kAccRegs];
 #pragma unroll
     for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
-    // Staged bf16 epilogue, overlapped: the finished tile is packed to bf16 registers and its staged
-    // passes are written during the NEXT task's first k-slices, while those wgmmas run.
+    // Staged bf16 epilogue: the finished tile is packed to bf16 registers, then written pass by pass
+    // through the staging tile, right away or (Cfg::EPI_OVERLAP) during the NEXT task's first
+    // k-slices while those wgmmas run.
     uint32_t packed[Epi::kPacked];
     int todo = 0;  // staged passes of the previous task still to write
     Dest pd{};
