@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kernels/fused_launch.h"
+#include "kernels/p2p_launch.h"
 
 namespace py = pybind11;
 
@@ -11,6 +12,7 @@ namespace mk {
 int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
 int launch_ag_gemm(const FusedLaunch&, cudaStream_t);
 int launch_gemm_ar(const FusedLaunch&, cudaStream_t);
+int launch_p2p(const P2PLaunch&, cudaStream_t);
 }
 
 #define FIELD(name) .def_readwrite(#name, &mk::FusedLaunch::name)
@@ -42,6 +44,21 @@ PYBIND11_MODULE(_mkernel_ext, m) {
       "launch_gemm_ar",
       [](const mk::FusedLaunch& L, uintptr_t stream) {
         return mk::launch_gemm_ar(L, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("launch"), py::arg("stream"));
+  py::class_<mk::P2PLaunch>(m, "P2PLaunch")
+      .def(py::init<>())
+      .def_readwrite("src", &mk::P2PLaunch::src)
+      .def_readwrite("dst", &mk::P2PLaunch::dst)
+      .def_readwrite("bytes", &mk::P2PLaunch::bytes)
+      .def_readwrite("ctas", &mk::P2PLaunch::ctas)
+      .def_readwrite("threads", &mk::P2PLaunch::threads)
+      .def_readwrite("mode", &mk::P2PLaunch::mode)
+      .def_readwrite("chunk_bytes", &mk::P2PLaunch::chunk_bytes);
+  m.def(
+      "launch_p2p",
+      [](const mk::P2PLaunch& L, uintptr_t stream) {
+        return mk::launch_p2p(L, reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("launch"), py::arg("stream"));
 }

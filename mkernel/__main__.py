@@ -62,7 +62,12 @@ def bench(name: str, args: list[str]) -> int:
 
         gemm.run()
         return 0
-    print(f"unknown benchmark {name!r} (known: gemm, gemm_rs)", file=sys.stderr)
+    if name == "p2p":
+        from .bench import p2p
+
+        p2p.main()  # under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m mkernel bench p2p
+        return 0
+    print(f"unknown benchmark {name!r} (known: gemm, gemm_rs, p2p)", file=sys.stderr)
     return 2
 
 

@@ -114,3 +114,14 @@ def delay(ctx: Ctx, steps: int) -> Gen:
     """Injected lateness (device: __nanosleep until the global timer passes)."""
     if steps > 0:
         yield Sleep(steps)
+
+
+# The device primitives' own names (primitives/comm.cuh), each the twin above of the same meaning:
+# the interpreter does not model the transfer mechanism, only who writes what, when, and how.
+tile_send_bulk = tile_send
+peer_store_v4 = peer_store
+reduce_add_bulk_f32 = reduce_add
+reduce_add_bulk_bf16 = reduce_add
+red_add_v2_f32 = reduce_add
+red_add_v4_f32 = reduce_add
+red_add_bf16x2 = reduce_add
