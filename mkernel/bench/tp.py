@@ -1,0 +1,110 @@
+"""Fused kernels at tensor-parallel shapes against the unfused pair, PyTorch's fused ops and the ideal.
+
+Run one process per GPU: ``torchrun --nproc_per_node=W -m mkernel.bench.tp``. Shapes: tokens M in
+{2048, 4096, 8192, 16384}, hidden H = 8192, intermediate I = 28672 split over W:
+
+- ag_gemm: a [M/W, H] @ b [H, I/W]  -> [M, I/W]   (column-parallel layer; all-gather of a)
+- gemm_rs: a [M, I/W] @ b [I/W, H]  -> [M/W, H]   (row-parallel layer; reduce-scatter)
+- gemm_ar: a [M, I/W] @ b [I/W, H]  -> [M, H]     (row-parallel layer; all-reduce)
+
+Columns (ms, median of 20 after warm-up): ours (intra_sm / inter_sm), unfused = cuBLAS then NCCL in
+sequence, torch_fused = torch.ops.symm_mem fused op where one exists, gemm = cuBLAS alone,
+comm = NCCL collective alone, ideal = max(gemm, comm).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import mkernel
+
+from .timing import median_ms, save, table
+
+TOKENS = (2048, 4096, 8192, 16384)
+H, I = 8192, 28672
+
+
+def _time(fn, iters=20) -> float:
+    dist.barrier()
+    ms = median_ms(lambda i: fn(), 1, iters, warmup=3)
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank decides
+    return float(t.item())
+
+
+def _try(fn):
+    try:
+        return _time(fn)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+        if dist.get_rank() == 0:
+            print("  n/a:", repr(e)[:200])
+        return None
+
+
+def bench_op(op: str, m: int, world: mkernel.World) -> dict:
+    W, group = world.size, world.group
+    gname = group.group_name
+    if op == "ag_gemm":
+        a = torch.randn(m // W, H, device="cuda").bfloat16()
+        b = torch.randn(H, I // W, device="cuda").bfloat16()
+        full = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+        gemm = lambda: torch.matmul(full, b)  # noqa: E731
+        comm = lambda: dist.all_gather_into_tensor(full, a, group=group)  # noqa: E731
+        unfused = lambda: (comm(), gemm())  # noqa: E731
+        fused = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, gname)  # noqa: E731
+        flop = 2 * m * H * (I // W)
+    else:
+        a = torch.randn(m, I // W, device="cuda").bfloat16()
+        b = torch.randn(I // W, H, device="cuda").bfloat16()
+        c = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+        gemm = lambda: torch.matmul(a, b, out=c)  # noqa: E731
+        if op == "gemm_rs":
+            part = torch.empty(m // W, H, device="cuda", dtype=torch.bfloat16)
+            comm = lambda: dist.reduce_scatter_tensor(part, c, group=group)  # noqa: E731
+            fused = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname)  # noqa: E731
+        else:
+            comm = lambda: dist.all_reduce(c, group=group)  # noqa: E731
+            fused = None
+        unfused = lambda: (gemm(), comm())  # noqa: E731
+        flop = 2 * m * (I // W) * H
+    fn = getattr(mkernel, op)
+    row = {"op": op, "W": W, "m": m}
+    world.sync_checks = False
+    for overlap in ("intra_sm", "inter_sm"):
+        sched = mkernel.Schedule(overlap=overlap)
+        row[f"ours_{overlap}"] = _try(lambda: fn(a, b, world=world, schedule=sched))
+    world.check()
+    row["unfused"] = _try(unfused)
+    row["torch_fused"] = _try(fused) if fused is not None else None
+    row["gemm"] = _try(gemm)
+    row["comm"] = _try(comm)
+    row["ideal"] = max(row["gemm"], row["comm"])
+    best = min(v for k, v in row.items() if k.startswith("ours") and v is not None)
+    row["ours_tflops"] = flop / best / 1e9
+    row["vs_unfused"] = row["unfused"] / best
+    return row
+
+
+def main() -> None:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    world = mkernel.World.from_process_group()
+    rows = []
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        for m in TOKENS:
+            rows.append(bench_op(op, m, world))
+            if world.rank == 0:
+                print(rows[-1], flush=True)
+    if world.rank == 0:
+        cols = ["op", "W", "m", "ours_intra_sm", "ours_inter_sm", "unfused", "torch_fused", "gemm",
+                "comm", "ideal", "vs_unfused"]
+        print(table(rows, cols))
+        print("saved", save(f"tp_w{world.size}", rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
