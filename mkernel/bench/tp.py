@@ -1,4 +1,4 @@
-"""Fused kernels at tensor-parallel shapes against the unfused pair, PyTorch's fused ops and the ideal.
+"""Fused kernels at tensor-parallel shapes vs the unfused pair, PyTorch's fused ops and the ideal.
 
 Run one process per GPU: ``torchrun --nproc_per_node=W -m mkernel.bench.tp``. Shapes: tokens M in
 {2048, 4096, 8192, 16384}, hidden H = 8192, intermediate I = 28672 split over W:
@@ -24,7 +24,7 @@ import mkernel
 from .timing import median_ms, save, table
 
 TOKENS = (2048, 4096, 8192, 16384)
-H, I = 8192, 28672
+H, INTER = 8192, 28672
 
 
 def _time(fn, iters=20) -> float:
@@ -49,16 +49,16 @@ def bench_op(op: str, m: int, world: mkernel.World) -> dict:
     gname = group.group_name
     if op == "ag_gemm":
         a = torch.randn(m // W, H, device="cuda").bfloat16()
-        b = torch.randn(H, I // W, device="cuda").bfloat16()
+        b = torch.randn(H, INTER // W, device="cuda").bfloat16()
         full = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
         gemm = lambda: torch.matmul(full, b)  # noqa: E731
         comm = lambda: dist.all_gather_into_tensor(full, a, group=group)  # noqa: E731
         unfused = lambda: (comm(), gemm())  # noqa: E731
         fused = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, gname)  # noqa: E731
-        flop = 2 * m * H * (I // W)
+        flop = 2 * m * H * (INTER // W)
     else:
-        a = torch.randn(m, I // W, device="cuda").bfloat16()
-        b = torch.randn(I // W, H, device="cuda").bfloat16()
+        a = torch.randn(m, INTER // W, device="cuda").bfloat16()
+        b = torch.randn(INTER // W, H, device="cuda").bfloat16()
         c = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
         gemm = lambda: torch.matmul(a, b, out=c)  # noqa: E731
         if op == "gemm_rs":
@@ -69,13 +69,13 @@ def bench_op(op: str, m: int, world: mkernel.World) -> dict:
             comm = lambda: dist.all_reduce(c, group=group)  # noqa: E731
             fused = None
         unfused = lambda: (gemm(), comm())  # noqa: E731
-        flop = 2 * m * (I // W) * H
+        flop = 2 * m * (INTER // W) * H
     fn = getattr(mkernel, op)
     row = {"op": op, "W": W, "m": m}
     world.sync_checks = False
     for overlap in ("intra_sm", "inter_sm"):
         sched = mkernel.Schedule(overlap=overlap)
-        row[f"ours_{overlap}"] = _try(lambda: fn(a, b, world=world, schedule=sched))
+        row[f"ours_{overlap}"] = _try(lambda s=sched: fn(a, b, world=world, schedule=s))
     world.check()
     row["unfused"] = _try(unfused)
     row["torch_fused"] = _try(fused) if fused is not None else None
