@@ -34,15 +34,15 @@ def _pads_zero(world):
         assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=70, deadline=None)
 @given(
     W=st.integers(1, 8),
-    ms=st.integers(1, 160),
+    ms=st.integers(1, 140),
     n8=st.integers(1, 20),
     k8=st.integers(1, 6),
     overlap=st.sampled_from(["intra_sm", "inter_sm"]),
     tile=st.sampled_from([None, "128x128x64", "128x256x64"]),
-    chunk_rows=st.sampled_from([None, 1, 7, 16, 50, 200]),
+    chunk_rows=st.sampled_from([None, 2, 7, 16, 50, 200]),
     sms=st.integers(2, 6),
     seed=st.integers(0, 2**16),
     shuffle=st.booleans(),
