@@ -161,7 +161,11 @@ def run_interpreter(
         for u in range(plan.comm_units):
             prologue = wait_cta(u) if intra else cta_prologue(plan.compute_units + u, publish=False)
             m.add_agent(r, "comm", u, plan.tasks_of("comm", r, u), with_prologue(comm, prologue))
-    m.run()
+    try:
+        m.run()
+    except CommTimeout:
+        world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
+        raise
     m.check_outputs(expected_outputs)
     world.last_timeline = m.timeline
     return m

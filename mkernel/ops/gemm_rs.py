@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..interp import twins
-from ..schedule import Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units, TILE_CONFIGS
+from ..schedule import TILE_CONFIGS, Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units
 from ..world import World
 from . import common
 
