@@ -34,23 +34,20 @@ struct AgGemm {
     __device__ int chunk_of(int row) const { return row / Ms * C + row % Ms / CR; }
   };
 
-  struct ComputeHooks {
-    const Args& a;
-    const CtaInfo& cta;
-    const TaskList& tasks;
-    __device__ int num_tasks() const { return tasks.count(); }
-    __device__ Tile task(int i) const { return load_tile(a.common.plan, tasks[i]); }
+  struct ComputeHooks : ComputeHooksBase<Args> {
     // One thread: wait for the tile's chunks (tag = its first), then consume them.
     __device__ void before_load(int i) const {
-      const Tile t = task(i);
+      const Args& a = this->a;
+      const int rank = this->cta.rank;
+      const Tile t = this->tile(i);
       const int last = a.chunk_of(t.m0 + t.rows - 1);
-      int* ready = a.ready.map(cta.rank);
-      int* consumed = a.consumed.map(cta.rank);
+      int* ready = a.ready.map(rank);
+      int* consumed = a.consumed.map(rank);
       for (int g = t.tag; g <= last; ++g) {
-        const WaitSite site{cta.rank, g / a.C, tasks[i], kRoleCompute, kSignalChunkReady, g};
+        const WaitSite site{rank, g / a.C, this->tasks[i], kRoleCompute, kSignalChunkReady, g};
         wait_acquire(ready + g, 1, a.common.wait, site);
       }
-      fence_proxy_async_global();  // the gathered rows are read next, maybe by TMA
+      fence_proxy_async_global();  // the gathered rows are read next, by TMA
       for (int g = t.tag; g <= last; ++g) {
         // NOTE: every consumer of g has passed its wait before its add, so the last one may reset.
         if (atomicAdd(consumed + g, 1) + 1 == a.consumers[g]) {
@@ -59,21 +56,16 @@ struct AgGemm {
         }
       }
     }
-    struct Dest {
-      void* ptr;
-      long long ld;
-      int kind;
-    };
-    __device__ Dest dest(int i) const {
-      const Tile t = task(i);
-      return Dest{a.out.at(cta.local_rank) + (long long)t.m0 * a.N + t.n0, a.N, simple::kStoreBf16};
+    __device__ gemm::Dest dest(int i) const {
+      const Tile t = this->tile(i);
+      __nv_bfloat16* out = this->a.out.at(this->cta.local_rank);
+      return gemm::Dest{out + (long long)t.m0 * this->a.N + t.n0, this->a.N, gemm::kStoreBF16};
     }
-    __device__ void after_store(int) const {}
   };
 
   static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
                                       char* smem) {
-    ComputeHooks h{a, cta, tasks};
+    ComputeHooks h{{a, cta, tasks}};
     Engine::run(a.engine[cta.local_rank], smem, h);
   }
 
@@ -102,13 +94,13 @@ struct AgGemm {
 };
 
 template <class Engine>
-int launch_ag_gemm_with(const FusedLaunch& L, cudaStream_t s) {
+struct LaunchAgGemm {
+  static int run(const FusedLaunch& L, cudaStream_t s) {
   using Op = AgGemm<Engine>;
   typename Op::Args args{};
   args.common = make_common(L);
   // The engine's A is the local gather buffer: rank r's at work_local + r * M * K (emulated).
-  fill_simple_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.work_local),
-                             (long long)L.M * L.K);
+  if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.work_local), (long long)L.M * L.K)) return kBadConfig;
   args.a = RankPtr<const __nv_bfloat16>{reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride};
   args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
   args.gather = SymPtr<__nv_bfloat16>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
@@ -121,14 +113,11 @@ int launch_ag_gemm_with(const FusedLaunch& L, cudaStream_t s) {
   args.C = L.tiles_per_rank;
   args.CR = L.chunk_rows;
   return launch_persistent<Op>(args, L, s);
-}
+  }
+};
 
 int launch_ag_gemm(const FusedLaunch& L, cudaStream_t s) {
-  switch (L.tile_config) {
-    case 0: return launch_ag_gemm_with<simple::Engine<simple::Cfg<128, 256>>>(L, s);
-    case 1: return launch_ag_gemm_with<simple::Engine<simple::Cfg<128, 128>>>(L, s);
-    default: return kBadConfig;
-  }
+  return dispatch_config<LaunchAgGemm>(L.tile_config, L, s);
 }
 
 }  // namespace mk

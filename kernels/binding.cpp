@@ -8,6 +8,8 @@
 
 namespace py = pybind11;
 
+void register_gemm(py::module_& m);  // kernels/gemm_binding.cpp: the plain GEMM engine op
+
 namespace mk {
 int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
 int launch_ag_gemm(const FusedLaunch&, cudaStream_t);
@@ -19,6 +21,7 @@ int launch_p2p(const P2PLaunch&, cudaStream_t);
 
 PYBIND11_MODULE(_mkernel_ext, m) {
   m.doc() = "mkernel device kernels (launchers over raw pointers)";
+  register_gemm(m);
   py::class_<mk::FusedLaunch>(m, "FusedLaunch")
       .def(py::init<>())
       FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm) FIELD(compute_units)

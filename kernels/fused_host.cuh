@@ -4,10 +4,15 @@
 #include <cuda_runtime.h>
 
 #include "kernels/fused_launch.h"
-#include "primitives/simple_gemm.cuh"
+#include "primitives/comm.cuh"
+#include "primitives/gemm/engine.cuh"
+#include "primitives/host/tensor_map.h"
 #include "templates/persistent.cuh"
 
 namespace mk {
+
+// Error codes returned to Python (mkernel/ops/common.py turns them into exceptions).
+enum LaunchError : int { kOk = 0, kBadConfig = 1, kTooManyRanks = 2, kCudaError = 3 };
 
 inline FusedCommon make_common(const FusedLaunch& L) {
   FusedCommon c{};
@@ -21,21 +26,51 @@ inline FusedCommon make_common(const FusedLaunch& L) {
   return c;
 }
 
-// Engine params of every rank this launch serves, for the portable engine.
+// The compute hooks every fused GEMM op starts from: the unit's tasks as engine tiles, no wait
+// before loads, nothing after stores. An op derives from it and adds dest() and what it needs.
+template <class Args>
+struct ComputeHooksBase {
+  const Args& a;
+  const CtaInfo& cta;
+  const TaskList& tasks;
+  __device__ int num_tasks() const { return tasks.count(); }
+  __device__ Tile tile(int i) const { return load_tile(a.common.plan, tasks[i]); }
+  __device__ gemm::TileTask task(int i) const {
+    const Tile t = tile(i);
+    return gemm::TileTask{t.m0, t.n0, t.rows, t.cols};
+  }
+  __device__ void before_load(int) const {}
+  __device__ void after_store(int) const {}
+};
+
+// Tile configs by id (mkernel/schedule.py TILE_CONFIG_IDS).
+template <template <class> class LaunchWith>
+inline int dispatch_config(int config_id, const FusedLaunch& L, cudaStream_t s) {
+  switch (config_id) {
+    case 0: return LaunchWith<gemm::Engine<gemm::Tile128x256x64>>::run(L, s);
+    case 1: return LaunchWith<gemm::Engine<gemm::Tile128x128x64>>::run(L, s);
+    case 2: return LaunchWith<gemm::Engine<gemm::Tile64x128x64>>::run(L, s);
+    default: return kBadConfig;
+  }
+}
+
+// Engine params (TMA tensor maps) of every rank this launch serves: rank r's A at
+// a_base + r * a_stride ([M, K]), its B at L.b + r * L.b_rank_stride ([K, N]).
 template <class Engine>
-inline void fill_simple_params(const FusedLaunch& L, typename Engine::Params* out,
+inline bool fill_engine_params(const FusedLaunch& L, typename Engine::Params* out,
                                const __nv_bfloat16* a_base, long long a_stride) {
   for (int r = 0; r < L.ranks_here; ++r) {
-    out[r].a = a_base + r * a_stride;
-    out[r].b = reinterpret_cast<const __nv_bfloat16*>(L.b) + r * L.b_rank_stride;
+    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(L.b) + r * L.b_rank_stride;
+    if (host::make_tensor_map_bf16_2d(&out[r].a, a_base + r * a_stride, L.M, L.K, L.K, Engine::BM,
+                                      64, 128) != host::kTensorMapOk ||
+        host::make_tensor_map_bf16_2d(&out[r].b, b, L.K, L.N, L.N, 64, 64, 128) != host::kTensorMapOk)
+      return false;
     out[r].M = L.M;
     out[r].N = L.N;
     out[r].K = L.K;
   }
+  return true;
 }
-
-// Error codes returned to Python (mkernel/ops/common.py turns them into exceptions).
-enum LaunchError : int { kOk = 0, kBadConfig = 1, kTooManyRanks = 2, kCudaError = 3 };
 
 template <class Op>
 inline int launch_persistent(const typename Op::Args& args, const FusedLaunch& L, cudaStream_t s) {

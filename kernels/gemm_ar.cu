@@ -40,34 +40,25 @@ struct GemmAR {
     }
   };
 
-  struct ComputeHooks {
-    const Args& a;
-    const CtaInfo& cta;
-    const TaskList& tasks;
-    __device__ int num_tasks() const { return tasks.count(); }
-    __device__ Tile task(int i) const { return load_tile(a.common.plan, tasks[i]); }
-    __device__ void before_load(int) const {}
-    struct Dest {
-      void* ptr;
-      long long ld;
-      int kind;
-    };
-    __device__ Dest dest(int i) const {
-      const Tile t = task(i);
-      return Dest{a.acc.map(t.tag) + (long long)t.m0 * a.N + t.n0, a.N, simple::kReduceAddF32};
+  struct ComputeHooks : ComputeHooksBase<Args> {
+    __device__ gemm::Dest dest(int i) const {
+      const Tile t = this->tile(i);
+      float* acc = this->a.acc.map(t.tag);
+      return gemm::Dest{acc + (long long)t.m0 * this->a.N + t.n0, this->a.N, gemm::kReduceF32};
     }
     __device__ void after_store(int i) const {
-      const FusedCommon& c = a.common;
-      if (cta.rank == c.faults.silent_rank) return;
-      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
-      const int id = tasks[i], owner = load_tile(c.plan, id).tag;
-      signal_set_release(a.flags.map(owner) + id * c.world.world_size + cta.rank);
+      const FusedCommon& c = this->a.common;
+      const int rank = this->cta.rank;
+      if (rank == c.faults.silent_rank) return;
+      if (rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+      const int id = this->tasks[i], owner = load_tile(c.plan, id).tag;
+      signal_set_release(this->a.flags.map(owner) + id * c.world.world_size + rank);
     }
   };
 
   static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
                                       char* smem) {
-    ComputeHooks h{a, cta, tasks};
+    ComputeHooks h{{a, cta, tasks}};
     Engine::run(a.engine[cta.local_rank], smem, h);
   }
 
@@ -118,11 +109,12 @@ struct GemmAR {
 };
 
 template <class Engine>
-int launch_gemm_ar_with(const FusedLaunch& L, cudaStream_t s) {
+struct LaunchGemmAR {
+  static int run(const FusedLaunch& L, cudaStream_t s) {
   using Op = GemmAR<Engine>;
   typename Op::Args args{};
   args.common = make_common(L);
-  fill_simple_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride);
+  if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride)) return kBadConfig;
   args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
   args.out_ptrs = reinterpret_cast<const unsigned long long*>(L.aux_ptr);
   args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
@@ -131,14 +123,11 @@ int launch_gemm_ar_with(const FusedLaunch& L, cudaStream_t s) {
   args.N = L.N;
   args.T = L.tiles_per_rank;
   return launch_persistent<Op>(args, L, s);
-}
+  }
+};
 
 int launch_gemm_ar(const FusedLaunch& L, cudaStream_t s) {
-  switch (L.tile_config) {
-    case 0: return launch_gemm_ar_with<simple::Engine<simple::Cfg<128, 256>>>(L, s);
-    case 1: return launch_gemm_ar_with<simple::Engine<simple::Cfg<128, 128>>>(L, s);
-    default: return kBadConfig;
-  }
+  return dispatch_config<LaunchGemmAR>(L.tile_config, L, s);
 }
 
 }  // namespace mk

@@ -27,39 +27,28 @@ struct GemmRS {
     int N, Ms, U;
   };
 
-  struct ComputeHooks {
-    const Args& a;
-    const CtaInfo& cta;
-    const TaskList& tasks;
-    __device__ int num_tasks() const { return tasks.count(); }
-    __device__ Tile task(int i) const { return load_tile(a.common.plan, tasks[i]); }
-    __device__ void before_load(int) const {}
-    __device__ simple::DestKind kind() const {
-      return a.common.world.world_size == 1 ? simple::kStoreBf16 : simple::kReduceAddF32;
-    }
-    struct Dest {
-      void* ptr;
-      long long ld;
-      int kind;
-    };
-    __device__ Dest dest(int i) const {
-      const Tile t = task(i);
+  struct ComputeHooks : ComputeHooksBase<Args> {
+    __device__ gemm::Dest dest(int i) const {
+      const Args& a = this->a;
+      const Tile t = this->tile(i);
       const long long off = (long long)(t.m0 - t.tag * a.Ms) * a.N + t.n0;
-      if (a.common.world.world_size == 1) return Dest{a.out.at(cta.local_rank) + off, a.N, simple::kStoreBf16};
-      return Dest{a.acc.map(t.tag) + off, a.N, simple::kReduceAddF32};
+      if (a.common.world.world_size == 1)
+        return gemm::Dest{a.out.at(this->cta.local_rank) + off, a.N, gemm::kStoreBF16};
+      return gemm::Dest{a.acc.map(t.tag) + off, a.N, gemm::kReduceF32};
     }
     __device__ void after_store(int i) const {
-      const FusedCommon& c = a.common;
-      if (c.world.world_size == 1 || cta.rank == c.faults.silent_rank) return;
-      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
-      const int id = tasks[i], owner = load_tile(c.plan, id).tag, u = id - owner * a.U;
-      signal_set_release(a.flags.map(owner) + u * c.world.world_size + cta.rank);
+      const FusedCommon& c = this->a.common;
+      const int rank = this->cta.rank;
+      if (c.world.world_size == 1 || rank == c.faults.silent_rank) return;
+      if (rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+      const int id = this->tasks[i], owner = load_tile(c.plan, id).tag, u = id - owner * this->a.U;
+      signal_set_release(this->a.flags.map(owner) + u * c.world.world_size + rank);
     }
   };
 
   static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
                                       char* smem) {
-    ComputeHooks h{a, cta, tasks};
+    ComputeHooks h{{a, cta, tasks}};
     Engine::run(a.engine[cta.local_rank], smem, h);
   }
 
@@ -97,26 +86,26 @@ struct GemmRS {
 };
 
 template <class Engine>
-int launch_gemm_rs_with(const FusedLaunch& L, cudaStream_t s) {
-  using Op = GemmRS<Engine>;
-  typename Op::Args args{};
-  args.common = make_common(L);
-  fill_simple_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride);
-  args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
-  args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
-  args.flags = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
-  args.N = L.N;
-  args.Ms = L.rows_per_rank;
-  args.U = L.tiles_per_rank;
-  return launch_persistent<Op>(args, L, s);
-}
+struct LaunchGemmRS {
+  static int run(const FusedLaunch& L, cudaStream_t s) {
+    using Op = GemmRS<Engine>;
+    typename Op::Args args{};
+    args.common = make_common(L);
+    if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a),
+                                    L.a_rank_stride))
+      return kBadConfig;
+    args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
+    args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
+    args.flags = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
+    args.N = L.N;
+    args.Ms = L.rows_per_rank;
+    args.U = L.tiles_per_rank;
+    return launch_persistent<Op>(args, L, s);
+  }
+};
 
 int launch_gemm_rs(const FusedLaunch& L, cudaStream_t s) {
-  switch (L.tile_config) {
-    case 0: return launch_gemm_rs_with<simple::Engine<simple::Cfg<128, 256>>>(L, s);
-    case 1: return launch_gemm_rs_with<simple::Engine<simple::Cfg<128, 128>>>(L, s);
-    default: return kBadConfig;
-  }
+  return dispatch_config<LaunchGemmRS>(L.tile_config, L, s);
 }
 
 }  // namespace mk

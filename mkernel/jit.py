@@ -76,8 +76,15 @@ EXTENSION = ExtensionSpec(
     name="_mkernel_ext",
     # NOTE: listed, not globbed: a kernel joins the extension when its launcher is bound in
     # kernels/binding.cpp, and a half-written kernel elsewhere in kernels/ cannot break the build.
-    sources=("kernels/binding.cpp", "kernels/gemm_rs.cu", "kernels/ag_gemm.cu", "kernels/gemm_ar.cu",
-             "kernels/p2p.cu"),
+    sources=(
+        "kernels/binding.cpp",
+        "kernels/gemm.cu",
+        "kernels/gemm_binding.cpp",
+        "kernels/gemm_rs.cu",
+        "kernels/ag_gemm.cu",
+        "kernels/gemm_ar.cu",
+        "kernels/p2p.cu",
+    ),
     headers=(
         "primitives/**/*.cuh",
         "primitives/**/*.h",

@@ -33,9 +33,12 @@ class TileConfig(NamedTuple):
 TILE_CONFIGS = {
     "128x256x64": TileConfig("128x256x64", 128, 256, 64),
     "128x128x64": TileConfig("128x128x64", 128, 128, 64),
+    "64x128x64": TileConfig("64x128x64", 64, 128, 64),
 }
-# Config ids shared with device code (primitives/gemm/config.cuh).
-TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1}
+# Config ids shared with device code (primitives/gemm/config.cuh, kernels/fused_host.cuh).
+TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1, "64x128x64": 2}
+# Relative throughput of each config at full occupancy (primitives/gemm/config.cuh pick_config).
+_TILE_RATE = {"128x256x64": 1.0, "128x128x64": 0.9, "64x128x64": 0.75}
 
 
 class Tile(NamedTuple):
@@ -164,9 +167,32 @@ class Plan:
 # -- helpers the ops use to build plans ----------------------------------------------------------
 
 
-def pick_tile(m: int, n: int, k: int) -> TileConfig:
-    """Small heuristic: the wide tile when N is wide enough to fill it, else 128x128."""
-    return TILE_CONFIGS["128x256x64"] if n >= 2048 else TILE_CONFIGS["128x128x64"]
+def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
+    """The config with the least predicted time: waves of tiles over ``sms`` SMs, each wave costing
+    the tile's area over the config's rate (the same rule as the device's pick_config)."""
+    del k
+
+    def cost(c: TileConfig) -> float:
+        tiles = -(-m // c.bm) * -(-n // c.bn)
+        return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
+
+    return min(TILE_CONFIGS.values(), key=cost)
+
+
+def grouped_order(tiles_m: int, tiles_n: int, cfg: TileConfig, sms: int) -> list[int]:
+    """Row-major tile ids of a tiles_m x tiles_n grid in L2-friendly order: down a group of ~sqrt(sms
+    * BN / BM) tile rows, then across the columns, snaking between groups, so the tiles in flight
+    cover a near-square block of C and share A rows and B columns in L2."""
+    g = 1
+    while (g + 1) * (g + 1) * cfg.bm <= sms * cfg.bn:
+        g += 1
+    g = min(g, tiles_m)
+    order = []
+    for grp, m_base in enumerate(range(0, tiles_m, g)):
+        rows = min(g, tiles_m - m_base)
+        cols = range(tiles_n - 1, -1, -1) if grp % 2 else range(tiles_n)
+        order += [(m_base + i) * tiles_n + j for j in cols for i in range(rows)]
+    return order
 
 
 def grid_tiles(m0: int, rows: int, n: int, cfg: TileConfig, tag: int, start: int) -> list[Tile]:
@@ -192,14 +218,20 @@ def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], de
     return order
 
 
-def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[int, int]:
-    """(compute units, comm units) per rank."""
+def rank_sms(schedule: Schedule, world: Any) -> int:
+    """SMs per rank: the GPU's SMs (split among an emulated world's ranks), or 8 virtual SMs per
+    rank in the CPU interpreter; ``schedule.sms`` may lower it."""
     if world.on_gpu:
         total_sms = torch.cuda.get_device_properties(world.device).multi_processor_count
         per_rank = total_sms // world.size if world.emulated_world else total_sms
     else:
-        per_rank = 8  # virtual SMs per rank in the CPU interpreter
-    sms = min(schedule.sms or per_rank, per_rank)
+        per_rank = 8
+    return min(schedule.sms or per_rank, per_rank)
+
+
+def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[int, int]:
+    """(compute units, comm units) per rank."""
+    sms = rank_sms(schedule, world)
     if sms < 1 or (schedule.overlap == "inter_sm" and sms < 2):
         raise ValueError(
             f"{sms} SMs per rank cannot serve overlap={schedule.overlap!r} with world size "

@@ -2,7 +2,7 @@
 // over the plan. A fused op supplies an `Op` struct:
 //
 //   struct Op {
-//     using Engine = ...;                    // compute engine (primitives/gemm or simple_gemm.cuh)
+//     using Engine = ...;                    // compute engine (primitives/gemm/engine.cuh)
 //     struct Args { FusedCommon common; ... };
 //     static constexpr int kCommSmemBytes;   // shared memory of the comm role, after the engine's
 //     static __device__ void compute_role(const Args&, const CtaInfo&, const TaskList&, char* smem);

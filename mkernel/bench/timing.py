@@ -33,6 +33,27 @@ def median_ms(fn: Callable[[int], Any], sets: int, iters: int = 20, warmup: int 
     return statistics.median(times)
 
 
+def interleaved_ms(
+    fns: dict[str, Callable[[int], Any]], sets: int, rounds: int = 6, per: int = 20, warmup: int = 5
+) -> dict[str, float]:
+    """Median ms per call of each ``fn(i)`` (i cycles over ``sets`` input sets). The versions take
+    turns in rounds of ``per`` calls, so clock and thermal drift hit all of them alike."""
+    for f in fns.values():
+        for i in range(warmup * sets):
+            f(i % sets)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per)]
+            for c, (a, b) in enumerate(ev):
+                a.record()
+                f(c % sets)
+                b.record()
+            torch.cuda.synchronize()
+            times[k] += [a.elapsed_time(b) for a, b in ev]
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def rotation(bytes_per_set: int, l2_bytes: int = 60 << 20) -> int:
     """How many input sets make the rotation several times larger than the L2."""
     return max(2, min(8, -(-4 * l2_bytes // max(1, bytes_per_set))))

@@ -37,7 +37,9 @@ from ..schedule import (
     Tile,
     apply_order,
     grid_tiles,
+    grouped_order,
     pick_tile,
+    rank_sms,
     split_units,
 )
 from ..world import World
@@ -55,7 +57,8 @@ def _chunk_of(row: int, ms: int, cr: int, chunks: int) -> int:
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     W = world.size
-    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k)
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
     ms = m // W
     cr = min(schedule.chunk_rows or cfg.bm, ms)
     C = -(-ms // cr)  # chunks per shard; the last one may be short
@@ -68,11 +71,12 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         for g in range(t.tag, last + 1):
             consumers[g] += 1
         shards.append({g // C for g in range(t.tag, last + 1)})
+    grouped = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly
     orders, comms = [], []
     for r in range(W):
         # Default: arrival order. A tile's place is that of the latest shard it needs, counted from
-        # our own (which lands first); ties keep row-major order.
-        default = sorted(range(len(tiles)), key=lambda i: max((s - r) % W for s in shards[i]))
+        # our own (which lands first); ties keep the L2-friendly grouped order.
+        default = sorted(grouped, key=lambda i: max((s - r) % W for s in shards[i]))
         orders.append(apply_order(schedule.tile_order, r, tiles, default))
         comms.append([r * C + c for c in range(C)])
     compute_units, comm_units = split_units(schedule, world, len(tiles))

@@ -30,7 +30,17 @@ import sys
 import torch
 
 from ..interp import twins
-from ..schedule import TILE_CONFIGS, Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units
+from ..schedule import (
+    TILE_CONFIGS,
+    Plan,
+    Schedule,
+    apply_order,
+    grid_tiles,
+    grouped_order,
+    pick_tile,
+    rank_sms,
+    split_units,
+)
 from ..world import World
 from . import common
 from .gemm_rs import _per_rank
@@ -38,12 +48,14 @@ from .gemm_rs import _per_rank
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     W = world.size
-    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k // W)
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k // W, sms)
     tiles = [t._replace(tag=t.index % W) for t in grid_tiles(0, m, n, cfg, 0, 0)]  # tag = owner
     T = len(tiles)
+    default = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)  # same on every rank
     orders, comms = [], []
     for r in range(W):
-        orders.append(apply_order(schedule.tile_order, r, tiles, list(range(T))))
+        orders.append(apply_order(schedule.tile_order, r, tiles, default))
         # Finalize ids t (owned tiles) first, then "wait tile_ready t" ids T + t for the others.
         # NOTE: no cycle. A unit takes every n-th entry of this list, so each unit runs all of its
         # finalizes before any of its waits; a finalize waits only on compute epilogues, which wait

@@ -18,7 +18,17 @@ import sys
 import torch
 
 from ..interp import twins
-from ..schedule import TILE_CONFIGS, Plan, Schedule, apply_order, grid_tiles, pick_tile, split_units
+from ..schedule import (
+    TILE_CONFIGS,
+    Plan,
+    Schedule,
+    apply_order,
+    grid_tiles,
+    grouped_order,
+    pick_tile,
+    rank_sms,
+    split_units,
+)
 from ..world import World
 from . import common
 
@@ -27,16 +37,18 @@ SIGNALS = {0: "barrier", 1: "tile_flag"}
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     W = world.size
-    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m // W, n, k)
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
     ms = m // W
     tiles = []
     for owner in range(W):
         tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
     per_owner = len(tiles) // W
+    block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly within a block
     orders, comms = [], []
     for r in range(W):
         # Default: start with the next rank's tiles, end with our own, so owners fill up in turn.
-        default = [((r + 1 + i) % W) * per_owner + j for i in range(W) for j in range(per_owner)]
+        default = [((r + 1 + i) % W) * per_owner + j for i in range(W) for j in block]
         orders.append(apply_order(schedule.tile_order, r, tiles, default))
         comms.append([r * per_owner + j for j in range(per_owner)] if W > 1 else [])
     compute_units, comm_units = split_units(schedule, world, len(tiles))

@@ -1,0 +1,90 @@
+"""The GEMM engine against cuBLAS, and gemm_rs at W=1 against the bare engine.
+
+``python -m mkernel bench gemm``: for each shape, our engine's TFLOP/s (the plain GEMM op of
+kernels/gemm.cu), cuBLAS's (torch.matmul) and gemm_rs at W=1 (the engine as the compute role of the
+persistent template), measured in the same run, interleaved (see timing.interleaved_ms), inputs
+rotated over sets larger than the L2. Writes benchmarks/results/gemm_<date>.json.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import mkernel
+
+from ..ops.common import extension
+from .timing import interleaved_ms, rotation, save, table
+
+SHAPES = [  # M x N x K
+    (8192, 8192, 8192),
+    (8192, 3584, 8192),
+    (8192, 8192, 3584),
+    (4096, 28672, 8192),
+    (2048, 8192, 8192),
+    (8192, 1024, 8192),
+]
+
+
+def engine_gemm(ext, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, order: torch.Tensor, cfg: int):
+    m, k = a.shape
+    n = b.shape[1]
+    args = ext.GemmArgs()
+    args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), c.data_ptr()
+    args.M, args.N, args.K, args.config = m, n, k, cfg
+    args.tile_order = order.data_ptr()
+    st = ext.launch_gemm(args, torch.cuda.current_stream().cuda_stream)
+    if st:
+        raise RuntimeError(f"launch_gemm: {ext.gemm_status_string(st)}")
+
+
+def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
+    ext = extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    world = mkernel.World.emulated(1, device="cuda")
+    world.sync_checks = False
+    rows = []
+    for m, n, k in shapes:
+        sets = rotation((m * k + k * n + m * n) * 2)
+        a = [torch.randn(1, m, k, device="cuda").bfloat16() for _ in range(sets)]
+        b = [torch.randn(1, k, n, device="cuda").bfloat16() for _ in range(sets)]
+        c = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        cfg = ext.gemm_pick_config(m, n, k, sms)
+        order = torch.tensor(ext.gemm_tile_order(m, n, cfg, sms), dtype=torch.int32, device="cuda")
+        # Correctness of both ours against cuBLAS on set 0 before timing.
+        ref = torch.matmul(a[0][0].float(), b[0][0].float())
+        engine_gemm(ext, a[0][0], b[0][0], c[0], order, cfg)
+        rs = mkernel.gemm_rs(a[0], b[0], world=world)
+        world.check()
+        for name, got in (("engine", c[0]), ("gemm_rs", rs[0])):
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"{name} {m}x{n}x{k}: relative error {err}")
+        ms = interleaved_ms(
+            {
+                "engine": lambda i: engine_gemm(ext, a[i][0], b[i][0], c[i], order, cfg),
+                "gemm_rs": lambda i: mkernel.gemm_rs(a[i], b[i], world=world),
+                "cublas": lambda i: torch.matmul(a[i][0], b[i][0], out=c[i]),
+            },
+            sets,
+        )
+        world.check()
+        flop = 2 * m * n * k
+        rows.append(
+            {
+                "m": m,
+                "n": n,
+                "k": k,
+                "config": cfg,
+                "tflops": flop / ms["engine"] / 1e9,
+                "cublas_tflops": flop / ms["cublas"] / 1e9,
+                "gemm_rs_w1_tflops": flop / ms["gemm_rs"] / 1e9,
+                "ratio": ms["cublas"] / ms["engine"],
+                "gemm_rs_vs_engine": ms["engine"] / ms["gemm_rs"],
+            }
+        )
+        print(rows[-1], flush=True)
+        del a, b, c
+    print(table(rows, ["m", "n", "k", "tflops", "cublas_tflops", "ratio", "gemm_rs_w1_tflops", "gemm_rs_vs_engine"]))
+    if save_json:
+        print("saved", save("gemm", rows))
+    return rows
