@@ -92,6 +92,12 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     world = mkernel.World.from_process_group()
+    try:  # older releases need symmetric memory enabled per group for the fused ops
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(world.group.group_name)
+    except Exception:  # noqa: BLE001 - newer releases need nothing
+        pass
     rows = []
     for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
         for m in TOKENS:
