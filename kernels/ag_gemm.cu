@@ -63,26 +63,19 @@ struct AgGemm {
     }
   };
 
-  static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                      char* smem) {
-    ComputeHooks h{{a, cta, tasks}};
-    Engine::run(a.engine[cta.local_rank], smem, h);
-  }
-
   // Chunk-major pushes: chunk c reaches every rank before chunk c+1 leaves.
-  static __device__ void comm_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                   const Team& team, char*) {
+  static __device__ void comm_task(const Args& a, const CtaInfo& cta, int g, const Team& team,
+                                   char*) {
     const FusedCommon& c = a.common;
     const int W = c.world.world_size;
-    for (int i = 0; i < tasks.count(); ++i) {
-      const int g = tasks[i], r0 = (g - cta.rank * a.C) * a.CR, rows = min(a.CR, a.Ms - r0);
-      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+    {
+      const int r0 = (g - cta.rank * a.C) * a.CR, rows = min(a.CR, a.Ms - r0);
       const uint4* src = reinterpret_cast<const uint4*>(a.a.at(cta.local_rank) + (long long)r0 * a.K);
       const int vecs = rows * a.K / 8;  // K % 8 == 0: whole 16-byte vectors
       for (int j = 0; j < W; ++j) {
         const int p = (cta.rank + j) % W;
         uint4* dst = reinterpret_cast<uint4*>(a.gather.map(p) + ((long long)cta.rank * a.Ms + r0) * a.K);
-        for (int v = team.lane; v < vecs; v += team.size) peer_store_v4(dst + v, src[v]);
+        copy_v4_team(dst, src, vecs, team.lane, team.size);
         team.sync();
         if (team.lane == 0 && cta.rank != c.faults.silent_rank) {
           __threadfence_system();

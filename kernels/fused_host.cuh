@@ -20,9 +20,11 @@ inline FusedCommon make_common(const FusedLaunch& L) {
                     reinterpret_cast<const int*>(L.comm_tasks), L.tc, L.tm, L.compute_units,
                     L.comm_units, L.ctas_per_rank, L.overlap};
   c.world = WorldView{L.world_size, L.rank0, L.ranks_here};
-  c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(L.status), L.timeout_ns};
+  c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(L.status), L.timeout_ns, L.backoff_ns};
   c.faults = FaultView{L.silent_rank, L.delay_rank, L.delay_ns};
   c.barrier = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.barrier_ptrs)};
+  c.timeline = reinterpret_cast<long long*>(L.timeline);
+  c.timeline_cap = L.timeline_cap;
   return c;
 }
 

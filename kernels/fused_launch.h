@@ -36,6 +36,9 @@ struct FusedLaunch {
                             // (ag_gemm: its gather buffer, the engine's A; + r*M*K per rank)
   uint64_t aux_ptr = 0;     // op's extra device table (ag_gemm: int32 [W*C] consumers per chunk;
                             // gemm_ar: [W] result addresses in a distributed world, else 0)
+  int backoff_ns = 0;      // sleep between polls of a wait (Schedule.backoff_ns)
+  uint64_t timeline = 0;   // int64 [ranks_here, ctas_per_rank, 2, timeline_cap, 2] or 0
+  int timeline_cap = 0;    // tasks recorded per unit
 };
 
 }  // namespace mk

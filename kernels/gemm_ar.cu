@@ -56,27 +56,20 @@ struct GemmAR {
     }
   };
 
-  static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                      char* smem) {
-    ComputeHooks h{{a, cta, tasks}};
-    Engine::run(a.engine[cta.local_rank], smem, h);
-  }
-
   // Tasks: t < T finalize owned tile t; T + t wait until tile t landed here. Each unit runs its
   // finalizes before its waits (plan order), and finalizes wait only on compute epilogues: no cycle.
-  static __device__ void comm_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                   const Team& team, char*) {
+  static __device__ void comm_task(const Args& a, const CtaInfo& cta, int id, const Team& team,
+                                   char*) {
     const FusedCommon& c = a.common;
     const int W = c.world.world_size, me = cta.rank;
-    for (int i = 0; i < tasks.count(); ++i) {
-      const int id = tasks[i], t = id % a.T;
+    {
+      const int t = id % a.T;
       if (id >= a.T) {  // NOTE: twice the deadline, so that a stuck owner's own wait reports first
         const WaitSite site{me, t % W, id, kRoleComm, kSignalTileReady, t};
-        if (team.lane == 0)
-          wait_acquire_reset(a.ready.map(me) + t, 1, WaitPolicy{c.wait.status, 2 * c.wait.timeout_ns}, site);
-        continue;
+        const WaitPolicy patient{c.wait.status, 2 * c.wait.timeout_ns, c.wait.backoff_ns};
+        if (team.lane == 0) wait_acquire_reset(a.ready.map(me) + t, 1, patient, site);
+        return;
       }
-      if (me == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
       if (team.lane == 0) {
         for (int j = 0; j < W; ++j) {
           const int src = (me + 1 + j) % W;

@@ -46,21 +46,14 @@ struct GemmRS {
     }
   };
 
-  static __device__ void compute_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                      char* smem) {
-    ComputeHooks h{{a, cta, tasks}};
-    Engine::run(a.engine[cta.local_rank], smem, h);
-  }
-
   // Owner side: tile u of my rows is complete once every rank's flag[u][src] is raised.
-  static __device__ void comm_role(const Args& a, const CtaInfo& cta, const TaskList& tasks,
-                                   const Team& team, char*) {
+  static __device__ void comm_task(const Args& a, const CtaInfo& cta, int id, const Team& team,
+                                   char*) {
     const FusedCommon& c = a.common;
     const int W = c.world.world_size;
-    for (int i = 0; i < tasks.count(); ++i) {
-      const int id = tasks[i], u = id - cta.rank * a.U;
+    {
+      const int u = id - cta.rank * a.U;
       const Tile t = load_tile(c.plan, id);
-      if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
       if (team.lane == 0) {
         for (int j = 0; j < W; ++j) {
           const int src = (cta.rank + 1 + j) % W;
@@ -80,7 +73,6 @@ struct GemmRS {
         *reinterpret_cast<uint2*>(out + off) = packed;
         __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
       }
-      team.sync();
     }
   }
 };

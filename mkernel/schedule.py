@@ -82,6 +82,10 @@ class Schedule:
     chunk_rows: rows per transfer chunk (ag_gemm); default one tile row.
     faults:    injected faults for tests (Faults).
     seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
+    backoff_ns: GPU waits sleep this long between polls of a flag (0: spin), so waiting warps take
+               few issue slots and memory transactions from the compute warps beside them.
+    trace:     GPU: record each task's start and end (global timer) and wait for the kernel; the
+               timeline lands in ``world.last_timeline`` (the interpreter always records one).
     """
 
     overlap: str = "intra_sm"
@@ -92,6 +96,8 @@ class Schedule:
     chunk_rows: int | None = None
     faults: Faults = field(default_factory=Faults)
     seed: int = 0
+    backoff_ns: int = 128
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
@@ -100,6 +106,8 @@ class Schedule:
             raise ValueError(
                 f"Schedule.tile must be one of {sorted(TILE_CONFIGS)}, got {self.tile!r}"
             )
+        if not isinstance(self.backoff_ns, int) or not 0 <= self.backoff_ns <= 1_000_000:
+            raise ValueError(f"Schedule.backoff_ns must be an int in [0, 1e6], got {self.backoff_ns!r}")
         for name in ("sms", "comm_sms", "chunk_rows"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -65,10 +65,11 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
-// All but the newest committed bulk op have finished reading their shared-memory sources
-// (double-buffered staging: the other half may be refilled).
-__device__ __forceinline__ void bulk_wait_read_1() {
-  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+// All but the newest N committed bulk ops have finished reading their shared-memory sources
+// (N + 1 staging buffers in flight: the oldest may be refilled).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read_n() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
 // Every committed bulk op has completed at its destination (required before a signal).
@@ -81,6 +82,21 @@ __device__ __forceinline__ void peer_store_v4(void* dst, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
                : "memory");
+}
+
+// A team copies n 16-byte vectors (dst may be a peer's memory). Four loads are in flight per thread
+// before their stores: one load at a time would leave each thread waiting a full memory latency.
+__device__ __forceinline__ void copy_v4_team(uint4* dst, const uint4* src, long long n, int lane,
+                                             int size) {
+  long long v = lane;
+  for (; v + 3LL * size < n; v += 4LL * size) {
+    uint4 x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = src[v + j * size];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) peer_store_v4(dst + v + j * size, x[j]);
+  }
+  for (; v < n; v += size) peer_store_v4(dst + v, src[v]);
 }
 
 // dst[0..1] += {a, b} at the destination (vector red, sm_90).

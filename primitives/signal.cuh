@@ -38,6 +38,7 @@ struct WaitSite {
 struct WaitPolicy {
   CommStatus* status;  // may be null (then waits never time out: tests must not do that)
   long long timeout_ns;
+  int backoff_ns;  // __nanosleep between polls (0: spin)
 };
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -102,12 +103,15 @@ __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
   st_release_sys(&w.status->abort, 1);
 }
 
-// Spin until pred(observed value) holds, bounded by the deadline. `load` is the polling access.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Spin until poll() holds, bounded by the deadline, sleeping backoff_ns between polls.
 template <class Poll>
 __device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Poll poll) {
   if (poll()) return true;
   const uint64_t start = globaltimer_ns();
   for (uint32_t i = 1;; ++i) {
+    if (w.backoff_ns > 0) __nanosleep(w.backoff_ns);
     if (poll()) return true;
     if ((i & 63) == 0) {
       if (aborting(w)) return false;
@@ -120,9 +124,13 @@ __device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Pol
 }
 
 // Wait until *flag == value, acquire. False on timeout / abort (then the caller carries on).
+// NOTE: polls with relaxed loads and acquires once, with a fence after the value is seen: an
+// acquire load per poll would invalidate the SM's L1 on every iteration, next to the compute warps.
 __device__ inline bool wait_acquire(const int* flag, int value, const WaitPolicy& w,
                                     const WaitSite& site) {
-  return spin_until(w, site, [&] { return ld_acquire_sys(flag) == value; });
+  const bool ok = spin_until(w, site, [&] { return ld_relaxed_sys(flag) == value; });
+  fence_acq_rel_sys();
+  return ok;
 }
 
 // wait_acquire, then consume: the single consumer sets the flag back to 0.

@@ -1,13 +1,18 @@
 // The persistent-kernel template: one launch, one CTA per SM, roles per CTA or per warp, a task loop
-// over the plan. A fused op supplies an `Op` struct:
+// over the plan. A fused op supplies an `Op` struct of hooks; the template supplies the rest (role
+// assignment, entry barrier, task loops, register split, injected lateness, the GPU timeline):
 //
 //   struct Op {
 //     using Engine = ...;                    // compute engine (primitives/gemm/engine.cuh)
-//     struct Args { FusedCommon common; ... };
+//     struct Args {                          // the __grid_constant__ kernel parameter
+//       FusedCommon common;
+//       typename Engine::Params engine[kMaxLocalRanks];  // per served rank
+//       ...
+//     };
+//     struct ComputeHooks;                   // engine hooks, built as {{args, cta, tasks}}
 //     static constexpr int kCommSmemBytes;   // shared memory of the comm role, after the engine's
-//     static __device__ void compute_role(const Args&, const CtaInfo&, const TaskList&, char* smem);
-//     static __device__ void comm_role(const Args&, const CtaInfo&, const TaskList&, const Team&,
-//                                      char* smem);
+//     static __device__ void comm_task(const Args&, const CtaInfo&, int task, const Team&,
+//                                      char* smem);   // one comm task, run by the whole team
 //   };
 //
 // Layout of a CTA (Engine::kThreads threads):
@@ -58,7 +63,18 @@ struct FusedCommon {
   WaitPolicy wait;
   FaultView faults;
   SymPtr<int> barrier;  // [kMaxBarrierSlots, W] per rank
+  // GPU timeline (optional): globaltimer ns, [ranks_here, ctas_per_rank, role, timeline_cap, 2]
+  // = start, end of each task a unit runs (compute: first load .. signalled; comm: the task).
+  long long* timeline;
+  int timeline_cap;
 };
+
+__device__ __forceinline__ long long* timeline_slot(const FusedCommon& c, int local_rank, int slot,
+                                                    int role, int i) {
+  if (c.timeline == nullptr || i >= c.timeline_cap) return nullptr;
+  const long long unit = ((long long)local_rank * c.plan.ctas_per_rank + slot) * 2 + role;
+  return c.timeline + (unit * c.timeline_cap + i) * 2;
+}
 
 struct CtaInfo {
   int rank, local_rank, slot;
@@ -86,6 +102,23 @@ struct Team {
 
 struct Tile {
   int m0, n0, rows, cols, tag;
+};
+
+// Engine hooks with the timeline: start when the producer begins task i, end once it is signalled.
+template <class Hooks>
+struct TimedHooks : Hooks {
+  __device__ void stamp(int i, int which) const {
+    long long* e = timeline_slot(this->a.common, this->cta.local_rank, this->cta.slot, kRoleCompute, i);
+    if (e != nullptr) e[which] = (long long)globaltimer_ns();
+  }
+  __device__ void before_load(int i) const {
+    stamp(i, 0);
+    Hooks::before_load(i);
+  }
+  __device__ void after_store(int i) const {
+    Hooks::after_store(i);
+    stamp(i, 1);
+  }
 };
 
 __device__ __forceinline__ Tile load_tile(const PlanView& p, int id) {
@@ -121,6 +154,29 @@ __device__ __forceinline__ void set_max_regs() {
 }
 
 template <class Op>
+__device__ __forceinline__ void run_compute(const typename Op::Args& args, const CtaInfo& cta,
+                                            const TaskList& tasks, char* smem) {
+  TimedHooks<typename Op::ComputeHooks> hooks{{{args, cta, tasks}}};
+  Op::Engine::run(args.engine[cta.local_rank], smem, hooks);
+}
+
+// The comm role's task loop: lateness injected before each task, the timeline around it, a team
+// barrier after it (so a task's writes are done before the next task's lane-0 waits or signals).
+template <class Op>
+__device__ void run_comm(const typename Op::Args& args, const CtaInfo& cta, const TaskList& tasks,
+                         const Team& team, char* smem) {
+  const FusedCommon& c = args.common;
+  for (int i = 0; i < tasks.count(); ++i) {
+    long long* e = team.lane == 0 ? timeline_slot(c, cta.local_rank, cta.slot, kRoleComm, i) : nullptr;
+    if (e != nullptr) e[0] = (long long)globaltimer_ns();
+    if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
+    Op::comm_task(args, cta, tasks[i], team, smem);
+    team.sync();
+    if (e != nullptr) e[1] = (long long)globaltimer_ns();
+  }
+}
+
+template <class Op>
 __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     persistent_kernel(const __grid_constant__ typename Op::Args args) {
   using Engine = typename Op::Engine;
@@ -140,20 +196,20 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   if (p.overlap == kInterSM && cta.slot >= p.compute_units) {
     const TaskList comm{p.comm_tasks + cta.local_rank * p.tm, cta.slot - p.compute_units,
                         p.comm_units, p.tm};
-    Op::comm_role(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, comm_smem);
+    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, comm_smem);
     return;
   }
   if (warp < 4) {
     set_max_regs<Engine::kProducerRegs, false>();
     if (warp == 0) {
-      Op::compute_role(args, cta, compute, smem);
+      run_compute<Op>(args, cta, compute, smem);
     } else if (warp == 1 && p.overlap == kIntraSM) {
       const TaskList comm{p.comm_tasks + cta.local_rank * p.tm, cta.slot, p.comm_units, p.tm};
-      Op::comm_role(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, comm_smem);
+      run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, comm_smem);
     }
   } else {
     set_max_regs<Engine::kConsumerRegs, true>();
-    Op::compute_role(args, cta, compute, smem);
+    run_compute<Op>(args, cta, compute, smem);
   }
 }
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).parents[1] / "primitives"
 # clocks give release/acquire and bulk completion at the signal), not as separate steps.
 IMPLICIT = {
     "smem_addr", "fence_proxy_async_smem", "fence_proxy_async_global", "bulk_commit",
-    "bulk_wait_read", "bulk_wait_read_1", "bulk_wait_all", "globaltimer_ns", "ld_acquire_sys",
+    "bulk_wait_read", "bulk_wait_read_n", "fence_acq_rel_sys", "bulk_wait_all", "globaltimer_ns", "ld_acquire_sys",
     "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys", "red_add_release_sys", "cas_acq_rel_sys",
     "aborting", "record_timeout", "spin_until", "delay_ns",
 }

@@ -88,6 +88,48 @@ def bench_op(op: str, m: int, world: mkernel.World) -> dict:
     return row
 
 
+def sweep(world: mkernel.World, m: int = 8192) -> None:
+    """Schedule knobs at one shape: wait backoff for both overlaps, comm SMs for inter_sm."""
+    W = world.size
+    shapes = {
+        "gemm_rs": ((m, INTER // W), (INTER // W, H)),
+        "ag_gemm": ((m // W, H), (H, INTER // W)),
+        "gemm_ar": ((m, INTER // W), (INTER // W, H)),
+    }
+    world.sync_checks = False
+    rows = []
+    for op, (sa, sb) in shapes.items():
+        a = torch.randn(*sa, device="cuda").bfloat16()
+        b = torch.randn(*sb, device="cuda").bfloat16()
+        fn = getattr(mkernel, op)
+        knobs = [("intra_sm", None, bo) for bo in (0, 128, 1024)]
+        knobs += [("inter_sm", c, 128) for c in (4, 8, 16, 32)]
+        for overlap, comm_sms, bo in knobs:
+            sched = mkernel.Schedule(overlap=overlap, comm_sms=comm_sms, backoff_ns=bo)
+            ms = _try(lambda s=sched: fn(a, b, world=world, schedule=s))
+            rows.append({"op": op, "m": m, "overlap": overlap, "comm_sms": comm_sms, "backoff_ns": bo, "ms": ms})
+    world.check()
+    # One traced call per op and overlap: where the time goes (Chrome traces next to the JSON).
+    out_dir = os.environ.get("MKERNEL_BENCH_DIR", "benchmarks/results")
+    for op, (sa, sb) in shapes.items():
+        a = torch.randn(*sa, device="cuda").bfloat16()
+        b = torch.randn(*sb, device="cuda").bfloat16()
+        for overlap in ("intra_sm", "inter_sm"):
+            getattr(mkernel, op)(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap, trace=True))
+            tl = world.last_timeline
+            if world.rank == 0:
+                tl.save_chrome(f"{out_dir}/trace_{op}_{overlap}_w{W}.json")
+                for role in ("compute", "comm"):
+                    d = [s.end - s.start for s in tl.spans if s.unit.startswith(role)]
+                    end = max((s.end for s in tl.spans if s.unit.startswith(role)), default=0)
+                    if d:
+                        print(f"trace {op} {overlap} {role}: {len(d)} tasks, mean {sum(d) / len(d) / 1e3:.1f} us, "
+                              f"max {max(d) / 1e3:.1f} us, last end {end / 1e3:.1f} us", flush=True)
+    if world.rank == 0:
+        print(table(rows, ["op", "m", "overlap", "comm_sms", "backoff_ns", "ms"]))
+        print("saved", save(f"tp_sweep_w{W}", rows))
+
+
 def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -104,6 +146,8 @@ def main() -> None:
             rows.append(bench_op(op, m, world))
             if world.rank == 0:
                 print(rows[-1], flush=True)
+    if os.environ.get("MKERNEL_TP_SWEEP"):
+        sweep(world)
     if world.rank == 0:
         cols = ["op", "W", "m", "ours_intra_sm", "ours_inter_sm", "unfused", "torch_fused", "gemm",
                 "comm", "ideal", "vs_unfused"]

@@ -120,6 +120,7 @@ def delay(ctx: Ctx, steps: int) -> Gen:
 # the interpreter does not model the transfer mechanism, only who writes what, when, and how.
 tile_send_bulk = tile_send
 peer_store_v4 = peer_store
+copy_v4_team = peer_store
 reduce_add_bulk_f32 = reduce_add
 reduce_add_bulk_bf16 = reduce_add
 red_add_v2_f32 = reduce_add

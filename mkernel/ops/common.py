@@ -98,6 +98,8 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
         id(hook) if hook is not None else None,
         schedule.chunk_rows,
         schedule.faults,
+        schedule.backoff_ns,
+        schedule.trace,
         tuple(sorted(shapes.items())),
     )
     plans = world._plans
@@ -106,6 +108,8 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
         plan = op_module.make_plan(schedule, world, **shapes)
         if hook is not None:
             plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
+        plan.extra["backoff_ns"] = schedule.backoff_ns
+        plan.extra["trace"] = schedule.trace
         plans[key] = plan
     return plan
 
@@ -246,6 +250,16 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
     L.silent_rank = -1 if f.silent_rank is None else f.silent_rank
     L.delay_rank = -1 if f.delay_rank is None else f.delay_rank
     L.delay_ns = int(f.delay_us * 1000)
+    L.backoff_ns = plan.extra.get("backoff_ns", 0)
+    world._pending_trace = None
+    if plan.extra.get("trace"):
+        ranks_here = L.ranks_here
+        cap = max(1, -(-L.tc // plan.compute_units), -(-L.tm // max(1, plan.comm_units)))
+        buf = torch.zeros(
+            (ranks_here, plan.ctas_per_rank, 2, cap, 2), dtype=torch.int64, device=world.device
+        )
+        L.timeline, L.timeline_cap = buf.data_ptr(), cap
+        world._pending_trace = (plan, buf)
     return L
 
 
@@ -258,10 +272,39 @@ def launch_and_check(world: World, fn: Callable, L: Any, signal_names: dict[int,
     rc = fn(L, stream.cuda_stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
-    if not torch.cuda.is_current_stream_capturing() and world.sync_checks:
+    trace = getattr(world, "_pending_trace", None)
+    if not torch.cuda.is_current_stream_capturing() and (world.sync_checks or trace):
         stream.synchronize()
         raise_timeout(world, status, signal_names)
+        if trace is not None:
+            world.last_timeline = gpu_timeline(world, *trace)
 
+
+def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
+    """The timeline the kernel recorded (Schedule(trace=True)): ns since the first task began."""
+    from ..interp.trace import Timeline
+
+    ev = buf.cpu()
+    tl = Timeline(unit_of_time="ns")
+    valid = ev[..., 0] > 0
+    t0 = int(ev[..., 0][valid].min()) if valid.any() else 0
+    ranks = range(world.size) if world.emulated_world else [world.rank]
+    for lr, rank in enumerate(ranks):
+        for slot in range(plan.ctas_per_rank):
+            for role_id, role in enumerate(("compute", "comm")):
+                if role == "compute":
+                    unit = slot if slot < plan.compute_units else None
+                elif plan.overlap == "intra_sm":
+                    unit = slot
+                else:
+                    unit = slot - plan.compute_units if slot >= plan.compute_units else None
+                if unit is None:
+                    continue
+                for i, task in enumerate(plan.tasks_of(role, rank, unit)[: ev.shape[3]]):
+                    start, end = (int(x) for x in ev[lr, slot, role_id, i])
+                    if start > 0 and end >= start:
+                        tl.add(rank, f"{role}{unit}", task, start - t0, end - t0)
+    return tl
 
 def raise_timeout(
     world: World, status: _StatusBlock, signal_names: dict[int, str] | None = None
