@@ -1,15 +1,16 @@
 // GEMM + ReduceScatter: out[r] = rows r*M/W .. (r+1)*M/W of sum over ranks q of A_q @ B_q.
 //
-// Each rank computes every tile of its partial product (tile order from the plan: by default the
-// tiles of rank r+1 first, its own last). The engine's epilogue reduce-adds the fp32 tile straight
-// into the owner's accumulator (red.global.add through the peer mapping), then signals the owner
-// flag[u][me]. The owner's comm role waits for all W flags of tile u (consuming them), converts the
-// accumulator tile to bf16 into out, and zeroes it for the next call. W == 1: tiles go straight to out.
+// Each rank computes every tile of its partial product (tile order from the plan: by default all
+// ranks walk the owners' blocks in step, tile j of every owner, then j + 1). The engine's epilogue
+// reduce-adds the fp32 tile straight into the owner's accumulator (red.global.add through the peer
+// mapping), then signals the owner flag[u][me]. The owner's comm role waits for all W flags of tile u
+// (consuming them), converts the accumulator tile to bf16 into out, and zeroes it for the next call.
+// W == 1: tiles go straight to out.
 //
-//   W = 2, M split in two row blocks; t = time
-//   rank 0 compute:  [tiles of 1][tiles of 0]     -- red.add --> acc[1] / acc[0]
-//   rank 1 compute:  [tiles of 0][tiles of 1]     -- red.add --> acc[0] / acc[1]
-//   rank 0 comm:           wait flags[0][u][*] -> out[0] tile u (as soon as both contributions land)
+//   W = 2, owners' tiles 1a 1b .. (rank 1's rows), 0a 0b .. (rank 0's rows); t = time ->
+//   rank 0 compute:  1a 0a 1b 0b ...     -- red.add --> acc[1] / acc[0]
+//   rank 1 compute:  0a 1a 0b 1b ...     -- red.add --> acc[0] / acc[1]
+//   rank 0 comm:          wait flags[0][a][*] -> out[0] tile a, then b ... (as contributions land)
 #include "kernels/fused_host.cuh"
 
 namespace mk {

@@ -38,7 +38,7 @@ struct WaitSite {
 struct WaitPolicy {
   CommStatus* status;  // may be null (then waits never time out: tests must not do that)
   long long timeout_ns;
-  int backoff_ns;  // __nanosleep between polls (0: spin)
+  int backoff_ns;  // longest __nanosleep between polls (0: spin)
 };
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -111,7 +111,9 @@ __device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Pol
   if (poll()) return true;
   const uint64_t start = globaltimer_ns();
   for (uint32_t i = 1;; ++i) {
-    if (w.backoff_ns > 0) __nanosleep(w.backoff_ns);
+    // NOTE: exponential backoff up to backoff_ns: a flag that is nearly ready is seen within tens of
+    // ns, while a long wait polls rarely, leaving issue slots and memory to the compute warps.
+    if (w.backoff_ns > 0) __nanosleep(min(w.backoff_ns, 32 << min(i, 12u)));
     if (poll()) return true;
     if ((i & 63) == 0) {
       if (aborting(w)) return false;

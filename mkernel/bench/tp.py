@@ -102,8 +102,8 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
         a = torch.randn(*sa, device="cuda").bfloat16()
         b = torch.randn(*sb, device="cuda").bfloat16()
         fn = getattr(mkernel, op)
-        knobs = [("intra_sm", None, bo) for bo in (0, 128, 1024)]
-        knobs += [("inter_sm", c, 128) for c in (4, 8, 16, 32)]
+        knobs = [("intra_sm", None, bo) for bo in (1024, 2048, 4096, 16384)]
+        knobs += [("inter_sm", c, 2048) for c in (8, 16, 24)]
         for overlap, comm_sms, bo in knobs:
             sched = mkernel.Schedule(overlap=overlap, comm_sms=comm_sms, backoff_ns=bo)
             ms = _try(lambda s=sched: fn(a, b, world=world, schedule=s))

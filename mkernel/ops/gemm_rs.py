@@ -47,8 +47,10 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly within a block
     orders, comms = [], []
     for r in range(W):
-        # Default: start with the next rank's tiles, end with our own, so owners fill up in turn.
-        default = [((r + 1 + i) % W) * per_owner + j for i in range(W) for j in block]
+        # Default: every rank walks the owners' blocks in step (tile j of every owner, then j+1), so
+        # a tile's W contributions land close together and its owner finalizes it while the GEMM
+        # goes on; at each step rank r sends to owner r+1 first, spreading the links' load.
+        default = [((r + 1 + i) % W) * per_owner + j for j in block for i in range(W)]
         orders.append(apply_order(schedule.tile_order, r, tiles, default))
         comms.append([r * per_owner + j for j in range(per_owner)] if W > 1 else [])
     compute_units, comm_units = split_units(schedule, world, len(tiles))
