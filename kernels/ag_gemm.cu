@@ -38,6 +38,7 @@ struct AgGemm {
     // One thread: wait for the tile's chunks (tag = its first), then consume them.
     __device__ void before_load(int i) const {
       const Args& a = this->a;
+      if (a.common.world.world_size == 1) return;  // the engine reads a itself: nothing to wait for
       const int rank = this->cta.rank;
       const Tile t = this->tile(i);
       const int last = a.chunk_of(t.m0 + t.rows - 1);
@@ -92,8 +93,12 @@ struct LaunchAgGemm {
   using Op = AgGemm<Engine>;
   typename Op::Args args{};
   args.common = make_common(L);
-  // The engine's A is the local gather buffer: rank r's at work_local + r * M * K (emulated).
-  if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.work_local), (long long)L.M * L.K)) return kBadConfig;
+  // The engine's A is the local gather buffer: rank r's at work_local + r * M * K (emulated);
+  // with one rank, a itself ([M, K]: nothing to gather).
+  const bool alone = L.world_size == 1;
+  const auto* a_base = reinterpret_cast<const __nv_bfloat16*>(alone ? L.a : L.work_local);
+  if (!fill_engine_params<Engine>(L, args.engine, a_base, alone ? L.a_rank_stride : (long long)L.M * L.K))
+    return kBadConfig;
   args.a = RankPtr<const __nv_bfloat16>{reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride};
   args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
   args.gather = SymPtr<__nv_bfloat16>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};

@@ -43,13 +43,15 @@ struct GemmAR {
   struct ComputeHooks : ComputeHooksBase<Args> {
     __device__ gemm::Dest dest(int i) const {
       const Tile t = this->tile(i);
-      float* acc = this->a.acc.map(t.tag);
-      return gemm::Dest{acc + (long long)t.m0 * this->a.N + t.n0, this->a.N, gemm::kReduceF32};
+      const long long off = (long long)t.m0 * this->a.N + t.n0;
+      if (this->a.common.world.world_size == 1)  // nothing to reduce: bf16 straight to out
+        return gemm::Dest{this->a.out_of(this->cta.rank) + off, this->a.N, gemm::kStoreBF16};
+      return gemm::Dest{this->a.acc.map(t.tag) + off, this->a.N, gemm::kReduceF32};
     }
     __device__ void after_store(int i) const {
       const FusedCommon& c = this->a.common;
       const int rank = this->cta.rank;
-      if (rank == c.faults.silent_rank) return;
+      if (c.world.world_size == 1 || rank == c.faults.silent_rank) return;
       if (rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
       const int id = this->tasks[i], owner = load_tile(c.plan, id).tag;
       signal_set_release(this->a.flags.map(owner) + id * c.world.world_size + rank);

@@ -1,8 +1,8 @@
 """The GEMM engine against cuBLAS, and gemm_rs at W=1 against the bare engine.
 
 ``python -m mkernel bench gemm``: for each shape, our engine's TFLOP/s (the plain GEMM op of
-kernels/gemm.cu), cuBLAS's (torch.matmul) and gemm_rs at W=1 (the engine as the compute role of the
-persistent template), measured in the same run, interleaved (see timing.interleaved_ms), inputs
+kernels/gemm.cu), cuBLAS's (torch.matmul) and the three fused GEMM ops at W=1 (the engine as the
+compute role of the persistent template), measured in the same run, interleaved (see timing.interleaved_ms), inputs
 rotated over sets larger than the L2. Writes benchmarks/results/gemm_<date>.json.
 """
 
@@ -15,6 +15,7 @@ import mkernel
 from ..ops.common import extension
 from .timing import interleaved_ms, rotation, save, table
 
+FUSED = ("gemm_rs", "ag_gemm", "gemm_ar")  # at W=1: the engine as the template's compute role
 SHAPES = [  # M x N x K
     (8192, 8192, 8192),
     (8192, 3584, 8192),
@@ -53,17 +54,17 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
         # Correctness of both ours against cuBLAS on set 0 before timing.
         ref = torch.matmul(a[0][0].float(), b[0][0].float())
         engine_gemm(ext, a[0][0], b[0][0], c[0], order, cfg)
-        rs = mkernel.gemm_rs(a[0], b[0], world=world)
+        fused = {op: getattr(mkernel, op)(a[0], b[0], world=world)[0] for op in FUSED}
         world.check()
-        for name, got in (("engine", c[0]), ("gemm_rs", rs[0])):
+        for name, got in (("engine", c[0]), *fused.items()):
             err = ((got.float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
                 raise AssertionError(f"{name} {m}x{n}x{k}: relative error {err}")
         ms = interleaved_ms(
             {
                 "engine": lambda i: engine_gemm(ext, a[i][0], b[i][0], c[i], order, cfg),
-                "gemm_rs": lambda i: mkernel.gemm_rs(a[i], b[i], world=world),
                 "cublas": lambda i: torch.matmul(a[i][0], b[i][0], out=c[i]),
+                **{op: (lambda i, f=getattr(mkernel, op): f(a[i], b[i], world=world)) for op in FUSED},
             },
             sets,
         )
@@ -77,14 +78,15 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
                 "config": cfg,
                 "tflops": flop / ms["engine"] / 1e9,
                 "cublas_tflops": flop / ms["cublas"] / 1e9,
-                "gemm_rs_w1_tflops": flop / ms["gemm_rs"] / 1e9,
                 "ratio": ms["cublas"] / ms["engine"],
-                "gemm_rs_vs_engine": ms["engine"] / ms["gemm_rs"],
+                **{f"{op}_w1_tflops": flop / ms[op] / 1e9 for op in FUSED},
+                **{f"{op}_vs_engine": ms["engine"] / ms[op] for op in FUSED},
             }
         )
         print(rows[-1], flush=True)
         del a, b, c
-    print(table(rows, ["m", "n", "k", "tflops", "cublas_tflops", "ratio", "gemm_rs_w1_tflops", "gemm_rs_vs_engine"]))
+    cols = ["m", "n", "k", "tflops", "cublas_tflops", "ratio", *(f"{op}_vs_engine" for op in FUSED)]
+    print(table(rows, cols))
     if save_json:
         print("saved", save("gemm", rows))
     return rows

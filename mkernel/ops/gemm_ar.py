@@ -61,7 +61,8 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         # finalizes before any of its waits; a finalize waits only on compute epilogues, which wait
         # on nothing; so every finalize completes, and with them every tile_ready a wait needs.
         owned = [t for t in range(T) if t % W == r]
-        comms.append(owned + [T + t for t in range(T) if t % W != r])
+        # W == 1: the epilogue stores the bf16 tile straight into out; nothing to communicate.
+        comms.append(owned + [T + t for t in range(T) if t % W != r] if W > 1 else [])
     compute_units, comm_units = split_units(schedule, world, T)
     return Plan(
         op="gemm_ar",
@@ -71,7 +72,7 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         shapes={"m": m, "n": n, "k": k},
         tiles=tiles,
         compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, T),
-        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, T),
+        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, T if W > 1 else 0),
         compute_units=compute_units,
         comm_units=comm_units,
         faults=schedule.faults,
@@ -182,6 +183,9 @@ def compute_program(plan: Plan):
         a = yield from twins.tile_load(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
         b = yield from twins.tile_load(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         rect = (t.m0, t.rows, t.n0, t.cols)
+        if plan.world_size == 1:
+            yield from twins.output_store(ctx, "out", ctx.rank, rect, a.float() @ b.float(), task)
+            return
         yield from twins.reduce_add(ctx, "acc", t.tag, rect, a.float() @ b.float())
         if ctx.rank == f.silent_rank:
             return
