@@ -23,7 +23,9 @@ def demo(ranks: int = 4, device: str | None = None) -> int:
     ref = mkernel.reference.gemm_rs(a, b, world=world).float()
     backend = torch.cuda.get_device_name() if device == "cuda" else "CPU interpreter"
     print(f"mkernel demo: gemm_rs, emulated world of {ranks} ranks on {backend}")
-    print(f"  per rank: a [{m}, {kl}] @ b [{kl}, {n}] -> reduce-scatter -> [{m // ranks}, {n}] bf16")
+    print(
+        f"  per rank: a [{m}, {kl}] @ b [{kl}, {n}] -> reduce-scatter -> [{m // ranks}, {n}] bf16"
+    )
     ok = True
     for overlap in ("intra_sm", "inter_sm"):
         sched = mkernel.Schedule(overlap=overlap)
@@ -74,7 +76,9 @@ def bench(name: str, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mkernel")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="gemm_rs in an emulated 4-rank world, checked against the reference")
+    d = sub.add_parser(
+        "demo", help="gemm_rs in an emulated 4-rank world, checked against the reference"
+    )
     d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--device", choices=["cpu", "cuda"], default=None)
     b = sub.add_parser("bench", help="benchmarks against the baselines (GPU)")

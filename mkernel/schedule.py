@@ -108,7 +108,9 @@ class Schedule:
                 f"Schedule.tile must be one of {sorted(TILE_CONFIGS)}, got {self.tile!r}"
             )
         if not isinstance(self.backoff_ns, int) or not 0 <= self.backoff_ns <= 1_000_000:
-            raise ValueError(f"Schedule.backoff_ns must be an int in [0, 1e6], got {self.backoff_ns!r}")
+            raise ValueError(
+                f"Schedule.backoff_ns must be an int in [0, 1e6], got {self.backoff_ns!r}"
+            )
         for name in ("sms", "comm_sms", "chunk_rows"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -160,7 +160,9 @@ def test_bad_schedule_and_out():
     with pytest.raises(ValueError, match="out must be bfloat16"):
         mkernel.gemm_rs(a, b, world=world, out=torch.empty(2, 8, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="silent_rank"):
-        mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(faults=mkernel.Faults(silent_rank=5)))
+        mkernel.gemm_rs(
+            a, b, world=world, schedule=mkernel.Schedule(faults=mkernel.Faults(silent_rank=5))
+        )
 
 
 def test_bad_world():

@@ -11,10 +11,25 @@ ROOT = Path(__file__).parents[1] / "primitives"
 # Ordering/fencing helpers and raw PTX wrappers that the interpreter models implicitly (its vector
 # clocks give release/acquire and bulk completion at the signal), not as separate steps.
 IMPLICIT = {
-    "smem_addr", "fence_proxy_async_smem", "fence_proxy_async_global", "bulk_commit",
-    "bulk_wait_read", "bulk_wait_read_n", "fence_acq_rel_sys", "bulk_wait_all", "globaltimer_ns", "ld_acquire_sys",
-    "ld_relaxed_sys", "st_release_sys", "st_relaxed_sys", "red_add_release_sys", "cas_acq_rel_sys",
-    "aborting", "record_timeout", "spin_until", "delay_ns",
+    "smem_addr",
+    "fence_proxy_async_smem",
+    "fence_proxy_async_global",
+    "bulk_commit",
+    "bulk_wait_read",
+    "bulk_wait_read_n",
+    "fence_acq_rel_sys",
+    "bulk_wait_all",
+    "globaltimer_ns",
+    "ld_acquire_sys",
+    "ld_relaxed_sys",
+    "st_release_sys",
+    "st_relaxed_sys",
+    "red_add_release_sys",
+    "cas_acq_rel_sys",
+    "aborting",
+    "record_timeout",
+    "spin_until",
+    "delay_ns",
 }
 
 
@@ -22,7 +37,9 @@ def device_primitives() -> set[str]:
     names = set()
     for f in ("signal.cuh", "comm.cuh"):
         text = (ROOT / f).read_text()
-        names |= set(re.findall(r"__device__\s+(?:__forceinline__\s+|inline\s+)*\w+\s+(\w+)\(", text))
+        names |= set(
+            re.findall(r"__device__\s+(?:__forceinline__\s+|inline\s+)*\w+\s+(\w+)\(", text)
+        )
     return names
 
 

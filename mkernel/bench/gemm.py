@@ -26,7 +26,9 @@ SHAPES = [  # M x N x K
 ]
 
 
-def engine_gemm(ext, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, order: torch.Tensor, cfg: int):
+def engine_gemm(
+    ext, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, order: torch.Tensor, cfg: int
+):
     m, k = a.shape
     n = b.shape[1]
     args = ext.GemmArgs()
@@ -64,7 +66,10 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
             {
                 "engine": lambda i: engine_gemm(ext, a[i][0], b[i][0], c[i], order, cfg),
                 "cublas": lambda i: torch.matmul(a[i][0], b[i][0], out=c[i]),
-                **{op: (lambda i, f=getattr(mkernel, op): f(a[i], b[i], world=world)) for op in FUSED},
+                **{
+                    op: (lambda i, f=getattr(mkernel, op): f(a[i], b[i], world=world))
+                    for op in FUSED
+                },
             },
             sets,
         )

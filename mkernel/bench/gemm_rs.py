@@ -31,7 +31,9 @@ def run(shapes=SHAPES, iters: int = 20, overlap: str = "intra_sm", save_json: bo
         a = [torch.randn(1, m, k, device="cuda").bfloat16() for _ in range(sets)]
         b = [torch.randn(1, k, n, device="cuda").bfloat16() for _ in range(sets)]
         sched = mkernel.Schedule(overlap=overlap)
-        ours = median_ms(lambda i: mkernel.gemm_rs(a[i], b[i], world=world, schedule=sched), sets, iters)
+        ours = median_ms(
+            lambda i: mkernel.gemm_rs(a[i], b[i], world=world, schedule=sched), sets, iters
+        )
         world.check()
         cublas = median_ms(lambda i: torch.matmul(a[i][0], b[i][0]), sets, iters)
         flop = 2 * m * n * k

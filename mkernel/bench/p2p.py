@@ -12,7 +12,9 @@ import torch
 MODES = {"tile_send_bulk": 0, "reduce_add_bulk_f32": 1, "peer_store_v4": 2, "red_add_v4_f32": 3}
 
 
-def transfer(src: torch.Tensor, dst_ptr: int, mode: str, ctas: int, chunk_bytes: int = 16384) -> None:
+def transfer(
+    src: torch.Tensor, dst_ptr: int, mode: str, ctas: int, chunk_bytes: int = 16384
+) -> None:
     """Moves ``src`` (contiguous, 16-byte multiple) to address ``dst_ptr`` with primitive ``mode``
     on ``ctas`` CTAs (fp32 reduce modes add ``src`` read as fp32 into the destination)."""
     from ..ops.common import extension
@@ -23,7 +25,9 @@ def transfer(src: torch.Tensor, dst_ptr: int, mode: str, ctas: int, chunk_bytes:
     L.ctas, L.mode, L.chunk_bytes = ctas, MODES[mode], chunk_bytes
     rc = ext.launch_p2p(L, torch.cuda.current_stream().cuda_stream)
     if rc:
-        raise ValueError(f"p2p launch rejected (code {rc}): sizes and addresses must be 16-byte multiples")
+        raise ValueError(
+            f"p2p launch rejected (code {rc}): sizes and addresses must be 16-byte multiples"
+        )
 
 
 def bandwidth(world, mib: int = 256, ctas_list=(1, 2, 4, 8, 16, 32, 66, 132), iters: int = 10):
@@ -42,7 +46,9 @@ def bandwidth(world, mib: int = 256, ctas_list=(1, 2, 4, 8, 16, 32, 66, 132), it
             dist.barrier()
             if world.rank == 0:
                 ms = median_ms(lambda i: transfer(src, peer, mode, ctas), 1, iters, warmup=2)
-                rows.append({"primitive": mode, "ctas": ctas, "mib": mib, "ms": ms, "gbps": n / ms / 1e6})
+                rows.append(
+                    {"primitive": mode, "ctas": ctas, "mib": mib, "ms": ms, "gbps": n / ms / 1e6}
+                )
             torch.cuda.synchronize()
     dist.barrier()
     return rows

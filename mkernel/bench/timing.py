@@ -44,7 +44,10 @@ def interleaved_ms(
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per)]
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(per)
+            ]
             for c, (a, b) in enumerate(ev):
                 a.record()
                 f(c % sets)

@@ -107,7 +107,16 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
         for overlap, comm_sms, bo in knobs:
             sched = mkernel.Schedule(overlap=overlap, comm_sms=comm_sms, backoff_ns=bo)
             ms = _try(lambda s=sched: fn(a, b, world=world, schedule=s))
-            rows.append({"op": op, "m": m, "overlap": overlap, "comm_sms": comm_sms, "backoff_ns": bo, "ms": ms})
+            rows.append(
+                {
+                    "op": op,
+                    "m": m,
+                    "overlap": overlap,
+                    "comm_sms": comm_sms,
+                    "backoff_ns": bo,
+                    "ms": ms,
+                }
+            )
     world.check()
     # One traced call per op and overlap: where the time goes (Chrome traces next to the JSON).
     out_dir = os.environ.get("MKERNEL_BENCH_DIR", "benchmarks/results")
@@ -115,7 +124,9 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
         a = torch.randn(*sa, device="cuda").bfloat16()
         b = torch.randn(*sb, device="cuda").bfloat16()
         for overlap in ("intra_sm", "inter_sm"):
-            getattr(mkernel, op)(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap, trace=True))
+            getattr(mkernel, op)(
+                a, b, world=world, schedule=mkernel.Schedule(overlap=overlap, trace=True)
+            )
             tl = world.last_timeline
             if world.rank == 0:
                 tl.save_chrome(f"{out_dir}/trace_{op}_{overlap}_w{W}.json")
@@ -123,8 +134,11 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
                     d = [s.end - s.start for s in tl.spans if s.unit.startswith(role)]
                     end = max((s.end for s in tl.spans if s.unit.startswith(role)), default=0)
                     if d:
-                        print(f"trace {op} {overlap} {role}: {len(d)} tasks, mean {sum(d) / len(d) / 1e3:.1f} us, "
-                              f"max {max(d) / 1e3:.1f} us, last end {end / 1e3:.1f} us", flush=True)
+                        print(
+                            f"trace {op} {overlap} {role}: {len(d)} tasks, mean {sum(d) / len(d) / 1e3:.1f} us, "
+                            f"max {max(d) / 1e3:.1f} us, last end {end / 1e3:.1f} us",
+                            flush=True,
+                        )
     if world.rank == 0:
         print(table(rows, ["op", "m", "overlap", "comm_sms", "backoff_ns", "ms"]))
         print("saved", save(f"tp_sweep_w{W}", rows))
@@ -149,8 +163,19 @@ def main() -> None:
     if os.environ.get("MKERNEL_TP_SWEEP"):
         sweep(world)
     if world.rank == 0:
-        cols = ["op", "W", "m", "ours_intra_sm", "ours_inter_sm", "unfused", "torch_fused", "gemm",
-                "comm", "ideal", "vs_unfused"]
+        cols = [
+            "op",
+            "W",
+            "m",
+            "ours_intra_sm",
+            "ours_inter_sm",
+            "unfused",
+            "torch_fused",
+            "gemm",
+            "comm",
+            "ideal",
+            "vs_unfused",
+        ]
         print(table(rows, cols))
         print("saved", save(f"tp_w{world.size}", rows))
     dist.destroy_process_group()

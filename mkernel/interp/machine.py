@@ -114,7 +114,9 @@ class Machine:
         self.timeline = Timeline()
 
     # -- agents ---------------------------------------------------------------------------------
-    def add_agent(self, rank: int, role: str, unit: int, tasks: list[int], program: Program) -> None:
+    def add_agent(
+        self, rank: int, role: str, unit: int, tasks: list[int], program: Program
+    ) -> None:
         agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit)
         self.agents.append(agent)
         agent.gen = self._drive(agent, tasks, program)
@@ -225,7 +227,10 @@ class Machine:
         writers.append((a.rank, a.task))
         if len(writers) > 1:
             raise TileWriteError(
-                "tile written twice", a.rank, a.task, f"output tile {tile} of rank {rank}",
+                "tile written twice",
+                a.rank,
+                a.task,
+                f"output tile {tile} of rank {rank}",
                 f"writers (rank, task): {writers}",
             )
 

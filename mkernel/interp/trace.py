@@ -33,9 +33,13 @@ class Timeline:
         tid = {u: i for i, u in enumerate(units)}
         events: list[dict] = []
         for rank in sorted({s.rank for s in self.spans}):
-            events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+            events.append(
+                {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+            )
         for (rank, unit), i in tid.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": unit}})
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": unit}}
+            )
         for s in self.spans:
             events.append(
                 {

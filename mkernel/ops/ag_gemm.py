@@ -105,9 +105,9 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
 def ag_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
-    *,
     world: World,
     schedule: Schedule | None = None,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """AllGather + GEMM in one persistent kernel: ``all_gather(a) @ b`` on every rank.
@@ -263,7 +263,7 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     return out
 
 
-def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
+def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: gather shards, fp32 GEMM per rank, bf16."""
     full_a = torch.cat(_per_rank(a, world)).float()
     if world.emulated_world:

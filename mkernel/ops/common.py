@@ -33,7 +33,9 @@ def check_schedule(schedule: Any) -> Schedule:
     if schedule is None:
         return Schedule()
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be an mkernel.Schedule or None, got {type(schedule).__name__}")
+        raise TypeError(
+            f"schedule must be an mkernel.Schedule or None, got {type(schedule).__name__}"
+        )
     return schedule
 
 
@@ -79,7 +81,9 @@ def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out.dtype != torch.bfloat16 or tuple(out.shape) != full:
-        raise ValueError(f"out must be bfloat16 of shape {list(full)}, got {out.dtype} {list(out.shape)}")
+        raise ValueError(
+            f"out must be bfloat16 of shape {list(full)}, got {out.dtype} {list(out.shape)}"
+        )
     if out.device.type != world.device.type or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor on {world.device}")
     return out
@@ -145,7 +149,9 @@ def run_interpreter(
 
     def wait_cta(slot: int):
         def prologue(ctx):
-            yield from twins.wait_acquire_reset(ctx, ctx.sig("cta_ready", ctx.rank, slot), 1, ctx.rank)
+            yield from twins.wait_acquire_reset(
+                ctx, ctx.sig("cta_ready", ctx.rank, slot), 1, ctx.rank
+            )
 
         return prologue
 
@@ -161,7 +167,9 @@ def run_interpreter(
     for r in range(world.size):
         for u in range(plan.compute_units):
             prologue = cta_prologue(u, publish=intra)
-            m.add_agent(r, "compute", u, plan.tasks_of("compute", r, u), with_prologue(compute, prologue))
+            m.add_agent(
+                r, "compute", u, plan.tasks_of("compute", r, u), with_prologue(compute, prologue)
+            )
         for u in range(plan.comm_units):
             prologue = wait_cta(u) if intra else cta_prologue(plan.compute_units + u, publish=False)
             m.add_agent(r, "comm", u, plan.tasks_of("comm", r, u), with_prologue(comm, prologue))
@@ -225,7 +233,9 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
     from ..schedule import TILE_CONFIG_IDS
 
     if world.emulated_world and world.size > MAX_LOCAL_RANKS:
-        raise ValueError(f"an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, got {world.size}")
+        raise ValueError(
+            f"an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, got {world.size}"
+        )
     ext = extension()
     L = ext.FusedLaunch()
     tables = plan.device_tables(world.device)
@@ -305,6 +315,7 @@ def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
                     if start > 0 and end >= start:
                         tl.add(rank, f"{role}{unit}", task, start - t0, end - t0)
     return tl
+
 
 def raise_timeout(
     world: World, status: _StatusBlock, signal_names: dict[int, str] | None = None

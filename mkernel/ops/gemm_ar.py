@@ -83,9 +83,9 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
 def gemm_ar(
     a: torch.Tensor,
     b: torch.Tensor,
-    *,
     world: World,
     schedule: Schedule | None = None,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM + AllReduce in one persistent kernel: the sum over ranks of ``a @ b``, on every rank.
@@ -235,7 +235,7 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     return out
 
 
-def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
+def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, bf16 everywhere."""
     parts = _per_rank(a, world), _per_rank(b, world)
     full = sum(x.float() @ y.float() for x, y in zip(*parts, strict=True)).bfloat16()

@@ -73,9 +73,9 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
 def gemm_rs(
     a: torch.Tensor,
     b: torch.Tensor,
-    *,
     world: World,
     schedule: Schedule | None = None,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM + ReduceScatter in one persistent kernel.
@@ -100,7 +100,9 @@ def gemm_rs(
     m, kl = common.check_operand("a", a, world, 2, "[M, K/W]")
     kb, n = common.check_operand("b", b, world, 2, "[K/W, N]")
     if kb != kl:
-        raise ValueError(f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs")
+        raise ValueError(
+            f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs"
+        )
     common.check_divides("M (rows of a)", m, world.size, f"M is split over W={world.size} ranks")
     common.check_divides("K/W (columns of a)", kl, common.ALIGN, "16-byte rows")
     common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
@@ -205,12 +207,19 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     if world.size == 1:
         expected = {0: list(range(len(plan.tiles)))}
     common.run_interpreter(
-        world, plan, pads, buffers, compute_program(plan), comm_program(plan), schedule.seed, expected
+        world,
+        plan,
+        pads,
+        buffers,
+        compute_program(plan),
+        comm_program(plan),
+        schedule.seed,
+        expected,
     )
     return out
 
 
-def reference(a: torch.Tensor, b: torch.Tensor, *, world: World) -> torch.Tensor:
+def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, scatter rows, bf16."""
     parts = _per_rank(a, world), _per_rank(b, world)
     full = sum(x.float() @ y.float() for x, y in zip(*parts))

@@ -60,7 +60,9 @@ def main() -> int:
     p.add_argument("--device", type=int, default=None, help="GPU index (default: local rank)")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(args.device if args.device is not None else local % torch.cuda.device_count())
+    torch.cuda.set_device(
+        args.device if args.device is not None else local % torch.cuda.device_count()
+    )
     backend = "gloo" if torch.cuda.device_count() < int(os.environ["WORLD_SIZE"]) else "nccl"
     dist.init_process_group(backend)
     world = mkernel.World.from_process_group(timeout_s=5.0)
