@@ -54,11 +54,6 @@ def bench(name: str, args: list[str]) -> int:
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
-    if name == "gemm_rs":
-        from .bench import gemm_rs
-
-        gemm_rs.run()
-        return 0
     if name == "gemm":
         from .bench import gemm
 
@@ -69,7 +64,7 @@ def bench(name: str, args: list[str]) -> int:
 
         p2p.main()  # under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m mkernel bench p2p
         return 0
-    print(f"unknown benchmark {name!r} (known: gemm, gemm_rs, p2p)", file=sys.stderr)
+    print(f"unknown benchmark {name!r} (known: gemm, p2p; tp runs under torchrun: -m mkernel.bench.tp)", file=sys.stderr)
     return 2
 
 
