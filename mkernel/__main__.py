@@ -62,9 +62,14 @@ def bench(name: str, args: list[str]) -> int:
     if name == "p2p":
         from .bench import p2p
 
-        p2p.main()  # under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m mkernel bench p2p
+        # under torchrun: python -m torch.distributed.run --nproc_per_node=2 -m mkernel bench p2p
+        p2p.main()
         return 0
-    print(f"unknown benchmark {name!r} (known: gemm, p2p; tp runs under torchrun: -m mkernel.bench.tp)", file=sys.stderr)
+    print(
+        f"unknown benchmark {name!r} "
+        "(known: gemm, p2p; tp runs under torchrun: -m mkernel.bench.tp)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 class CommTimeout(RuntimeError):
     """A wait passed its deadline (on the GPU or in the CPU interpreter).
 
-    Attributes name the waiter: ``rank`` (who waited), ``peer`` (whose signal it waited for, or -1 when
-    unknown), ``signal`` (the signal's name and index), ``task`` (the waiter's task id, -1 outside a
-    task) and ``role`` ("compute", "comm", "barrier").
+    Attributes name the waiter: ``rank`` (who waited), ``peer`` (whose signal it waited for, or -1
+    when unknown), ``signal`` (the signal's name and index), ``task`` (the waiter's task id, -1
+    outside a task) and ``role`` ("compute", "comm", "barrier").
     """
 
     def __init__(

@@ -2,9 +2,9 @@
 
 A ``Schedule`` says who does what, when: intra-SM or inter-SM overlap, how many SMs each role gets,
 the order of tiles on each rank (a user's Python hook), chunk sizes. ``schedule.plan(op, world,
-...)`` compiles it into a ``Plan``: small int32 tables (the tile table, each rank's compute order and
-comm tasks) plus the few compile-time choices (overlap mode, tile config). The GPU kernel and the CPU
-interpreter run the same plan.
+...)`` compiles it into a ``Plan``: small int32 tables (the tile table, each rank's compute order
+and comm tasks) plus the few compile-time choices (overlap mode, tile config). The GPU kernel and
+the CPU interpreter run the same plan.
 
 Task assignment is static and shared by both backends: the c-th unit of a role on a rank (a CTA, or
 the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in plan order.
@@ -55,9 +55,9 @@ class Tile(NamedTuple):
 
 @dataclass(frozen=True)
 class Faults:
-    """Injected faults for tests: ``silent_rank`` never raises its signals (its peers' waits must time
-    out); ``delay_rank`` sleeps ``delay_us`` before each of its communication tasks (results must not
-    change)."""
+    """Injected faults for tests: ``silent_rank`` never raises its signals (its peers' waits must
+    time out); ``delay_rank`` sleeps ``delay_us`` before each of its communication tasks (results
+    must not change)."""
 
     silent_rank: int | None = None
     delay_rank: int | None = None
@@ -78,7 +78,8 @@ class Schedule:
     comm_sms:  inter_sm only: how many of those SMs run the communication role.
     tile:      a TILE_CONFIGS name (default: a heuristic per shape).
     tile_order: hook ``fn(rank, tiles) -> order`` returning a permutation of ``range(len(tiles))``:
-               the order in which ``rank`` computes its tiles (e.g. the tiles a peer waits for first).
+               the order in which ``rank`` computes its tiles (e.g. the tiles a peer waits for
+               first).
     chunk_rows: rows per transfer chunk (ag_gemm); default one tile row.
     faults:    injected faults for tests (Faults).
     seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
@@ -153,7 +154,8 @@ class Plan:
         return self.compute_units + self.comm_units
 
     def tasks_of(self, role: str, rank: int, unit: int) -> list[int]:
-        """The tasks that unit ``unit`` of ``role`` on ``rank`` runs, in order (static round robin)."""
+        """The tasks that unit ``unit`` of ``role`` on ``rank`` runs, in order (static round
+        robin)."""
         table, n = (
             (self.compute_order, self.compute_units)
             if role == "compute"
@@ -191,9 +193,9 @@ def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
 
 
 def grouped_order(tiles_m: int, tiles_n: int, cfg: TileConfig, sms: int) -> list[int]:
-    """Row-major tile ids of a tiles_m x tiles_n grid in L2-friendly order: down a group of ~sqrt(sms
-    * BN / BM) tile rows, then across the columns, snaking between groups, so the tiles in flight
-    cover a near-square block of C and share A rows and B columns in L2."""
+    """Row-major tile ids of a tiles_m x tiles_n grid in L2-friendly order: down a group of
+    ~sqrt(sms * BN / BM) tile rows, then across the columns, snaking between groups, so the tiles in
+    flight cover a near-square block of C and share A rows and B columns in L2."""
     g = 1
     while (g + 1) * (g + 1) * cfg.bm <= sms * cfg.bn:
         g += 1

@@ -1,8 +1,8 @@
 """Worlds: who the ranks are and where their memory lives.
 
-An emulated world holds W virtual ranks in one process, on the CPU (run by the interpreter) or on one
-GPU (all ranks' CTAs in one launch). Every per-rank tensor is one tensor whose leading dimension is
-the rank: ``x[r]`` is rank r's tensor. A distributed world is one process per GPU (torchrun); a
+An emulated world holds W virtual ranks in one process, on the CPU (run by the interpreter) or on
+one GPU (all ranks' CTAs in one launch). Every per-rank tensor is one tensor whose leading dimension
+is the rank: ``x[r]`` is rank r's tensor. A distributed world is one process per GPU (torchrun); a
 per-rank tensor is the local tensor, and symmetric buffers come from PyTorch's symmetric memory
 (CUDA IPC peer mappings, never multicast).
 """
@@ -37,8 +37,8 @@ class SymBuffer:
     """A symmetric buffer: the same shape on every rank, each rank able to address every peer's.
 
     ``local`` is this process's view: in an emulated world the [W, ...] tensor of all ranks; in a
-    distributed world the local rank's tensor. ``peer_ptrs`` (int64, on the world's device) holds the
-    address of every rank's buffer, for device code (``SymPtr::map(rank)``).
+    distributed world the local rank's tensor. ``peer_ptrs`` (int64, on the world's device) holds
+    the address of every rank's buffer, for device code (``SymPtr::map(rank)``).
     """
 
     local: torch.Tensor
@@ -51,7 +51,8 @@ class SymBuffer:
 
 @dataclass(eq=False)
 class World:
-    """The set of ranks an op runs over. Build one with ``World.emulated`` or ``from_process_group``."""
+    """The set of ranks an op runs over. Build one with ``World.emulated`` or
+    ``from_process_group``."""
 
     size: int
     device: torch.device
@@ -95,8 +96,9 @@ class World:
 
     @staticmethod
     def from_process_group(group: Any = None, timeout_s: float = 5.0) -> World:
-        """One process per GPU: the world of ``group`` (default: the default process group). Symmetric
-        buffers come from ``torch.distributed._symmetric_memory`` with multicast disabled."""
+        """One process per GPU: the world of ``group`` (default: the default process group).
+        Symmetric buffers come from ``torch.distributed._symmetric_memory`` with multicast
+        disabled."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -153,7 +155,7 @@ class World:
     def __repr__(self) -> str:
         return f"World({self.kind}, size={self.size}, device={self.device}, nodes={self.nodes})"
 
-    # -- symmetric memory ---------------------------------------------------------------------------
+    # -- symmetric memory -------------------------------------------------------------------------
     def symmetric(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> SymBuffer:
         """A zero-initialised symmetric buffer, cached under ``key`` (ops keep their workspace and
         signal pads here between calls; signals reset themselves, so the cache stays valid)."""
@@ -165,8 +167,8 @@ class World:
         return buf
 
     def signal_pads(self) -> dict[tuple, torch.Tensor]:
-        """Every int32 symmetric buffer (signal pads) this world holds, by key; tests check that each
-        is back to all zeros after an op."""
+        """Every int32 symmetric buffer (signal pads) this world holds, by key; tests check that
+        each is back to all zeros after an op."""
         return {k: b.local for k, b in self._buffers.items() if b.local.dtype == torch.int32}
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> SymBuffer:

@@ -16,7 +16,8 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> N
     tol = r.abs() * 2.0**-7 + scale * 2.0**-12
     bad = err > tol
     assert not bad.any(), (
-        f"{what}: {int(bad.sum())} elements off; max err {err.max().item():.3g} at scale {scale:.3g}"
+        f"{what}: {int(bad.sum())} elements off; "
+        f"max err {err.max().item():.3g} at scale {scale:.3g}"
     )
 
 

@@ -1,4 +1,5 @@
-"""gemm_rs on the CPU interpreter: properties over shapes, world sizes, schedules and interleavings."""
+"""gemm_rs on the CPU interpreter: properties over shapes, world sizes, schedules and
+interleavings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The CPU interpreter catches protocol bugs: races, double / missing writes, deadlocks, timeouts."""
+"""The CPU interpreter catches protocol bugs: races, double / missing writes, deadlocks,
+timeouts."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 #
 # What you will learn:
 # 1. how a rank hands a tile to a peer with the three primitives every fused kernel is made of:
-#    `tile_send` (move the data), `signal_set_release` (publish it), `wait_acquire_reset` (consume it);
+#    `tile_send` (move the data), `signal_set_release` (publish it), `wait_acquire_reset`
+#    (consume it);
 # 2. how the CPU interpreter runs such programs with virtual ranks and SMs in a random interleaving,
 #    and catches a missing wait as a race;
 # 3. how one fused op (`mkernel.gemm_rs`) runs under two schedules, intra-SM and inter-SM overlap,
@@ -21,9 +22,9 @@ from mkernel.interp.machine import Machine
 # %% [markdown]
 # ## 1. Two ranks exchange a tile
 # Rank 0 sends a 4x4 tile into rank 1's buffer `x` and raises flag `f[1][0]`. Rank 1 waits for the
-# flag (acquire), consumes it (resets it to 0, so the pad is clean for the next call), and copies the
-# tile it received into its output rows. Each program is a Python generator: every primitive is a
-# point where the interpreter may switch to another agent.
+# flag (acquire), consumes it (resets it to 0, so the pad is clean for the next call), and copies
+# the tile it received into its output rows. Each program is a Python generator: every primitive is
+# a point where the interpreter may switch to another agent.
 
 # %%
 W = 2
@@ -77,8 +78,8 @@ except mkernel.RaceError as e:
 # %% [markdown]
 # ## 2. GEMM+ReduceScatter, two schedules
 # Each rank multiplies its `a [M, K/W]` by `b [K/W, N]`; the sum over ranks is scattered by rows.
-# With `intra_sm` each CTA (virtual SM) computes tiles while its communicator warp finishes the tiles
-# it owns; with `inter_sm` separate CTAs do the communication. The op's programs are the same.
+# With `intra_sm` each CTA (virtual SM) computes tiles while its communicator warp finishes the
+# tiles it owns; with `inter_sm` separate CTAs do the communication. The op's programs are the same.
 
 # %%
 W = 4

@@ -45,7 +45,8 @@ def bandwidth(world, mib: int = 256, ctas_list=(1, 2, 4, 8, 16, 32, 66, 132), it
         for ctas in ctas_list:
             dist.barrier()
             if world.rank == 0:
-                ms = median_ms(lambda i: transfer(src, peer, mode, ctas), 1, iters, warmup=2)
+                fn = lambda i, mode=mode, ctas=ctas: transfer(src, peer, mode, ctas)
+                ms = median_ms(fn, 1, iters, warmup=2)
                 rows.append(
                     {"primitive": mode, "ctas": ctas, "mib": mib, "ms": ms, "gbps": n / ms / 1e6}
                 )

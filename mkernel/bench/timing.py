@@ -88,8 +88,10 @@ def save(name: str, records: Sequence[dict], out_dir: str | Path | None = None) 
 
 def table(rows: Sequence[dict], cols: Sequence[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    line = "  ".join(c.rjust(w) for c, w in zip(cols, widths))
-    body = ["  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)) for r in rows]
+    line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
+    body = [
+        "  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths, strict=True)) for r in rows
+    ]
     return "\n".join([line, *body])
 
 

@@ -106,7 +106,7 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
         knobs += [("inter_sm", c, 2048) for c in (8, 16, 24)]
         for overlap, comm_sms, bo in knobs:
             sched = mkernel.Schedule(overlap=overlap, comm_sms=comm_sms, backoff_ns=bo)
-            ms = _try(lambda s=sched: fn(a, b, world=world, schedule=s))
+            ms = _try(lambda s=sched, fn=fn, a=a, b=b: fn(a, b, world=world, schedule=s))
             rows.append(
                 {
                     "op": op,
@@ -135,7 +135,8 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
                     end = max((s.end for s in tl.spans if s.unit.startswith(role)), default=0)
                     if d:
                         print(
-                            f"trace {op} {overlap} {role}: {len(d)} tasks, mean {sum(d) / len(d) / 1e3:.1f} us, "
+                            f"trace {op} {overlap} {role}: {len(d)} tasks, "
+                            f"mean {sum(d) / len(d) / 1e3:.1f} us, "
                             f"max {max(d) / 1e3:.1f} us, last end {end / 1e3:.1f} us",
                             flush=True,
                         )

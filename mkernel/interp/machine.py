@@ -1,15 +1,16 @@
 """The CPU interpreter: runs a plan's per-role programs with W virtual ranks and many virtual SMs.
 
 Each unit of a role (a CTA, or a CTA's communicator warp) is an *agent*: a Python generator running
-its tasks in plan order. Agents yield at every primitive (see ``twins.py``); the machine picks the next
-agent to resume with a seeded random policy, so tests explore interleavings.
+its tasks in plan order. Agents yield at every primitive (see ``twins.py``); the machine picks the
+next agent to resume with a seeded random policy, so tests explore interleavings.
 
 Ordering is tracked with vector clocks, as the PTX memory model's release/acquire pairs would order
-it: a release stores the agent's clock in the signal, an acquire that reads it joins that clock. Every
-data access is logged per (buffer, rank) with its rectangle; an access that overlaps an earlier
-conflicting access by another agent not ordered before it is a race (RaceError). Concurrent reduce-adds
-do not conflict with each other. A blocked agent past its deadline raises CommTimeout; no runnable
-agent at all raises DeadlockError (a CommTimeout, since on a GPU it would run into the deadline).
+it: a release stores the agent's clock in the signal, an acquire that reads it joins that clock.
+Every data access is logged per (buffer, rank) with its rectangle; an access that overlaps an
+earlier conflicting access by another agent not ordered before it is a race (RaceError). Concurrent
+reduce-adds do not conflict with each other. A blocked agent past its deadline raises CommTimeout;
+no runnable agent at all raises DeadlockError (a CommTimeout, since on a GPU it would run into the
+deadline).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ Rect = tuple[int, int, int, int]  # row0, rows, col0, cols
 
 @dataclass
 class Wait:
-    """Yielded by wait twins: block until ``pad[rank][index] == value``, then acquire (and reset)."""
+    """Yielded by wait twins: block until ``pad[rank][index] == value``, then acquire (and
+    reset)."""
 
     sig: SigRef
     value: int
@@ -194,11 +196,15 @@ class Machine:
     def _acquire(self, a: Agent, sig: SigRef) -> None:
         c = self.sig_clock.get(sig)
         if c is not None:
-            a.clock = [max(x, y) for x, y in zip(a.clock, c)]
+            a.clock = [max(x, y) for x, y in zip(a.clock, c, strict=True)]
 
     def release(self, a: Agent, sig: SigRef, accumulate: bool) -> None:
         prev = self.sig_clock.get(sig) if accumulate else None
-        snap = list(a.clock) if prev is None else [max(x, y) for x, y in zip(a.clock, prev)]
+        snap = (
+            list(a.clock)
+            if prev is None
+            else [max(x, y) for x, y in zip(a.clock, prev, strict=True)]
+        )
         self.sig_clock[sig] = snap
         a.clock[a.id] += 1
 

@@ -6,10 +6,10 @@ versions live in ``primitives/signal.cuh`` and ``primitives/comm.cuh``.
 
 Protocol (same as the device):
 - a producer writes data (``tile_send``, ``peer_store``, ``reduce_add``), then raises a signal with
-  ``signal_set_release`` / ``signal_add_release``: the release orders every earlier write of that agent
-  before the signal;
-- a consumer ``wait_acquire``s the signal before reading; ``wait_acquire_reset`` also sets it back to
-  0, which is how signal pads reset themselves for the next call;
+  ``signal_set_release`` / ``signal_add_release``: the release orders every earlier write of that
+  agent before the signal;
+- a consumer ``wait_acquire``s the signal before reading; ``wait_acquire_reset`` also sets it back
+  to 0, which is how signal pads reset themselves for the next call;
 - every wait is bounded by the deadline and names its peer.
 """
 
@@ -47,7 +47,8 @@ def tile_send(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) ->
 
 
 def peer_store(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
-    """Vectorised stores into ``buf`` on ``peer`` (device: st.global.v4 through the peer mapping)."""
+    """Vectorised stores into ``buf`` on ``peer`` (device: st.global.v4 through the peer
+    mapping)."""
     yield from tile_send(ctx, buf, peer, rect, value)
 
 
@@ -67,7 +68,8 @@ def output_store(ctx: Ctx, buf: str, rank: int, rect: Rect, value: torch.Tensor,
 
 
 def signal_set_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
-    """st.release.sys: every earlier write of this agent is visible to whoever acquires the value."""
+    """st.release.sys: every earlier write of this agent is visible to whoever acquires the
+    value."""
     ctx.m.release(ctx.agent, sig, accumulate=False)
     ctx.m.pads[sig.pad][sig.rank][sig.index] = value
     yield STEP
@@ -92,9 +94,9 @@ def wait_acquire_reset(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
 
 def entry_barrier(ctx: Ctx, pad: str, slot: int) -> Gen:
     """Barrier of CTA ``slot`` with CTA ``slot`` of every peer, on flags that reset themselves:
-    arrive by setting flag[peer][slot][me] 0 -> 1, wait for flag[me][slot][peer] == 1 and consume it.
-    In a distributed world it keeps a rank from writing into a peer's workspace while that peer's
-    previous call may still read it."""
+    arrive by setting flag[peer][slot][me] 0 -> 1, wait for flag[me][slot][peer] == 1 and consume
+    it. In a distributed world it keeps a rank from writing into a peer's workspace while that
+    peer's previous call may still read it."""
     for i in range(1, ctx.W):
         peer = (ctx.rank + i) % ctx.W
         # NOTE: the device arrives with a CAS 0 -> 1 (it waits for a previous call's flag to be

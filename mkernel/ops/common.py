@@ -40,7 +40,8 @@ def check_schedule(schedule: Any) -> Schedule:
 
 
 def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tuple[int, ...]:
-    """Checks a per-rank operand and returns its per-rank shape. ``form`` names the expected shape."""
+    """Checks a per-rank operand and returns its per-rank shape. ``form`` names the expected
+    shape."""
     lead = f"[W={world.size}, {form[1:]}" if world.emulated_world else form
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
@@ -210,7 +211,7 @@ class _StatusBlock:
         return self.t.data_ptr()
 
     def raise_if_set(self, signal_names: dict[int, str] | None = None) -> None:
-        v = dict(zip(self.FIELDS, self.t.tolist()))
+        v = dict(zip(self.FIELDS, self.t.tolist(), strict=True))
         if not v["error"]:
             return
         self.t.zero_()
@@ -229,7 +230,8 @@ def status_block(world: World) -> _StatusBlock:
 
 
 def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
-    """A FusedLaunch with the plan, world, status and fault fields set; the op fills its operands."""
+    """A FusedLaunch with the plan, world, status and fault fields set; the op fills its
+    operands."""
     from ..schedule import TILE_CONFIG_IDS
 
     if world.emulated_world and world.size > MAX_LOCAL_RANKS:
@@ -321,8 +323,8 @@ def raise_timeout(
     world: World, status: _StatusBlock, signal_names: dict[int, str] | None = None
 ) -> None:
     # NOTE: a timed-out call leaves flags and accumulators dirty (late producers land after the
-    # waiter gave up). An emulated world's kernel has fully exited here, so it is safe to clear them;
-    # a distributed world needs world.reset() on every rank.
+    # waiter gave up). An emulated world's kernel has fully exited here, so it is safe to clear
+    # them; a distributed world needs world.reset() on every rank.
     try:
         status.raise_if_set(signal_names)
     except CommTimeout:

@@ -7,8 +7,8 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
 
 Device protocol (kernels/gemm_rs.cu): every rank computes every tile of its partial product; the
 epilogue reduce-adds the fp32 tile into the owner's accumulator and raises flag[u][me] on the owner;
-the owner's comm role waits for all W flags of its tile u (consuming them), writes out[u] in bf16 and
-zeroes the accumulator tile for the next call.
+the owner's comm role waits for all W flags of its tile u (consuming them), writes out[u] in bf16
+and zeroes the accumulator tile for the next call.
 """
 
 from __future__ import annotations
@@ -220,9 +220,10 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
-    """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, scatter rows, bf16."""
+    """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, scatter rows,
+    bf16."""
     parts = _per_rank(a, world), _per_rank(b, world)
-    full = sum(x.float() @ y.float() for x, y in zip(*parts))
+    full = sum(x.float() @ y.float() for x, y in zip(*parts, strict=True))
     ms = full.shape[0] // world.size
     if world.emulated_world:
         return torch.stack([full[r * ms : (r + 1) * ms] for r in range(world.size)]).bfloat16()
