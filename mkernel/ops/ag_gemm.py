@@ -44,7 +44,6 @@ from ..schedule import (
 )
 from ..world import World
 from . import common
-from .gemm_rs import _per_rank
 
 CHUNK_READY = 2  # WaitSite::signal id (common.SIGNAL_NAMES)
 
@@ -138,14 +137,12 @@ def ag_gemm(
     """
     world = common.check_world(world)
     schedule = common.check_schedule(schedule)
-    ms, k = common.check_operand("a", a, world, 2, "[M/W, K]")
-    kb, n = common.check_operand("b", b, world, 2, "[K, N]")
+    (ms, k), (kb, n) = common.check_operands(a, "[M/W, K]", b, "[K, N]", world)
     if kb != k:
         raise ValueError(f"a is [M/W, K] = [{ms}, {k}] but b is [K, N] = [{kb}, {n}]: K differs")
     common.check_divides("M/W (rows of a)", ms, 1, "every rank holds at least one row")
-    common.check_divides("K (columns of a)", k, common.ALIGN, "16-byte rows")
-    common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
-    _check_faults(schedule, world)
+    common.check_columns("K", k, n)
+    common.check_faults(schedule, world)
     m = ms * world.size
     out = common.check_out(out, world, (m, n))
     plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=k)
@@ -154,21 +151,12 @@ def ag_gemm(
     return _run_cpu(world, plan, a, b, schedule, out)
 
 
-def _check_faults(schedule: Schedule, world: World) -> None:
-    f = schedule.faults
-    for name in ("silent_rank", "delay_rank"):
-        v = getattr(f, name)
-        if v is not None and not 0 <= v < world.size:
-            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
-
-
 def _workspace(world: World, plan: Plan):
     m, k, chunks = plan.shapes["m"], plan.shapes["k"], world.size * plan.extra["chunks"]
     gather = world.symmetric(("ag_gemm", "gather"), (m, k), torch.bfloat16)
     ready = world.symmetric(("ag_gemm", "ready"), (chunks,), torch.int32)
     consumed = world.symmetric(("ag_gemm", "consumed"), (chunks,), torch.int32)
-    barrier = world.symmetric(("fused", "barrier"), (common.BARRIER_SLOTS, world.size), torch.int32)
-    return gather, ready, consumed, barrier
+    return gather, ready, consumed, common.barrier_pad(world)
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -180,11 +168,7 @@ def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     if "consumers_dev" not in plan.extra:  # copied once: the plan is cached on the world
         plan.extra["consumers_dev"] = plan.extra["consumers"].to(world.device)
     L = common.fill_launch(world, plan)
-    per_rank = world.emulated_world
-    L.a, L.b, L.out = a.data_ptr(), b.data_ptr(), out.data_ptr()
-    L.a_rank_stride = a[0].numel() if per_rank else 0
-    L.b_rank_stride = b[0].numel() if per_rank else 0
-    L.out_rank_stride = m * n if per_rank else 0
+    common.set_operands(L, world, a, b, out)  # out: [W, M, N], rank stride m * n
     L.M, L.N, L.K = m, n, k  # the engine's GEMM: gathered A [M, K] @ B [K, N]
     L.work_ptrs, L.flag_ptrs = gather.peer_ptrs.data_ptr(), ready.peer_ptrs.data_ptr()
     L.flag2_ptrs, L.barrier_ptrs = consumed.peer_ptrs.data_ptr(), barrier.peer_ptrs.data_ptr()
@@ -265,7 +249,7 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: gather shards, fp32 GEMM per rank, bf16."""
-    full_a = torch.cat(_per_rank(a, world)).float()
+    full_a = torch.cat(common.per_rank(a, world)).float()
     if world.emulated_world:
         return torch.stack([full_a @ b[r].float() for r in range(world.size)]).bfloat16()
     return (full_a @ b.float()).bfloat16()

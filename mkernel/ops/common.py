@@ -66,9 +66,33 @@ def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tupl
     return tuple(t.shape[1:]) if world.emulated_world else tuple(t.shape)
 
 
+def check_operands(
+    a: Any, a_form: str, b: Any, b_form: str, world: World
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Checks a GEMM op's two operands (check_operand, ``a`` first) and returns their per-rank
+    shapes; the op then checks that the inner dimensions agree, in its own words."""
+    return check_operand("a", a, world, 2, a_form), check_operand("b", b, world, 2, b_form)
+
+
 def check_divides(name: str, value: int, by: int, what: str) -> None:
     if value <= 0 or value % by:
         raise ValueError(f"{name}={value} must be a positive multiple of {by} ({what})")
+
+
+def check_columns(k_name: str, k: int, n: int) -> None:
+    """The engine's TMA loads need 16-byte rows: ``k`` (columns of a, named ``k_name``) and ``n``
+    (columns of b) must be multiples of ALIGN."""
+    check_divides(f"{k_name} (columns of a)", k, ALIGN, "16-byte rows")
+    check_divides("N (columns of b)", n, ALIGN, "16-byte rows")
+
+
+def check_faults(schedule: Schedule, world: World) -> None:
+    """The injected faults (Schedule.faults) must name ranks of this world."""
+    f = schedule.faults
+    for name in ("silent_rank", "delay_rank"):
+        v = getattr(f, name)
+        if v is not None and not 0 <= v < world.size:
+            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
 
 
 def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
@@ -117,6 +141,26 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
         plan.extra["trace"] = schedule.trace
         plans[key] = plan
     return plan
+
+
+def barrier_pad(world: World):
+    """The template's entry-barrier flags, [BARRIER_SLOTS, W] int32, shared by every fused op."""
+    return world.symmetric(("fused", "barrier"), (BARRIER_SLOTS, world.size), torch.int32)
+
+
+def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
+    """Every rank's tensor, for the references: the slices of an emulated world's [W, ...] tensor,
+    or an all_gather over a distributed world's group."""
+    if world.emulated_world:
+        return list(x.unbind(0))
+    import torch.distributed as dist
+
+    # gloo (e.g. two processes sharing one GPU) gathers host tensors only.
+    host = dist.get_backend(world.group) == "gloo"
+    src = x.detach().cpu().contiguous() if host else x.contiguous()
+    parts = [torch.empty_like(src) for _ in range(world.size)]
+    dist.all_gather(parts, src, group=world.group)
+    return [p.to(x.device) for p in parts]
 
 
 # -- the CPU interpreter driver -----------------------------------------------------------------
@@ -273,6 +317,19 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
         L.timeline, L.timeline_cap = buf.data_ptr(), cap
         world._pending_trace = (plan, buf)
     return L
+
+
+def set_operands(L: Any, world: World, a: torch.Tensor, b: torch.Tensor, out=None) -> None:
+    """The FusedLaunch operand fields every op sets the same way: the a and b pointers (and out's,
+    when given) and each one's rank stride, the elements between consecutive ranks' tensors (an
+    emulated world's [W, ...] tensors; 0 in a distributed world, one rank per launch)."""
+    emulated = world.emulated_world
+    L.a, L.b = a.data_ptr(), b.data_ptr()
+    L.a_rank_stride = a[0].numel() if emulated else 0
+    L.b_rank_stride = b[0].numel() if emulated else 0
+    if out is not None:
+        L.out = out.data_ptr()
+        L.out_rank_stride = out[0].numel() if emulated else 0
 
 
 def launch_and_check(world: World, fn: Callable, L: Any, signal_names: dict[int, str]) -> None:

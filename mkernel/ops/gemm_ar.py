@@ -43,7 +43,6 @@ from ..schedule import (
 )
 from ..world import World
 from . import common
-from .gemm_rs import _per_rank
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
@@ -112,14 +111,12 @@ def gemm_ar(
     """
     world = common.check_world(world)
     schedule = common.check_schedule(schedule)
-    m, kl = common.check_operand("a", a, world, 2, "[M, K/W]")
-    kb, n = common.check_operand("b", b, world, 2, "[K/W, N]")
+    (m, kl), (kb, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world)
     if kb != kl:
         raise ValueError(f"a is [M, K/W] = [{m}, {kl}], b is [K/W, N] = [{kb}, {n}]: K/W differs")
     common.check_divides("M (rows of a)", m, 1, "at least one row")
-    common.check_divides("K/W (columns of a)", kl, common.ALIGN, "16-byte rows")
-    common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
-    _check_faults(schedule, world)
+    common.check_columns("K/W", kl, n)
+    common.check_faults(schedule, world)
     out = common.check_out(out, world, (m, n))
     plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=kl * world.size)
     if world.on_gpu:
@@ -127,21 +124,12 @@ def gemm_ar(
     return _run_cpu(world, plan, a, b, schedule, out)
 
 
-def _check_faults(schedule: Schedule, world: World) -> None:
-    f = schedule.faults
-    for name in ("silent_rank", "delay_rank"):
-        v = getattr(f, name)
-        if v is not None and not 0 <= v < world.size:
-            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
-
-
 def _workspace(world: World, plan: Plan):
     W, m, n, T = world.size, plan.shapes["m"], plan.shapes["n"], plan.extra["tiles"]
     acc = world.symmetric(("gemm_ar", "acc"), (m, n), torch.float32)  # owned tiles only are used
     flags = world.symmetric(("gemm_ar", "flags"), (T, W), torch.int32)
     ready = world.symmetric(("gemm_ar", "ready"), (T,), torch.int32)
-    barrier = world.symmetric(("fused", "barrier"), (common.BARRIER_SLOTS, W), torch.int32)
-    return acc, flags, ready, barrier
+    return acc, flags, ready, common.barrier_pad(world)
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -151,12 +139,9 @@ def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     acc, flags, ready, barrier = _workspace(world, plan)
     m, n = plan.shapes["m"], plan.shapes["n"]
     L = common.fill_launch(world, plan)
-    per_rank = world.emulated_world
-    L.a, L.b = a.data_ptr(), b.data_ptr()
-    L.a_rank_stride = a[0].numel() if per_rank else 0
-    L.b_rank_stride = b[0].numel() if per_rank else 0
+    common.set_operands(L, world, a, b)  # out differs by world: set below
     result = None
-    if per_rank:  # peers' results are slices of one tensor: out + p * M * N
+    if world.emulated_world:  # peers' results are slices of one tensor: out + p * M * N
         L.out, L.out_rank_stride, L.aux_ptr = out.data_ptr(), m * n, 0
     else:  # peers' results must be symmetric memory: their addresses come from a table
         result = world.symmetric(("gemm_ar", "result"), (m, n), torch.bfloat16)
@@ -237,7 +222,7 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, bf16 everywhere."""
-    parts = _per_rank(a, world), _per_rank(b, world)
+    parts = common.per_rank(a, world), common.per_rank(b, world)
     full = sum(x.float() @ y.float() for x, y in zip(*parts, strict=True)).bfloat16()
     if world.emulated_world:
         return full.expand(world.size, *full.shape).contiguous()

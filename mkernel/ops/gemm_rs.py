@@ -97,16 +97,14 @@ def gemm_rs(
     """
     world = common.check_world(world)
     schedule = common.check_schedule(schedule)
-    m, kl = common.check_operand("a", a, world, 2, "[M, K/W]")
-    kb, n = common.check_operand("b", b, world, 2, "[K/W, N]")
+    (m, kl), (kb, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world)
     if kb != kl:
         raise ValueError(
             f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs"
         )
     common.check_divides("M (rows of a)", m, world.size, f"M is split over W={world.size} ranks")
-    common.check_divides("K/W (columns of a)", kl, common.ALIGN, "16-byte rows")
-    common.check_divides("N (columns of b)", n, common.ALIGN, "16-byte rows")
-    _check_faults(schedule, world)
+    common.check_columns("K/W", kl, n)
+    common.check_faults(schedule, world)
     out = common.check_out(out, world, (m // world.size, n))
     plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=kl * world.size)
     if world.on_gpu:
@@ -114,20 +112,11 @@ def gemm_rs(
     return _run_cpu(world, plan, a, b, schedule, out)
 
 
-def _check_faults(schedule: Schedule, world: World) -> None:
-    f = schedule.faults
-    for name in ("silent_rank", "delay_rank"):
-        v = getattr(f, name)
-        if v is not None and not 0 <= v < world.size:
-            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
-
-
 def _workspace(world: World, plan: Plan):
     W, ms, n = world.size, plan.extra["rows_per_rank"], plan.shapes["n"]
     acc = world.symmetric(("gemm_rs", "acc"), (ms, n), torch.float32)
     flags = world.symmetric(("gemm_rs", "flags"), (plan.extra["per_owner"], W), torch.int32)
-    barrier = world.symmetric(("fused", "barrier"), (common.BARRIER_SLOTS, W), torch.int32)
-    return acc, flags, barrier
+    return acc, flags, common.barrier_pad(world)
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -137,11 +126,7 @@ def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
     acc, flags, barrier = _workspace(world, plan)
     ms, n = plan.extra["rows_per_rank"], plan.shapes["n"]
     L = common.fill_launch(world, plan)
-    per_rank = world.emulated_world
-    L.a, L.b, L.out = a.data_ptr(), b.data_ptr(), out.data_ptr()
-    L.a_rank_stride = a[0].numel() if per_rank else 0
-    L.b_rank_stride = b[0].numel() if per_rank else 0
-    L.out_rank_stride = ms * n if per_rank else 0
+    common.set_operands(L, world, a, b, out)  # out: [W, M/W, N], rank stride ms * n
     L.M, L.N, L.K = a.shape[-2], n, a.shape[-1]
     L.work_ptrs, L.flag_ptrs = acc.peer_ptrs.data_ptr(), flags.peer_ptrs.data_ptr()
     L.barrier_ptrs = barrier.peer_ptrs.data_ptr()
@@ -222,22 +207,9 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     """The unfused reference in the op's conventions: fp32 GEMM per rank, sum, scatter rows,
     bf16."""
-    parts = _per_rank(a, world), _per_rank(b, world)
+    parts = common.per_rank(a, world), common.per_rank(b, world)
     full = sum(x.float() @ y.float() for x, y in zip(*parts, strict=True))
     ms = full.shape[0] // world.size
     if world.emulated_world:
         return torch.stack([full[r * ms : (r + 1) * ms] for r in range(world.size)]).bfloat16()
     return full[world.rank * ms : (world.rank + 1) * ms].bfloat16().contiguous()
-
-
-def _per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
-    if world.emulated_world:
-        return list(x.unbind(0))
-    import torch.distributed as dist
-
-    # gloo (e.g. two processes sharing one GPU) gathers host tensors only.
-    host = dist.get_backend(world.group) == "gloo"
-    src = x.detach().cpu().contiguous() if host else x.contiguous()
-    parts = [torch.empty_like(src) for _ in range(world.size)]
-    dist.all_gather(parts, src, group=world.group)
-    return [p.to(x.device) for p in parts]
