@@ -1,7 +1,11 @@
-"""Shared test helpers: tolerance from the reference's own rounding, poisoned outputs."""
+"""Shared test helpers: tolerance from the reference's own rounding, poisoned outputs, GEMM
+operands, random tile orders, clean signal pads, and the bad-input checks every fused op shares."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 
@@ -27,3 +31,55 @@ def randn_bf16(*shape: int, device="cpu", generator=None) -> torch.Tensor:
 
 def poisoned(shape, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def gemm_inputs(W: int, rows: int, n: int, k: int, seed: int):
+    """An emulated world's GEMM operands: a [W, rows, k] and b [W, k, n], bf16, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return randn_bf16(W, rows, k, generator=g), randn_bf16(W, k, n, generator=g)
+
+
+def random_order(seed: int):
+    """A Schedule.tile_order hook: a seeded random permutation of the tiles, different per rank."""
+
+    def hook(rank, tiles):
+        order = list(range(len(tiles)))
+        random.Random(seed * 31 + rank).shuffle(order)
+        return order
+
+    return hook
+
+
+def assert_pads_zero(world) -> None:
+    """Every signal pad of the world is back to zero (after an op, a failed one included)."""
+    for key, pad in world.signal_pads().items():
+        assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
+
+
+def non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same shape and values as ``x`` [W, r, c], as a non-contiguous (transposed) view."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def assert_rejects_bad_dtype(op, a: torch.Tensor, b: torch.Tensor, world) -> None:
+    """``op(a, b, world=world)`` names the operand that is not bf16."""
+    with pytest.raises(TypeError, match="a must be torch.bfloat16"):
+        op(a.float(), b, world=world)
+    with pytest.raises(TypeError, match="b must be torch.bfloat16"):
+        op(a, b.half(), world=world)
+
+
+def assert_rejects_layout_and_world(op, a, b, a4, b4, world) -> None:
+    """Good operands ``a``, ``b`` of ``world``: ``op`` rejects a non-contiguous operand, an operand
+    of a 4-rank world (``a4``, ``b4``) and a world that is not an mkernel.World."""
+    with pytest.raises(ValueError, match="a must be contiguous"):
+        op(non_contiguous(a), b, world=world)
+    with pytest.raises(ValueError, match="b must be contiguous"):
+        op(a, non_contiguous(b), world=world)
+    with pytest.raises(ValueError, match="another world"):
+        op(a4, b, world=world)
+    with pytest.raises(ValueError, match="another world"):
+        op(a, b4, world=world)
+    for not_a_world in ("2 ranks", 2, None):
+        with pytest.raises(TypeError, match="world must be an mkernel.World"):
+            op(a, b, world=not_a_world)

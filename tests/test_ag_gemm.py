@@ -3,8 +3,6 @@ interleavings; bad input; silent and late ranks."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,26 +10,15 @@ from hypothesis import strategies as st
 
 import mkernel
 from mkernel.ops import ag_gemm as ag_mod
-from tests.helpers import assert_close_bf16, poisoned, randn_bf16
-
-
-def _inputs(W, ms, n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return randn_bf16(W, ms, k, generator=g), randn_bf16(W, k, n, generator=g)
-
-
-def _random_order(seed):
-    def hook(rank, tiles):
-        order = list(range(len(tiles)))
-        random.Random(seed * 31 + rank).shuffle(order)
-        return order
-
-    return hook
-
-
-def _pads_zero(world):
-    for key, pad in world.signal_pads().items():
-        assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
+from tests.helpers import (
+    assert_close_bf16,
+    assert_pads_zero,
+    assert_rejects_bad_dtype,
+    assert_rejects_layout_and_world,
+    gemm_inputs,
+    poisoned,
+    random_order,
+)
 
 
 @settings(max_examples=70, deadline=None)
@@ -50,28 +37,28 @@ def _pads_zero(world):
 def test_matches_reference(W, ms, n8, k8, overlap, tile, chunk_rows, sms, seed, shuffle):
     n, k = 8 * n8, 8 * k8
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, ms, n, k, seed)
+    a, b = gemm_inputs(W, ms, n, k, seed)
     sched = mkernel.Schedule(
         overlap=overlap,
         tile=tile,
         chunk_rows=chunk_rows,
         sms=sms,
         seed=seed,
-        tile_order=_random_order(seed) if shuffle else None,
+        tile_order=random_order(seed) if shuffle else None,
     )
     out = poisoned((W, W * ms, n), "cpu")
     got = mkernel.ag_gemm(a, b, world=world, schedule=sched, out=out)
     assert got.data_ptr() == out.data_ptr() and got.shape == (W, W * ms, n)
     ref = mkernel.reference.ag_gemm(a, b, world=world)
     assert_close_bf16(got, ref, f"W={W} ms={ms} n={n} k={k} chunk_rows={chunk_rows}")
-    _pads_zero(world)
+    assert_pads_zero(world)
     # Running twice (another interleaving) gives the same result, bit for bit: each output tile is
     # one GEMM over gathered rows, whatever order the chunks arrived in.
     again = mkernel.ag_gemm(
         a, b, world=world, schedule=mkernel.Schedule(overlap=overlap, seed=seed + 1)
     )
     assert torch.equal(again, got)
-    _pads_zero(world)
+    assert_pads_zero(world)
 
 
 def test_tiles_spanning_chunks_and_shards():
@@ -79,7 +66,7 @@ def test_tiles_spanning_chunks_and_shards():
     # 2 of shard 2 (global rows 120..129) feeds both tile rows.
     W, ms, cr, n = 4, 50, 10, 256
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, ms, n, 16, 5)
+    a, b = gemm_inputs(W, ms, n, 16, 5)
     sched = mkernel.Schedule(tile="128x128x64", chunk_rows=cr, seed=3)
     plan = sched.plan("ag_gemm", world, m=W * ms, n=n, k=16)
     C = plan.extra["chunks"]
@@ -96,7 +83,7 @@ def test_tiles_spanning_chunks_and_shards():
     assert want[2 * C + 2] == 4 and min(want) == 2
     out = mkernel.ag_gemm(a, b, world=world, schedule=sched)
     assert_close_bf16(out, mkernel.reference.ag_gemm(a, b, world=world), "spanning")
-    _pads_zero(world)
+    assert_pads_zero(world)
 
 
 def test_default_order_is_arrival_order():
@@ -124,19 +111,19 @@ def test_consumer_count_is_what_resets_the_pads(monkeypatch):
     W = 2
     world = mkernel.World.emulated(W)
     sched = mkernel.Schedule(tile="128x128x64", chunk_rows=8)
-    a, b = _inputs(W, 16, 256, 8, 1)  # two tile columns: every chunk has 2 consumers
+    a, b = gemm_inputs(W, 16, 256, 8, 1)  # two tile columns: every chunk has 2 consumers
     with pytest.raises(mkernel.CommTimeout) as e:
         mkernel.ag_gemm(a, b, world=world, schedule=sched)
     # The early reset strands a consumer on chunk_ready, or the surplus consumer on the counter.
     assert e.value.signal.split("[")[0] in ("chunk_ready", "consumed")
-    _pads_zero(world)  # a failed call resets the world
+    assert_pads_zero(world)  # a failed call resets the world
 
 
 @pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
 def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
     W = 3
     world = mkernel.World.emulated(W, timeout_s=0.05)
-    a, b = _inputs(W, 64, 64, 16, 1)
+    a, b = gemm_inputs(W, 64, 64, 16, 1)
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
     with pytest.raises(mkernel.CommTimeout) as e:
         mkernel.ag_gemm(a, b, world=world, schedule=sched)
@@ -144,7 +131,7 @@ def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
     assert "chunk_ready" in e.value.signal
     assert "peer 1" in str(e.value)
     # The failed call left the world clean: the next call is correct.
-    _pads_zero(world)
+    assert_pads_zero(world)
     out = mkernel.ag_gemm(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap))
     assert_close_bf16(out, mkernel.reference.ag_gemm(a, b, world=world), "after timeout")
 
@@ -153,21 +140,21 @@ def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
 def test_delayed_rank_leaves_result_unchanged(overlap):
     W = 4
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 40, 48, 24, 2)
+    a, b = gemm_inputs(W, 40, 48, 24, 2)
     ref = mkernel.reference.ag_gemm(a, b, world=world)
     for delay_rank in (0, 3):
         faults = mkernel.Faults(delay_rank=delay_rank, delay_us=500)
         sched = mkernel.Schedule(overlap=overlap, chunk_rows=8, faults=faults)
         out = mkernel.ag_gemm(a, b, world=world, schedule=sched)
         assert_close_bf16(out, ref, f"delayed rank {delay_rank}")
-        _pads_zero(world)
+        assert_pads_zero(world)
 
 
 def test_distinct_b_per_rank():
     # Every rank multiplies the same gathered A by its own B: results differ per rank.
     W = 3
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 10, 16, 8, 4)
+    a, b = gemm_inputs(W, 10, 16, 8, 4)
     out = mkernel.ag_gemm(a, b, world=world)
     full_a = a.reshape(W * 10, 8).float()
     for r in range(W):
@@ -179,16 +166,11 @@ def test_distinct_b_per_rank():
 
 
 def _good(W=2):
-    return _inputs(W, 16, 16, 16, 0)
+    return gemm_inputs(W, 16, 16, 16, 0)
 
 
 def test_bad_dtype():
-    world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(TypeError, match="a must be torch.bfloat16"):
-        mkernel.ag_gemm(a.float(), b, world=world)
-    with pytest.raises(TypeError, match="b must be torch.bfloat16"):
-        mkernel.ag_gemm(a, b.half(), world=world)
+    assert_rejects_bad_dtype(mkernel.ag_gemm, *_good(), mkernel.World.emulated(2))
 
 
 def test_bad_shapes():
@@ -208,18 +190,7 @@ def test_bad_shapes():
 
 def test_non_contiguous_and_wrong_world():
     world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(ValueError, match="a must be contiguous"):
-        mkernel.ag_gemm(a.transpose(1, 2).contiguous().transpose(1, 2), b, world=world)
-    with pytest.raises(ValueError, match="b must be contiguous"):
-        mkernel.ag_gemm(a, b.transpose(1, 2).contiguous().transpose(1, 2), world=world)
-    a4, b4 = _good(4)
-    with pytest.raises(ValueError, match="another world"):
-        mkernel.ag_gemm(a4, b, world=world)
-    with pytest.raises(ValueError, match="another world"):
-        mkernel.ag_gemm(a, b4, world=world)
-    with pytest.raises(TypeError, match="world must be an mkernel.World"):
-        mkernel.ag_gemm(a, b, world=2)
+    assert_rejects_layout_and_world(mkernel.ag_gemm, *_good(), *_good(4), world)
 
 
 def test_bad_schedule_and_out():
@@ -236,4 +207,4 @@ def test_bad_schedule_and_out():
     with pytest.raises(ValueError, match="delay_rank"):
         faults = mkernel.Faults(delay_rank=2)
         mkernel.ag_gemm(a, b, world=world, schedule=mkernel.Schedule(faults=faults))
-    _pads_zero(world)  # nothing ran
+    assert_pads_zero(world)  # nothing ran

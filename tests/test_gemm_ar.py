@@ -3,34 +3,25 @@ bad input; silent and late ranks."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mkernel
-from tests.helpers import assert_close_bf16, poisoned, randn_bf16
-
-
-def _inputs(W, m, n, kl, seed):
-    g = torch.Generator().manual_seed(seed)
-    return randn_bf16(W, m, kl, generator=g), randn_bf16(W, kl, n, generator=g)
-
-
-def _random_order(seed):
-    def hook(rank, tiles):
-        order = list(range(len(tiles)))
-        random.Random(seed * 31 + rank).shuffle(order)
-        return order
-
-    return hook
+from tests.helpers import (
+    assert_close_bf16,
+    assert_pads_zero,
+    assert_rejects_bad_dtype,
+    assert_rejects_layout_and_world,
+    gemm_inputs,
+    poisoned,
+    random_order,
+)
 
 
 def _clean(world, m, n):
-    for key, pad in world.signal_pads().items():
-        assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
+    assert_pads_zero(world)
     acc = world._buffers[(("gemm_ar", "acc"), (m, n), torch.float32)].local
     assert int((acc != 0).sum()) == 0, "accumulators not zeroed for the next call"
 
@@ -50,13 +41,13 @@ def _clean(world, m, n):
 def test_matches_reference(W, m, n8, k8, overlap, tile, sms, seed, shuffle):
     n, kl = 8 * n8, 8 * k8
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, m, n, kl, seed)
+    a, b = gemm_inputs(W, m, n, kl, seed)
     sched = mkernel.Schedule(
         overlap=overlap,
         tile=tile,
         sms=sms,
         seed=seed,
-        tile_order=_random_order(seed) if shuffle else None,
+        tile_order=random_order(seed) if shuffle else None,
     )
     out = poisoned((W, m, n), "cpu")
     got = mkernel.gemm_ar(a, b, world=world, schedule=sched, out=out)
@@ -91,7 +82,7 @@ def test_many_comm_units_few_tiles(overlap):
     # More comm units than tiles: most units hold only waits, still no deadlock.
     W = 4
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 100, 136, 8, 3)
+    a, b = gemm_inputs(W, 100, 136, 8, 3)
     sched = mkernel.Schedule(overlap=overlap, sms=8, comm_sms=4 if overlap == "inter_sm" else None)
     out = mkernel.gemm_ar(a, b, world=world, schedule=sched)
     assert_close_bf16(out, mkernel.reference.gemm_ar(a, b, world=world), "few tiles")
@@ -103,7 +94,7 @@ def test_many_comm_units_few_tiles(overlap):
 def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap, silent):
     W = 3
     world = mkernel.World.emulated(W, timeout_s=0.05)
-    a, b = _inputs(W, 200, 64, 16, 1)
+    a, b = gemm_inputs(W, 200, 64, 16, 1)
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=silent))
     with pytest.raises(mkernel.CommTimeout) as e:
         mkernel.gemm_ar(a, b, world=world, schedule=sched)
@@ -120,7 +111,7 @@ def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap, silent):
 def test_delayed_rank_leaves_result_unchanged(overlap):
     W = 4
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 160, 48, 24, 2)
+    a, b = gemm_inputs(W, 160, 48, 24, 2)
     ref = mkernel.reference.gemm_ar(a, b, world=world)
     for delay_rank in (0, 3):
         faults = mkernel.Faults(delay_rank=delay_rank, delay_us=500)
@@ -135,16 +126,11 @@ def test_delayed_rank_leaves_result_unchanged(overlap):
 
 
 def _good(W=2):
-    return _inputs(W, 16, 16, 16, 0)
+    return gemm_inputs(W, 16, 16, 16, 0)
 
 
 def test_bad_dtype():
-    world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(TypeError, match="a must be torch.bfloat16"):
-        mkernel.gemm_ar(a.float(), b, world=world)
-    with pytest.raises(TypeError, match="b must be torch.bfloat16"):
-        mkernel.gemm_ar(a, b.half(), world=world)
+    assert_rejects_bad_dtype(mkernel.gemm_ar, *_good(), mkernel.World.emulated(2))
 
 
 def test_bad_shapes():
@@ -167,16 +153,7 @@ def test_bad_shapes():
 
 def test_non_contiguous_and_wrong_world():
     world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(ValueError, match="a must be contiguous"):
-        mkernel.gemm_ar(a.transpose(1, 2).contiguous().transpose(1, 2), b, world=world)
-    a4, b4 = _good(4)
-    with pytest.raises(ValueError, match="another world"):
-        mkernel.gemm_ar(a4, b, world=world)
-    with pytest.raises(ValueError, match="another world"):
-        mkernel.gemm_ar(a, b4, world=world)
-    with pytest.raises(TypeError, match="world must be an mkernel.World"):
-        mkernel.gemm_ar(a, b, world=None)
+    assert_rejects_layout_and_world(mkernel.gemm_ar, *_good(), *_good(4), world)
 
 
 def test_bad_schedule_and_out():
@@ -193,5 +170,4 @@ def test_bad_schedule_and_out():
     with pytest.raises(ValueError, match="silent_rank"):
         faults = mkernel.Faults(silent_rank=-1)
         mkernel.gemm_ar(a, b, world=world, schedule=mkernel.Schedule(faults=faults))
-    for key, pad in world.signal_pads().items():
-        assert int(pad.abs().sum()) == 0, f"{key}: something ran"
+    assert_pads_zero(world)  # nothing ran

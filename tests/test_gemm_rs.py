@@ -3,29 +3,20 @@ interleavings."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mkernel
-from tests.helpers import assert_close_bf16, randn_bf16
-
-
-def _inputs(W, m, n, kl, seed):
-    g = torch.Generator().manual_seed(seed)
-    return randn_bf16(W, m, kl, generator=g), randn_bf16(W, kl, n, generator=g)
-
-
-def _random_order(seed):
-    def hook(rank, tiles):
-        order = list(range(len(tiles)))
-        random.Random(seed * 31 + rank).shuffle(order)
-        return order
-
-    return hook
+from tests.helpers import (
+    assert_close_bf16,
+    assert_pads_zero,
+    assert_rejects_bad_dtype,
+    assert_rejects_layout_and_world,
+    gemm_inputs,
+    random_order,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -43,19 +34,18 @@ def _random_order(seed):
 def test_matches_reference(W, rows, n8, k8, overlap, tile, sms, seed, shuffle):
     m, n, kl = W * rows, 8 * n8, 8 * k8
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, m, n, kl, seed)
+    a, b = gemm_inputs(W, m, n, kl, seed)
     sched = mkernel.Schedule(
         overlap=overlap,
         tile=tile,
         sms=sms,
         seed=seed,
-        tile_order=_random_order(seed) if shuffle else None,
+        tile_order=random_order(seed) if shuffle else None,
     )
     out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
     assert out.shape == (W, rows, n)
     assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), f"W={W} {m}x{n}x{kl}")
-    for key, pad in world.signal_pads().items():
-        assert int(pad.abs().sum()) == 0, f"signal pad {key} not back to zero"
+    assert_pads_zero(world)
     acc = world._buffers[(("gemm_rs", "acc"), (rows, n), torch.float32)].local
     assert int((acc != 0).sum()) == 0, "accumulators not zeroed for the next call"
     # Running twice (another interleaving) gives the same result.
@@ -68,7 +58,7 @@ def test_matches_reference(W, rows, n8, k8, overlap, tile, sms, seed, shuffle):
 def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
     W = 3
     world = mkernel.World.emulated(W, timeout_s=0.05)
-    a, b = _inputs(W, 3 * 64, 64, 16, 1)
+    a, b = gemm_inputs(W, 3 * 64, 64, 16, 1)
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
     with pytest.raises(mkernel.CommTimeout) as e:
         mkernel.gemm_rs(a, b, world=world, schedule=sched)
@@ -82,7 +72,7 @@ def test_silent_rank_raises_comm_timeout_naming_the_peer(overlap):
 def test_delayed_rank_leaves_result_unchanged(overlap):
     W = 4
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 4 * 40, 48, 24, 2)
+    a, b = gemm_inputs(W, 4 * 40, 48, 24, 2)
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(delay_rank=2, delay_us=500))
     out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
     assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), "delayed")
@@ -93,7 +83,7 @@ def test_timeline_exports_chrome_trace(tmp_path):
 
     W = 2
     world = mkernel.World.emulated(W)
-    a, b = _inputs(W, 2 * 200, 300 - 300 % 8, 16, 3)
+    a, b = gemm_inputs(W, 2 * 200, 300 - 300 % 8, 16, 3)
     mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(tile="128x128x64"))
     tl = world.last_timeline
     path = tl.save_chrome(tmp_path / "t.json")
@@ -110,16 +100,11 @@ def test_timeline_exports_chrome_trace(tmp_path):
 
 
 def _good(W=2):
-    return _inputs(W, W * 16, 16, 16, 0)
+    return gemm_inputs(W, W * 16, 16, 16, 0)
 
 
 def test_bad_dtype():
-    world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(TypeError, match="a must be torch.bfloat16"):
-        mkernel.gemm_rs(a.float(), b, world=world)
-    with pytest.raises(TypeError, match="b must be torch.bfloat16"):
-        mkernel.gemm_rs(a, b.half(), world=world)
+    assert_rejects_bad_dtype(mkernel.gemm_rs, *_good(), mkernel.World.emulated(2))
 
 
 def test_bad_shapes():
@@ -139,14 +124,7 @@ def test_bad_shapes():
 
 def test_non_contiguous_and_wrong_world():
     world = mkernel.World.emulated(2)
-    a, b = _good()
-    with pytest.raises(ValueError, match="a must be contiguous"):
-        mkernel.gemm_rs(a.transpose(1, 2).contiguous().transpose(1, 2), b, world=world)
-    a4, b4 = _good(4)
-    with pytest.raises(ValueError, match="another world"):
-        mkernel.gemm_rs(a4, b, world=world)
-    with pytest.raises(TypeError, match="world must be an mkernel.World"):
-        mkernel.gemm_rs(a, b, world="2 ranks")
+    assert_rejects_layout_and_world(mkernel.gemm_rs, *_good(), *_good(4), world)
 
 
 def test_bad_schedule_and_out():
