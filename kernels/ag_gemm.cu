@@ -31,6 +31,7 @@ struct AgGemm {
     SymPtr<int> ready, consumed;                      // [W * C] per rank
     const int* consumers;                             // [W * C]: tiles overlapping each chunk
     int N, K, Ms, C, CR;
+    int transfer_tma;  // 1: TMA bulk pushes (inter_sm only), 0: 16-byte stores
     __device__ int chunk_of(int row) const { return row / Ms * C + row % Ms / CR; }
   };
 
@@ -66,24 +67,62 @@ struct AgGemm {
 
   // Chunk-major pushes: chunk c reaches every rank before chunk c+1 leaves.
   static __device__ void comm_task(const Args& a, const CtaInfo& cta, int g, const Team& team,
-                                   char*) {
-    const FusedCommon& c = a.common;
-    const int W = c.world.world_size;
-    {
-      const int r0 = (g - cta.rank * a.C) * a.CR, rows = min(a.CR, a.Ms - r0);
-      const uint4* src = reinterpret_cast<const uint4*>(a.a.at(cta.local_rank) + (long long)r0 * a.K);
-      const int vecs = rows * a.K / 8;  // K % 8 == 0: whole 16-byte vectors
-      for (int j = 0; j < W; ++j) {
-        const int p = (cta.rank + j) % W;
-        uint4* dst = reinterpret_cast<uint4*>(a.gather.map(p) + ((long long)cta.rank * a.Ms + r0) * a.K);
-        copy_v4_team(dst, src, vecs, team.lane, team.size);
-        team.sync();
-        if (team.lane == 0 && cta.rank != c.faults.silent_rank) {
-          __threadfence_system();
-          signal_set_release(a.ready.map(p) + g);
-        }
+                                   char* smem) {
+    const int r0 = (g - cta.rank * a.C) * a.CR, rows = min(a.CR, a.Ms - r0);
+    const __nv_bfloat16* src = a.a.at(cta.local_rank) + (long long)r0 * a.K;
+    const long long dst_off = ((long long)cta.rank * a.Ms + r0) * a.K;  // in every gather buffer
+    if (a.transfer_tma && a.common.plan.overlap == kInterSM) {  // intra_sm has no smem to stage
+      push_bulk(a, cta, g, team, smem, src, dst_off, (long long)rows * a.K * 2);
+      return;
+    }
+    const int W = a.common.world.world_size;
+    for (int j = 0; j < W; ++j) {  // 16-byte stores, each rank signalled as soon as its copy landed
+      const int p = (cta.rank + j) % W;
+      copy_v4_team(reinterpret_cast<uint4*>(a.gather.map(p) + dst_off),
+                   reinterpret_cast<const uint4*>(src), (long long)rows * a.K / 8, team.lane,
+                   team.size);
+      team.sync();
+      if (team.lane == 0) {
+        __threadfence_system();
+        signal(a, cta, p, g);
       }
     }
+  }
+
+  // TMA push (inter_sm comm CTAs, which own the whole shared memory): the team stages 16 KB pieces
+  // in a ring of 8 buffers; one thread sends each piece to every rank with bulk copies, then, once
+  // all have fully landed (wait_group 0, not .read), signals every rank.
+  static __device__ void push_bulk(const Args& a, const CtaInfo& cta, int g, const Team& team,
+                                   char* smem, const __nv_bfloat16* src, long long dst_off,
+                                   long long bytes) {
+    constexpr int kPiece = 16384, kBufs = 8;
+    const int W = a.common.world.world_size;
+    const char* from = reinterpret_cast<const char*>(src);
+    for (long long off = 0, i = 0; off < bytes; off += kPiece, ++i) {
+      const int n = (int)min((long long)kPiece, bytes - off);  // a multiple of 16: K % 8 == 0
+      char* stage = smem + (i % kBufs) * kPiece;
+      if (team.lane == 0) bulk_wait_read_n<kBufs - 1>();  // the piece that used this buffer
+      team.sync();
+      for (int v = team.lane; v < n / 16; v += team.size)
+        reinterpret_cast<uint4*>(stage)[v] = reinterpret_cast<const uint4*>(from + off)[v];
+      fence_proxy_async_smem();
+      team.sync();
+      if (team.lane == 0) {
+        for (int j = 0; j < W; ++j) {
+          char* dst = reinterpret_cast<char*>(a.gather.map((cta.rank + j) % W) + dst_off);
+          tile_send_bulk(dst + off, stage, n);
+        }
+        bulk_commit();
+      }
+    }
+    if (team.lane == 0) {
+      bulk_wait_all();
+      for (int j = 0; j < W; ++j) signal(a, cta, (cta.rank + j) % W, g);
+    }
+  }
+
+  static __device__ void signal(const Args& a, const CtaInfo& cta, int p, int g) {
+    if (cta.rank != a.common.faults.silent_rank) signal_set_release(a.ready.map(p) + g);
   }
 };
 
@@ -110,6 +149,7 @@ struct LaunchAgGemm {
   args.Ms = L.rows_per_rank;
   args.C = L.tiles_per_rank;
   args.CR = L.chunk_rows;
+  args.transfer_tma = L.transfer;
   return launch_persistent<Op>(args, L, s);
   }
 };

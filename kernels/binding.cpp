@@ -30,7 +30,7 @@ PYBIND11_MODULE(_mkernel_ext, m) {
       FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank) FIELD(delay_ns) FIELD(a) FIELD(b)
       FIELD(out) FIELD(a_rank_stride) FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N)
       FIELD(K) FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs) FIELD(rows_per_rank)
-      FIELD(tiles_per_rank) FIELD(chunk_rows) FIELD(backoff_ns) FIELD(timeline) FIELD(timeline_cap) FIELD(work_local) FIELD(aux_ptr);
+      FIELD(tiles_per_rank) FIELD(chunk_rows) FIELD(backoff_ns) FIELD(timeline) FIELD(timeline_cap) FIELD(transfer) FIELD(work_local) FIELD(aux_ptr);
   m.def(
       "launch_gemm_rs",
       [](const mk::FusedLaunch& L, uintptr_t stream) {

@@ -39,6 +39,7 @@ struct FusedLaunch {
   int backoff_ns = 0;      // sleep between polls of a wait (Schedule.backoff_ns)
   uint64_t timeline = 0;   // int64 [ranks_here, ctas_per_rank, 2, timeline_cap, 2] or 0
   int timeline_cap = 0;    // tasks recorded per unit
+  int transfer = 0;        // ag_gemm pushes: 0 16-byte stores, 1 TMA bulk copies (inter_sm)
 };
 
 }  // namespace mk

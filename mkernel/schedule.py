@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 OVERLAPS = ("intra_sm", "inter_sm")
+TRANSFERS = ("auto", "stores", "tma")
 
 
 class TileConfig(NamedTuple):
@@ -88,6 +89,9 @@ class Schedule:
                beside them (measured: a spinning communicator warp slowed intra-SM GEMMs 30x).
     trace:     GPU: record each task's start and end (global timer) and wait for the kernel; the
                timeline lands in ``world.last_timeline`` (the interpreter always records one).
+    transfer:  how ag_gemm pushes its chunks: "stores" (16-byte stores, any overlap), "tma" (TMA
+               bulk copies staged in shared memory; inter_sm only, where comm CTAs own their
+               shared memory) or "auto" (stores: measured faster per SM, docs/benchmarks.md).
     """
 
     overlap: str = "intra_sm"
@@ -100,6 +104,7 @@ class Schedule:
     seed: int = 0
     backoff_ns: int = 2048
     trace: bool = False
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
@@ -118,6 +123,12 @@ class Schedule:
                 raise ValueError(f"Schedule.{name} must be a positive int or None, got {v!r}")
         if self.overlap == "intra_sm" and self.comm_sms is not None:
             raise ValueError("Schedule.comm_sms applies to overlap='inter_sm' only")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"Schedule.transfer must be one of {TRANSFERS}, got {self.transfer!r}")
+        if self.transfer == "tma" and self.overlap != "inter_sm":
+            raise ValueError(
+                "Schedule transfer='tma' needs overlap='inter_sm' (intra_sm has no smem to stage)"
+            )
         if self.tile_order is not None and not callable(self.tile_order):
             raise TypeError("Schedule.tile_order must be a callable fn(rank, tiles) -> order")
 

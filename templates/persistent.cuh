@@ -10,7 +10,8 @@
 //       ...
 //     };
 //     struct ComputeHooks;                   // engine hooks, built as {{args, cta, tasks}}
-//     static constexpr int kCommSmemBytes;   // shared memory of the comm role, after the engine's
+//     static constexpr int kCommSmemBytes;   // intra_sm comm smem, after the engine's (an inter_sm
+//                                            // comm CTA gets all of the CTA's shared memory)
 //     static __device__ void comm_task(const Args&, const CtaInfo&, int task, const Team&,
 //                                      char* smem);   // one comm task, run by the whole team
 //   };
@@ -196,7 +197,8 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   if (p.overlap == kInterSM && cta.slot >= p.compute_units) {
     const TaskList comm{p.comm_tasks + cta.local_rank * p.tm, cta.slot - p.compute_units,
                         p.comm_units, p.tm};
-    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, comm_smem);
+    // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
+    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
     return;
   }
   if (warp < 4) {

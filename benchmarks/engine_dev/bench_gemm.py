@@ -7,6 +7,7 @@ call's inputs; 20 warm-up calls; then 6 rounds of 20 timed calls, each call betw
 CUDA events, the versions (ours, torch.matmul, variants) taking turns round by round; the median of
 the 120 calls is reported, with the medians of the first and second halves as the spread.
 """
+
 import datetime
 import json
 import statistics
@@ -16,8 +17,14 @@ import torch
 
 from common import env_info, launch, load_module, tile_order
 
-SHAPES = [(8192, 8192, 8192), (8192, 3584, 8192), (8192, 8192, 3584), (4096, 28672, 8192),
-          (2048, 8192, 8192), (8192, 1024, 8192)]
+SHAPES = [
+    (8192, 8192, 8192),
+    (8192, 3584, 8192),
+    (8192, 8192, 3584),
+    (4096, 28672, 8192),
+    (2048, 8192, 8192),
+    (8192, 1024, 8192),
+]
 SETS, WARM, ROUNDS, PER = 4, 5, 6, 20
 
 
@@ -43,8 +50,10 @@ def time_interleaved(fns, rounds=ROUNDS, per=PER):
     times = {k: [[] for _ in range(rounds)] for k in fns}
     for r in range(rounds):
         for k, f in fns.items():
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(per)]
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(per)
+            ]
             for c in range(per):
                 ev[c][0].record()
                 f(c % SETS)
@@ -55,8 +64,11 @@ def time_interleaved(fns, rounds=ROUNDS, per=PER):
     for k, t in times.items():
         flat = [x for rr in t for x in rr]
         h = rounds // 2
-        out[k] = (statistics.median(flat), statistics.median([x for rr in t[:h] for x in rr]),
-                  statistics.median([x for rr in t[h:] for x in rr]))
+        out[k] = (
+            statistics.median(flat),
+            statistics.median([x for rr in t[:h] for x in rr]),
+            statistics.median([x for rr in t[h:] for x in rr]),
+        )
     return out
 
 
@@ -67,16 +79,22 @@ def main():
     info = env_info()
     sms = info["sms"]
     records = []
-    for (M, N, K) in SHAPES:
+    for M, N, K in SHAPES:
         flop = 2.0 * M * N * K
-        sets = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
-                 torch.randn(K, N, device="cuda").to(torch.bfloat16),
-                 torch.empty(M, N, device="cuda", dtype=torch.bfloat16)) for _ in range(SETS)]
+        sets = [
+            (
+                torch.randn(M, K, device="cuda").to(torch.bfloat16),
+                torch.randn(K, N, device="cuda").to(torch.bfloat16),
+                torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(SETS)
+        ]
         cfg = mk.gemm_pick_config(M, N, K, sms)
 
         def ours(config, order):
-            return lambda i: launch(mk, sets[i][0], sets[i][1], sets[i][2], M, N, K,
-                                    config=config, order=order)
+            return lambda i: launch(
+                mk, sets[i][0], sets[i][1], sets[i][2], M, N, K, config=config, order=order
+            )
 
         def cublas(i):
             torch.matmul(sets[i][0], sets[i][1], out=sets[i][2])
@@ -96,12 +114,19 @@ def main():
                 fns[f"g{g}"] = ours(cfg, o)
         t = time_interleaved(fns)
         tf = lambda ms: flop / (ms * 1e-3) / 1e12  # noqa: E731
-        rec = {"m": M, "n": N, "k": K, "config": cfg,
-               "config_name": "Tile{BM}x{BN}x{BK}".format(**mk.gemm_config_info(cfg)),
-               "tflops": tf(t["ours"][0]), "tflops_halves": [tf(t["ours"][1]), tf(t["ours"][2])],
-               "cublas_tflops": tf(t["cublas"][0]),
-               "cublas_tflops_halves": [tf(t["cublas"][1]), tf(t["cublas"][2])],
-               "ms_median": t["ours"][0], "cublas_ms_median": t["cublas"][0]}
+        rec = {
+            "m": M,
+            "n": N,
+            "k": K,
+            "config": cfg,
+            "config_name": "Tile{BM}x{BN}x{BK}".format(**mk.gemm_config_info(cfg)),
+            "tflops": tf(t["ours"][0]),
+            "tflops_halves": [tf(t["ours"][1]), tf(t["ours"][2])],
+            "cublas_tflops": tf(t["cublas"][0]),
+            "cublas_tflops_halves": [tf(t["cublas"][1]), tf(t["cublas"][2])],
+            "ms_median": t["ours"][0],
+            "cublas_ms_median": t["cublas"][0],
+        }
         rec["ratio"] = rec["tflops"] / rec["cublas_tflops"]
         others = {k: tf(v[0]) for k, v in t.items() if k not in ("ours", "cublas")}
         if others:
@@ -111,18 +136,27 @@ def main():
         del sets
         torch.cuda.empty_cache()
 
-    print(f"\n{info['device']}  torch {info['torch']}  CUDA {info['cuda']}  driver {info['driver']}")
-    print(f"{'M x N x K':>20} {'config':>16} {'ours TF/s':>10} {'cuBLAS':>8} {'ratio':>6}  variants")
+    print(
+        f"\n{info['device']}  torch {info['torch']}  CUDA {info['cuda']}  driver {info['driver']}"
+    )
+    print(
+        f"{'M x N x K':>20} {'config':>16} {'ours TF/s':>10} {'cuBLAS':>8} {'ratio':>6}  variants"
+    )
     for r in records:
         v = " ".join(f"{k}={x:.0f}" for k, x in r.get("variants_tflops", {}).items())
-        print(f"{r['m']:>6}x{r['n']:>6}x{r['k']:>6} {r['config_name']:>16} {r['tflops']:>10.1f} "
-              f"{r['cublas_tflops']:>8.1f} {r['ratio']:>6.3f}  {v}")
+        print(
+            f"{r['m']:>6}x{r['n']:>6}x{r['k']:>6} {r['config_name']:>16} {r['tflops']:>10.1f} "
+            f"{r['cublas_tflops']:>8.1f} {r['ratio']:>6.3f}  {v}"
+        )
     if out_json:
-        doc = dict(info, date=datetime.date.today().isoformat(),
-                   method=f"median of {ROUNDS * PER} event-timed calls ({ROUNDS} rounds of {PER}, "
-                          f"variants interleaved round by round) after {WARM * SETS} warm-up calls; "
-                          f"{SETS} input sets rotated call by call",
-                   records=records)
+        doc = dict(
+            info,
+            date=datetime.date.today().isoformat(),
+            method=f"median of {ROUNDS * PER} event-timed calls ({ROUNDS} rounds of {PER}, "
+            f"variants interleaved round by round) after {WARM * SETS} warm-up calls; "
+            f"{SETS} input sets rotated call by call",
+            records=records,
+        )
         with open(out_json, "w") as f:
             json.dump(doc, f, indent=1)
 

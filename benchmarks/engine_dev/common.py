@@ -1,4 +1,5 @@
 """Shared helpers of the GEMM engine dev harness: load the dev module, launch, reference, bounds."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """A few small launches for compute-sanitizer (memcheck / synccheck) runs:
-    compute-sanitizer --tool memcheck python3 sanitize_cases.py <build_dir>"""
+compute-sanitizer --tool memcheck python3 sanitize_cases.py <build_dir>"""
+
 import sys
 
 import torch
@@ -9,7 +10,7 @@ from common import launch, load_module
 mk = load_module(sys.argv[1])
 for cfg in range(mk.gemm_num_configs):
     for kind, dt in ((0, torch.bfloat16), (1, torch.float32), (2, torch.float32)):
-        for (M, N, K, grid) in ((129, 264, 72, 0), (300, 520, 136, 2)):
+        for M, N, K, grid in ((129, 264, 72, 0), (300, 520, 136, 2)):
             A = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             B = torch.randn(K, N, device="cuda").to(torch.bfloat16)
             C = torch.zeros(M, N, device="cuda", dtype=dt)

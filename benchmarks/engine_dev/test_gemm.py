@@ -7,6 +7,7 @@ for reduce-add, pre-filled with random values; guard rows below M and guard colu
 ldc must stay untouched. Asserts ||out-ref||/||ref|| and an elementwise bound from the reference's
 own rounding (common.error_bound). Exits non-zero on any failure; prints a summary line last.
 """
+
 import random
 import sys
 import time
@@ -24,8 +25,9 @@ class Stats:
     failed = []
 
 
-def check_case(mk, M, N, K, config, kind, *, ldc_pad=0, order="grouped", sms=132, quiet=False,
-               grid=0):
+def check_case(
+    mk, M, N, K, config, kind, *, ldc_pad=0, order="grouped", sms=132, quiet=False, grid=0
+):
     name = f"M={M} N={N} K={K} cfg={config} kind={KINDS[kind]} ldc_pad={ldc_pad} order={order} grid={grid}"
     try:
         A = torch.randn(M, K, device="cuda").to(torch.bfloat16)
@@ -51,9 +53,20 @@ def check_case(mk, M, N, K, config, kind, *, ldc_pad=0, order="grouped", sms=132
             ordt = torch.randperm(n, device="cuda").to(torch.int32)
         else:
             ordt = None
-        launch(mk, A, B, buf, M, N, K, config=config if ordt is None else cfg, kind=kind, order=ordt,
-               ldc=ldc if ldc_pad else 0,
-               num_sms=grid)
+        launch(
+            mk,
+            A,
+            B,
+            buf,
+            M,
+            N,
+            K,
+            config=config if ordt is None else cfg,
+            kind=kind,
+            order=ordt,
+            ldc=ldc if ldc_pad else 0,
+            num_sms=grid,
+        )
         torch.cuda.synchronize()
         out = buf[:M, :N].float()
         expected = ref + (before[:M, :N] if kind == 1 else 0)
@@ -64,7 +77,9 @@ def check_case(mk, M, N, K, config, kind, *, ldc_pad=0, order="grouped", sms=132
         rel = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
         tol = 1e-2 if kind == 0 else 1e-5
         assert rel < tol, f"relative error {rel:.3e} >= {tol}"
-        assert excess <= 0, f"elementwise bound exceeded by {excess:.3e} (max err {err.max().item():.3e})"
+        assert excess <= 0, (
+            f"elementwise bound exceeded by {excess:.3e} (max err {err.max().item():.3e})"
+        )
         # guards: rows below M, columns N..ldc
         same = lambda x, y: bool(((x == y) | (torch.isnan(x) & torch.isnan(y))).all())  # noqa: E731
         assert same(buf[M:], before[M:]), "wrote below row M"
@@ -97,8 +112,16 @@ def main():
         sys.exit(1)
 
     # 1. fixed shapes incl. remainders, every config x every kind
-    shapes = [(1, 8, 8), (128, 256, 64), (129, 264, 72), (256, 512, 512), (777, 1032, 520),
-              (1000, 1000, 1000), (64, 128, 4104), (3000, 2056, 1160)]
+    shapes = [
+        (1, 8, 8),
+        (128, 256, 64),
+        (129, 264, 72),
+        (256, 512, 512),
+        (777, 1032, 520),
+        (1000, 1000, 1000),
+        (64, 128, 4104),
+        (3000, 2056, 1160),
+    ]
     for cfg in range(mk.gemm_num_configs):
         for kind in (0, 1, 2):
             for i, (M, N, K) in enumerate(shapes):
@@ -108,7 +131,7 @@ def main():
     # 1b. few CTAs, many tiles each (pipeline phases and the overlapped epilogue across tasks)
     for cfg in range(mk.gemm_num_configs):
         for kind in (0, 1, 2):
-            for (M, N, K) in [(1000, 1000, 64), (515, 2056, 200), (1024, 1024, 1024)]:
+            for M, N, K in [(1000, 1000, 64), (515, 2056, 200), (1024, 1024, 1024)]:
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=3)
     # 1c. dev-only experiment configs (timing variants), when built in
     for cfg in (104,):
@@ -116,19 +139,31 @@ def main():
             mk.gemm_config_info(cfg)
         except ValueError:
             continue
-        for (M, N, K) in [(129, 264, 72), (1000, 1000, 1000), (2048, 2048, 512)]:
+        for M, N, K in [(129, 264, 72), (1000, 1000, 1000), (2048, 2048, 512)]:
             check_case(mk, M, N, K, cfg, 0, sms=sms, quiet=True)
             check_case(mk, M, N, K, cfg, 0, sms=sms, quiet=True, grid=5)
-    print(f"fixed shapes + few CTAs + experiment configs: {Stats.passed} passed, {len(Stats.failed)} failed")
+    print(
+        f"fixed shapes + few CTAs + experiment configs: {Stats.passed} passed, {len(Stats.failed)} failed"
+    )
 
     # 2. random shapes, random config / kind / order / ldc padding
     for _ in range(12 if quick else 40):
         M = rng.randint(1, 2500)
         N = 8 * rng.randint(1, 320)
         K = 8 * rng.randint(1, 400)
-        check_case(mk, M, N, K, rng.choice([-1, 0, 1, 2]), rng.choice([0, 1, 2]),
-                   ldc_pad=rng.choice([0, 0, 8, 24, 1]), order=rng.choice(["grouped", "random", None]),
-                   sms=sms, quiet=True, grid=rng.choice([0, 0, 0, 1, 7]))
+        check_case(
+            mk,
+            M,
+            N,
+            K,
+            rng.choice([-1, 0, 1, 2]),
+            rng.choice([0, 1, 2]),
+            ldc_pad=rng.choice([0, 0, 8, 24, 1]),
+            order=rng.choice(["grouped", "random", None]),
+            sms=sms,
+            quiet=True,
+            grid=rng.choice([0, 0, 0, 1, 7]),
+        )
     print(f"random shapes: {Stats.passed} passed, {len(Stats.failed)} failed")
 
     # 3. invariants: tile order and repetition do not change a single bit (each tile is summed by
@@ -141,8 +176,13 @@ def main():
         for order in ("grouped", "random", None, "grouped"):
             C = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             n = len(mk.gemm_tile_order(M, N, cfg, sms))
-            o = (tile_order(mk, M, N, cfg, sms) if order == "grouped" else
-                 torch.randperm(n, device="cuda").to(torch.int32) if order == "random" else None)
+            o = (
+                tile_order(mk, M, N, cfg, sms)
+                if order == "grouped"
+                else torch.randperm(n, device="cuda").to(torch.int32)
+                if order == "random"
+                else None
+            )
             launch(mk, A, B, C, M, N, K, config=cfg, order=o)
             outs.append(C)
         torch.cuda.synchronize()
@@ -155,9 +195,16 @@ def main():
         print(("PASS " if ok else "FAIL ") + name)
 
     # 4. argument errors come back as status codes, nothing launched
-    cases = [((0, 8, 8), {}, 1), ((8, 12, 8), {}, 2), ((8, 8, 12), {}, 2), ((8, 8, 8), {"config": 7}, 4),
-             ((8, 8, 8), {"kind": 3}, 5), ((8, 16, 8), {"ldc": 8}, 6),
-             ((8, 8, 8), {"ptrs": (0, 256, 256)}, 3), ((8, 8, 8), {"ptrs": (258, 256, 256)}, 3)]
+    cases = [
+        ((0, 8, 8), {}, 1),
+        ((8, 12, 8), {}, 2),
+        ((8, 8, 12), {}, 2),
+        ((8, 8, 8), {"config": 7}, 4),
+        ((8, 8, 8), {"kind": 3}, 5),
+        ((8, 16, 8), {"ldc": 8}, 6),
+        ((8, 8, 8), {"ptrs": (0, 256, 256)}, 3),
+        ((8, 8, 8), {"ptrs": (258, 256, 256)}, 3),
+    ]
     for (M, N, K), kw, want in cases:
         got = status_of(mk, M, N, K, **kw)
         name = f"status M={M} N={N} K={K} {kw} -> {got} (want {want})"
@@ -169,12 +216,20 @@ def main():
 
     # 5. the benchmark shapes themselves (heuristic config, grouped order)
     if not quick:
-        for (M, N, K) in [(8192, 8192, 8192), (8192, 3584, 8192), (8192, 8192, 3584),
-                          (4096, 28672, 8192), (2048, 8192, 8192), (8192, 1024, 8192)]:
+        for M, N, K in [
+            (8192, 8192, 8192),
+            (8192, 3584, 8192),
+            (8192, 8192, 3584),
+            (4096, 28672, 8192),
+            (2048, 8192, 8192),
+            (8192, 1024, 8192),
+        ]:
             check_case(mk, M, N, K, -1, 0, sms=sms)
             torch.cuda.empty_cache()
 
-    print(f"SUMMARY tests: {Stats.passed} passed, {len(Stats.failed)} failed, {time.time()-t0:.1f}s")
+    print(
+        f"SUMMARY tests: {Stats.passed} passed, {len(Stats.failed)} failed, {time.time() - t0:.1f}s"
+    )
     for f in Stats.failed[:20]:
         print("  failed:", f)
     sys.exit(1 if Stats.failed else 0)

@@ -102,10 +102,14 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
         a = torch.randn(*sa, device="cuda").bfloat16()
         b = torch.randn(*sb, device="cuda").bfloat16()
         fn = getattr(mkernel, op)
-        knobs = [("intra_sm", None, bo) for bo in (1024, 2048, 4096, 16384)]
-        knobs += [("inter_sm", c, 2048) for c in (8, 16, 24)]
-        for overlap, comm_sms, bo in knobs:
-            sched = mkernel.Schedule(overlap=overlap, comm_sms=comm_sms, backoff_ns=bo)
+        knobs = [("intra_sm", None, bo, "auto") for bo in (1024, 2048, 4096, 16384)]
+        knobs += [("inter_sm", c, 2048, "auto") for c in (8, 16, 24)]
+        if op == "ag_gemm":
+            knobs += [("inter_sm", c, 2048, "tma") for c in (8, 16, 24)]
+        for overlap, comm_sms, bo, transfer in knobs:
+            sched = mkernel.Schedule(
+                overlap=overlap, comm_sms=comm_sms, backoff_ns=bo, transfer=transfer
+            )
             ms = _try(lambda s=sched, fn=fn, a=a, b=b: fn(a, b, world=world, schedule=s))
             rows.append(
                 {
@@ -114,12 +118,12 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
                     "overlap": overlap,
                     "comm_sms": comm_sms,
                     "backoff_ns": bo,
+                    "transfer": transfer,
                     "ms": ms,
                 }
             )
     world.check()
-    # One traced call per op and overlap: where the time goes (Chrome traces next to the JSON).
-    out_dir = os.environ.get("MKERNEL_BENCH_DIR", "benchmarks/results")
+    # One traced call per op and overlap: where the time goes (summaries of the GPU timeline).
     for op, (sa, sb) in shapes.items():
         a = torch.randn(*sa, device="cuda").bfloat16()
         b = torch.randn(*sb, device="cuda").bfloat16()
@@ -129,7 +133,6 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
             )
             tl = world.last_timeline
             if world.rank == 0:
-                tl.save_chrome(f"{out_dir}/trace_{op}_{overlap}_w{W}.json")
                 for role in ("compute", "comm"):
                     d = [s.end - s.start for s in tl.spans if s.unit.startswith(role)]
                     end = max((s.end for s in tl.spans if s.unit.startswith(role)), default=0)
@@ -141,7 +144,7 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
                             flush=True,
                         )
     if world.rank == 0:
-        print(table(rows, ["op", "m", "overlap", "comm_sms", "backoff_ns", "ms"]))
+        print(table(rows, ["op", "m", "overlap", "comm_sms", "backoff_ns", "transfer", "ms"]))
         print("saved", save(f"tp_sweep_w{W}", rows))
 
 

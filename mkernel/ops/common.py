@@ -129,6 +129,7 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
         schedule.faults,
         schedule.backoff_ns,
         schedule.trace,
+        schedule.transfer,
         tuple(sorted(shapes.items())),
     )
     plans = world._plans
@@ -139,6 +140,7 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
             plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
         plan.extra["backoff_ns"] = schedule.backoff_ns
         plan.extra["trace"] = schedule.trace
+        plan.extra["transfer"] = schedule.transfer
         plans[key] = plan
     return plan
 
@@ -307,6 +309,7 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
     L.delay_rank = -1 if f.delay_rank is None else f.delay_rank
     L.delay_ns = int(f.delay_us * 1000)
     L.backoff_ns = plan.extra.get("backoff_ns", 0)
+    L.transfer = 1 if plan.extra.get("transfer") == "tma" else 0
     world._pending_trace = None
     if plan.extra.get("trace"):
         ranks_here = L.ranks_here
