@@ -64,41 +64,39 @@ struct GemmAR {
                                    char*) {
     const FusedCommon& c = a.common;
     const int W = c.world.world_size, me = cta.rank;
-    {
-      const int t = id % a.T;
-      if (id >= a.T) {  // NOTE: twice the deadline, so that a stuck owner's own wait reports first
-        const WaitSite site{me, t % W, id, kRoleComm, kSignalTileReady, t};
-        const WaitPolicy patient{c.wait.status, 2 * c.wait.timeout_ns, c.wait.backoff_ns};
-        if (team.lane == 0) wait_acquire_reset(a.ready.map(me) + t, 1, patient, site);
-        return;
+    const int t = id % a.T;
+    if (id >= a.T) {  // NOTE: twice the deadline, so that a stuck owner's own wait reports first
+      const WaitSite site{me, t % W, id, kRoleComm, kSignalTileReady, t};
+      const WaitPolicy patient{c.wait.status, 2 * c.wait.timeout_ns, c.wait.backoff_ns};
+      if (team.lane == 0) wait_acquire_reset(a.ready.map(me) + t, 1, patient, site);
+      return;
+    }
+    if (team.lane == 0) {
+      for (int j = 0; j < W; ++j) {
+        const int src = (me + 1 + j) % W;
+        const WaitSite site{me, src, id, kRoleComm, kSignalTileFlag, t};
+        wait_acquire_reset(a.flags.map(me) + t * W + src, 1, c.wait, site);
       }
-      if (team.lane == 0) {
-        for (int j = 0; j < W; ++j) {
-          const int src = (me + 1 + j) % W;
-          const WaitSite site{me, src, id, kRoleComm, kSignalTileFlag, t};
-          wait_acquire_reset(a.flags.map(me) + t * W + src, 1, c.wait, site);
-        }
-      }
-      team.sync();
-      const Tile tl = load_tile(c.plan, t);
-      const long long base = (long long)tl.m0 * a.N + tl.n0;
-      float* acc = a.acc.map(me) + base;
-      const int per_row = tl.cols / 8;  // cols % 8 == 0: 8 fp32 in, one 16-byte bf16 vector out
-      for (int v = team.lane; v < tl.rows * per_row; v += team.size) {
-        const long long off = (long long)(v / per_row) * a.N + (v % per_row) * 8;
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + off));
-        const float4 y = __ldcg(reinterpret_cast<const float4*>(acc + off + 4));
-        const uint4 packed = make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w),
-                                        pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
-        for (int j = 0; j < W; ++j) peer_store_v4(a.out_of((me + j) % W) + base + off, packed);
-        __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
-        __stcg(reinterpret_cast<float4*>(acc + off + 4), make_float4(0.f, 0.f, 0.f, 0.f));
-      }
-      team.sync();
-      if (team.lane == 0 && me != c.faults.silent_rank) {
-        __threadfence_system();
-        for (int j = 1; j < W; ++j) signal_set_release(a.ready.map((me + j) % W) + t);
-      }
+    }
+    team.sync();
+    const Tile tl = load_tile(c.plan, t);
+    const long long base = (long long)tl.m0 * a.N + tl.n0;
+    float* acc = a.acc.map(me) + base;
+    const int per_row = tl.cols / 8;  // cols % 8 == 0: 8 fp32 in, one 16-byte bf16 vector out
+    for (int v = team.lane; v < tl.rows * per_row; v += team.size) {
+      const long long off = (long long)(v / per_row) * a.N + (v % per_row) * 8;
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + off));
+      const float4 y = __ldcg(reinterpret_cast<const float4*>(acc + off + 4));
+      const uint4 packed = make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w),
+                                      pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
+      for (int j = 0; j < W; ++j) peer_store_v4(a.out_of((me + j) % W) + base + off, packed);
+      __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
+      __stcg(reinterpret_cast<float4*>(acc + off + 4), make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    team.sync();
+    if (team.lane == 0 && me != c.faults.silent_rank) {
+      __threadfence_system();
+      for (int j = 1; j < W; ++j) signal_set_release(a.ready.map((me + j) % W) + t);
     }
   }
 };

@@ -52,28 +52,26 @@ struct GemmRS {
                                    char*) {
     const FusedCommon& c = a.common;
     const int W = c.world.world_size;
-    {
-      const int u = id - cta.rank * a.U;
-      const Tile t = load_tile(c.plan, id);
-      if (team.lane == 0) {
-        for (int j = 0; j < W; ++j) {
-          const int src = (cta.rank + 1 + j) % W;
-          const WaitSite site{cta.rank, src, id, kRoleComm, 1, u};
-          wait_acquire_reset(a.flags.map(cta.rank) + u * W + src, 1, c.wait, site);
-        }
+    const int u = id - cta.rank * a.U;
+    const Tile t = load_tile(c.plan, id);
+    if (team.lane == 0) {
+      for (int j = 0; j < W; ++j) {
+        const int src = (cta.rank + 1 + j) % W;
+        const WaitSite site{cta.rank, src, id, kRoleComm, 1, u};
+        wait_acquire_reset(a.flags.map(cta.rank) + u * W + src, 1, c.wait, site);
       }
-      team.sync();
-      float* acc = a.acc.map(cta.rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
-      __nv_bfloat16* out = a.out.at(cta.local_rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
-      const int quads = t.rows * (t.cols / 4);  // cols % 8 == 0
-      for (int q = team.lane; q < quads; q += team.size) {
-        const long long off = (long long)(q / (t.cols / 4)) * a.N + (q % (t.cols / 4)) * 4;
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(acc + off));
-        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-        uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-        *reinterpret_cast<uint2*>(out + off) = packed;
-        __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
-      }
+    }
+    team.sync();
+    float* acc = a.acc.map(cta.rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
+    __nv_bfloat16* out = a.out.at(cta.local_rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
+    const int quads = t.rows * (t.cols / 4);  // cols % 8 == 0
+    for (int q = team.lane; q < quads; q += team.size) {
+      const long long off = (long long)(q / (t.cols / 4)) * a.N + (q % (t.cols / 4)) * 4;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(acc + off));
+      __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+      uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      *reinterpret_cast<uint2*>(out + off) = packed;
+      __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
     }
   }
 };
