@@ -128,7 +128,7 @@ struct Engine {
   // Task i's writes are complete and visible: tell the hooks (one thread).
   template <class Hooks>
   __device__ static void complete(Hooks& hooks, int i) {
-    if (threadIdx.x % 128 < 64) bulk_wait<0>();  // staged bulk copies fully landed
+    if (threadIdx.x % 128 < 64) bulk_wait_all();  // staged bulk copies fully landed
     named_barrier_sync(kBarConsumers, 128 * CONSUMERS);
     if (threadIdx.x == 128) {
       __threadfence_system();

@@ -12,7 +12,7 @@
 //     of 8): the warpgroup writes EPI_COLS columns at a time into its padded shared-memory staging
 //     tile with stmatrix, fences the async proxy, and threads 0..63 each issue one non-tensor bulk copy
 //     (cp.async.bulk.global.shared::cta) per row. The copies join each thread's bulk group; the caller
-//     must bulk_wait<0>() in threads 0..63 before it tells anybody the data landed.
+//     must bulk_wait_all() in threads 0..63 before it tells anybody the data landed.
 //   * direct (everything else): vector st.global / red.global.add.v2.f32 straight from registers,
 //     scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
 //     __threadfence_system() in the signalling thread.
@@ -86,7 +86,7 @@ struct WarpgroupEpilogue {
     const int st_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
     const uint32_t st_base = smem_u32(staging) + st_row * kStagingStride + ((lane >> 4) & 1) * 16;
     // The staging tile may still be read by the previous pass's (or tile's) bulk copies.
-    if (lt < 64) bulk_wait_read<0>();
+    if (lt < 64) bulk_wait_read();
     named_barrier_sync(wg_bar, 128);
 #pragma unroll
     for (int jj = 0; jj < EPI_COLS / 16; ++jj) {
@@ -100,7 +100,7 @@ struct WarpgroupEpilogue {
       const int c0 = PASS * EPI_COLS;
       if (lt < rows_valid && c0 < cols_valid) {
         const int ncols = (cols_valid - c0) < EPI_COLS ? (cols_valid - c0) : EPI_COLS;
-        bulk_store_s2g(static_cast<__nv_bfloat16*>(d.ptr) + (long)lt * d.ld + c0,
+        tile_send_bulk(static_cast<__nv_bfloat16*>(d.ptr) + (long)lt * d.ld + c0,
                        staging + lt * kStagingStride, (uint32_t)ncols * 2u);
       }
       bulk_commit();
