@@ -18,7 +18,7 @@
 
 namespace mk {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
@@ -35,7 +35,7 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 // TMA bulk copy shared -> global (local or peer). bytes % 16 == 0, both addresses 16-byte aligned.
 __device__ __forceinline__ void tile_send_bulk(void* dst, const void* src_smem, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-               "r"(smem_addr(src_smem)), "r"(bytes)
+               "r"(smem_u32(src_smem)), "r"(bytes)
                : "memory");
 }
 
@@ -44,7 +44,7 @@ __device__ __forceinline__ void reduce_add_bulk_f32(float* dst, const float* src
                                                     uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
                    dst),
-               "r"(smem_addr(src_smem)), "r"(bytes)
+               "r"(smem_u32(src_smem)), "r"(bytes)
                : "memory");
 }
 
@@ -54,7 +54,7 @@ __device__ __forceinline__ void reduce_add_bulk_bf16(__nv_bfloat16* dst,
                                                      uint32_t bytes) {
   asm volatile(
       "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(dst),
-      "r"(smem_addr(src_smem)), "r"(bytes)
+      "r"(smem_u32(src_smem)), "r"(bytes)
       : "memory");
 }
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).parents[1] / "primitives"
 # Ordering/fencing helpers and raw PTX wrappers that the interpreter models implicitly (its vector
 # clocks give release/acquire and bulk completion at the signal), not as separate steps.
 IMPLICIT = {
-    "smem_addr",
+    "smem_u32",
     "fence_proxy_async_smem",
     "fence_proxy_async_global",
     "bulk_commit",

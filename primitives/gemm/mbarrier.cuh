@@ -15,11 +15,9 @@
 #pragma once
 #include <cstdint>
 
-namespace mk::gemm {
+#include "../comm.cuh"  // smem_u32
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace mk::gemm {
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrive_count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrive_count)
