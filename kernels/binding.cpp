@@ -25,7 +25,7 @@ PYBIND11_MODULE(_mkernel_ext, m) {
   py::class_<mk::FusedLaunch>(m, "FusedLaunch")
       .def(py::init<>())
       FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm) FIELD(compute_units)
-      FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap) FIELD(tile_config) FIELD(engine)
+      FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap) FIELD(tile_config)
       FIELD(world_size) FIELD(rank0) FIELD(ranks_here) FIELD(timeout_ns) FIELD(status)
       FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank) FIELD(delay_ns) FIELD(a) FIELD(b)
       FIELD(out) FIELD(a_rank_stride) FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N)

@@ -11,7 +11,6 @@ struct FusedLaunch {
   uint64_t tiles = 0, compute_order = 0, comm_tasks = 0;
   int tc = 0, tm = 0, compute_units = 0, comm_units = 0, ctas_per_rank = 0, overlap = 0;
   int tile_config = 0;  // TILE_CONFIG_IDS in mkernel/schedule.py
-  int engine = 0;       // 0: portable WMMA engine, 1: Hopper wgmma engine
   // world
   int world_size = 1, rank0 = 0, ranks_here = 1;
   long long timeout_ns = 0;

@@ -275,7 +275,7 @@ def status_block(world: World) -> _StatusBlock:
     return blk
 
 
-def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
+def fill_launch(world: World, plan: Plan) -> Any:
     """A FusedLaunch with the plan, world, status and fault fields set; the op fills its
     operands."""
     from ..schedule import TILE_CONFIG_IDS
@@ -298,7 +298,6 @@ def fill_launch(world: World, plan: Plan, engine: int = 0) -> Any:
     L.ctas_per_rank = plan.ctas_per_rank
     L.overlap = 0 if plan.overlap == "intra_sm" else 1
     L.tile_config = TILE_CONFIG_IDS[plan.tile.name]
-    L.engine = engine
     L.world_size = world.size
     L.rank0 = 0 if world.emulated_world else world.rank
     L.ranks_here = world.size if world.emulated_world else 1
