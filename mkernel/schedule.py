@@ -132,12 +132,24 @@ class Schedule:
         if self.tile_order is not None and not callable(self.tile_order):
             raise TypeError("Schedule.tile_order must be a callable fn(rank, tiles) -> order")
 
-    def plan(self, op: str, world: Any, **shapes: int) -> Plan:
-        """Compile this schedule for ``op`` ("gemm_rs", "ag_gemm", "gemm_ar") over ``world`` and the
-        op's shapes (m, n, k: the global GEMM sizes)."""
-        from .ops import registry
+    def plan(self, op: str, world: Any, *operands: Any, **shapes: int) -> Plan:
+        """The plan ``op`` ("gemm_rs", "ag_gemm", "gemm_ar") runs over ``world`` with this schedule:
+        give the op's operands (``plan("gemm_rs", world, a, b)``, checked as the op checks them) or
+        its global GEMM sizes (``plan("gemm_rs", world, m=..., n=..., k=...)``). It is the very
+        plan object a call with the same schedule and shapes executes (cached on the world)."""
+        from .ops import common, registry
 
-        return registry.get(op).make_plan(self, world, **shapes)
+        module = registry.get(op)
+        if operands:
+            if shapes:
+                raise TypeError("Schedule.plan takes the operands or m=, n=, k=, not both")
+            shapes = module.shapes(*operands, world)
+        if sorted(shapes) != ["k", "m", "n"]:
+            raise TypeError(
+                f"Schedule.plan needs the operands or m=, n=, k= (got {sorted(shapes)})"
+            )
+        common.check_world(world)
+        return common.cached_plan(module, self, world, **shapes)
 
 
 @dataclass

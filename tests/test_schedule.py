@@ -50,3 +50,25 @@ def test_ag_gemm_transfer_knob_keeps_the_result(transfer):
     sched = mkernel.Schedule(overlap="inter_sm", transfer=transfer)
     out = mkernel.ag_gemm(a, b, world, sched)
     assert_close_bf16(out, mkernel.reference.ag_gemm(a, b, world), transfer)
+
+
+@pytest.mark.parametrize("op", ["gemm_rs", "ag_gemm", "gemm_ar"])
+def test_plan_from_operands_is_the_plan_a_call_runs(op):
+    W = 2
+    world = mkernel.World.emulated(W)
+    rows = 64 if op == "ag_gemm" else 128
+    a = torch.randn(W, rows, 32).bfloat16()
+    b = torch.randn(W, 32, 64).bfloat16()
+    sched = mkernel.Schedule(tile="128x128x64")
+    plan = sched.plan(op, world, a, b)
+    k = 32 if op == "ag_gemm" else 32 * W
+    m = rows * W if op == "ag_gemm" else rows
+    assert plan is sched.plan(op, world, m=m, n=64, k=k)
+    getattr(mkernel, op)(a, b, world, sched)
+    assert world.last_timeline is not None
+    with pytest.raises(TypeError, match="not both"):
+        sched.plan(op, world, a, b, m=m, n=64, k=k)
+    with pytest.raises(TypeError, match="needs the operands"):
+        sched.plan(op, world, m=m)
+    with pytest.raises(ValueError, match="unknown op"):
+        sched.plan("fused_everything", world, m=m, n=64, k=k)

@@ -101,6 +101,16 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     )
 
 
+def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
+    """The global GEMM sizes (m, n, k) of a call, after checking the operands."""
+    (ms, k), (kb, n) = common.check_operands(a, "[M/W, K]", b, "[K, N]", world)
+    if kb != k:
+        raise ValueError(f"a is [M/W, K] = [{ms}, {k}] but b is [K, N] = [{kb}, {n}]: K differs")
+    common.check_divides("M/W (rows of a)", ms, 1, "every rank holds at least one row")
+    common.check_columns("K", k, n)
+    return {"m": ms * world.size, "n": n, "k": k}
+
+
 def ag_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -137,15 +147,10 @@ def ag_gemm(
     """
     world = common.check_world(world)
     schedule = common.check_schedule(schedule)
-    (ms, k), (kb, n) = common.check_operands(a, "[M/W, K]", b, "[K, N]", world)
-    if kb != k:
-        raise ValueError(f"a is [M/W, K] = [{ms}, {k}] but b is [K, N] = [{kb}, {n}]: K differs")
-    common.check_divides("M/W (rows of a)", ms, 1, "every rank holds at least one row")
-    common.check_columns("K", k, n)
+    s = shapes(a, b, world)
     common.check_faults(schedule, world)
-    m = ms * world.size
-    out = common.check_out(out, world, (m, n))
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=k)
+    out = common.check_out(out, world, (s["m"], s["n"]))
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
     if world.on_gpu:
         return _run_gpu(world, plan, a, b, out)
     return _run_cpu(world, plan, a, b, schedule, out)

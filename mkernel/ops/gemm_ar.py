@@ -79,6 +79,16 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     )
 
 
+def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
+    """The global GEMM sizes (m, n, k) of a call, after checking the operands."""
+    (m, kl), (kb, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world)
+    if kb != kl:
+        raise ValueError(f"a is [M, K/W] = [{m}, {kl}], b is [K/W, N] = [{kb}, {n}]: K/W differs")
+    common.check_divides("M (rows of a)", m, 1, "at least one row")
+    common.check_columns("K/W", kl, n)
+    return {"m": m, "n": n, "k": kl * world.size}
+
+
 def gemm_ar(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -111,14 +121,10 @@ def gemm_ar(
     """
     world = common.check_world(world)
     schedule = common.check_schedule(schedule)
-    (m, kl), (kb, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world)
-    if kb != kl:
-        raise ValueError(f"a is [M, K/W] = [{m}, {kl}], b is [K/W, N] = [{kb}, {n}]: K/W differs")
-    common.check_divides("M (rows of a)", m, 1, "at least one row")
-    common.check_columns("K/W", kl, n)
+    s = shapes(a, b, world)
     common.check_faults(schedule, world)
-    out = common.check_out(out, world, (m, n))
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, m=m, n=n, k=kl * world.size)
+    out = common.check_out(out, world, (s["m"], s["n"]))
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
     if world.on_gpu:
         return _run_gpu(world, plan, a, b, out)
     return _run_cpu(world, plan, a, b, schedule, out)
