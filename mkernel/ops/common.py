@@ -165,6 +165,30 @@ def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
     return [p.to(x.device) for p in parts]
 
 
+def run_op(
+    module: Any,
+    a: Any,
+    b: Any,
+    world: Any,
+    schedule: Any,
+    out: Any,
+    out_shape: Callable[[dict[str, int], int], tuple[int, ...]],
+) -> torch.Tensor:
+    """The path every fused GEMM op's API takes: check the world, schedule, operands (the op's
+    ``shapes``), faults and ``out`` (per-rank shape ``out_shape(shapes, W)``), all before anything
+    runs; then the cached plan on the GPU (the op's ``_run_gpu``) or in the interpreter
+    (``_run_cpu``)."""
+    world = check_world(world)
+    schedule = check_schedule(schedule)
+    s = module.shapes(a, b, world)
+    check_faults(schedule, world)
+    out = check_out(out, world, out_shape(s, world.size))
+    plan = cached_plan(module, schedule, world, **s)
+    if world.on_gpu:
+        return module._run_gpu(world, plan, a, b, out)
+    return module._run_cpu(world, plan, a, b, schedule, out)
+
+
 # -- the CPU interpreter driver -----------------------------------------------------------------
 
 

@@ -119,15 +119,8 @@ def gemm_ar(
     Requires M >= 1, and K/W and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    world = common.check_world(world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(a, b, world)
-    common.check_faults(schedule, world)
-    out = common.check_out(out, world, (s["m"], s["n"]))
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    if world.on_gpu:
-        return _run_gpu(world, plan, a, b, out)
-    return _run_cpu(world, plan, a, b, schedule, out)
+    out_shape = lambda s, W: (s["m"], s["n"])  # per rank
+    return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
 
 
 def _workspace(world: World, plan: Plan):

@@ -107,15 +107,8 @@ def gemm_rs(
     ValueError naming the argument before anything runs, CommTimeout if a wait passes the world's
     deadline.
     """
-    world = common.check_world(world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(a, b, world)
-    common.check_faults(schedule, world)
-    out = common.check_out(out, world, (s["m"] // world.size, s["n"]))
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    if world.on_gpu:
-        return _run_gpu(world, plan, a, b, out)
-    return _run_cpu(world, plan, a, b, schedule, out)
+    out_shape = lambda s, W: (s["m"] // W, s["n"])  # per rank
+    return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
 
 
 def _workspace(world: World, plan: Plan):
