@@ -3,6 +3,9 @@
 //   grid = min(#SMs, #tiles) CTAs, one per SM; CTA b owns list positions b, b+grid, b+2*grid, ...
 //   threads: warpgroup 0 = producer (warp 0 runs Engine::run; warps 1..3 idle), warpgroups 1.. =
 //   consumers.
+//   Cluster configs (Cfg::CLUSTER = 2): the list holds cluster tiles (CLUSTER vertically adjacent
+//   tiles); cluster c owns positions c, c + clusters, ...; its CTA of rank r computes tile row
+//   um * CLUSTER + r. grid = CLUSTER * min(#SMs / CLUSTER, #units, clusters that fit at once).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -23,8 +26,8 @@ struct GemmKernelParams {
   void* c;
   long ldc;
   int kind;
-  const int32_t* order;  // [tiles] or nullptr
-  int tiles_n, total;
+  const int32_t* order;  // [units] or nullptr (a unit is a tile, or a cluster tile)
+  int tiles_n, total;    // total = units
 };
 
 // Hooks of the plain GEMM: a static task list, no waits, no signals.
@@ -33,19 +36,31 @@ struct GemmHooks {
   const GemmKernelParams<Cfg>& p;
   static constexpr bool kDeferAfterStore = true;
 
+  // This CTA's unit slot and the number of slots (CTAs, or clusters).
+  __device__ __forceinline__ int slot() const {
+    return Cfg::CLUSTER == 1 ? (int)blockIdx.x : (int)cluster_id_x();
+  }
+  __device__ __forceinline__ int slots() const {
+    return Cfg::CLUSTER == 1 ? (int)gridDim.x : (int)num_clusters_x();
+  }
   __device__ __forceinline__ int num_tasks() const {
-    const int b = blockIdx.x, g = gridDim.x;
+    const int b = slot(), g = slots();
     return b < p.total ? (p.total - b + g - 1) / g : 0;
   }
   __device__ __forceinline__ TileTask task(int i) const {
-    const int pos = blockIdx.x + i * gridDim.x;
+    const int pos = slot() + i * slots();
     const int id = p.order != nullptr ? __ldg(p.order + pos) : pos;
-    const int tm = id / p.tiles_n, tn = id - tm * p.tiles_n;
+    const int um = id / p.tiles_n, tn = id - um * p.tiles_n;
+    const int r = Cfg::CLUSTER == 1 ? 0 : (int)cluster_ctarank();
     TileTask t;
-    t.m0 = tm * Cfg::BM;
+    t.m0 = (um * Cfg::CLUSTER + r) * Cfg::BM;
     t.n0 = tn * Cfg::BN;
     t.rows = min(Cfg::BM, p.engine.M - t.m0);
     t.cols = min(Cfg::BN, p.engine.N - t.n0);
+    if (t.rows <= 0) {  // below M (a cluster's last tile row): load valid rows, store nothing
+      t.m0 = um * Cfg::CLUSTER * Cfg::BM;
+      t.rows = 0;
+    }
     return t;
   }
   __device__ __forceinline__ void before_load(int) const {}
@@ -67,6 +82,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ __align__(1024) char smem[];
   using E = Engine<Cfg>;
   GemmHooks<Cfg> hooks{p};
+  if constexpr (Cfg::CLUSTER > 1) E::cluster_begin(smem);
   if (threadIdx.x < 128) {
     setmaxnreg_dec<E::kProducerRegs>();
     if (threadIdx.x < 32) E::run(p.engine, smem, hooks);
@@ -74,6 +90,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     setmaxnreg_inc<E::kConsumerRegs>();
     E::run(p.engine, smem, hooks);
   }
+  if constexpr (Cfg::CLUSTER > 1) E::cluster_end();
 }
 
 int num_sms_of_current_device() {
@@ -97,20 +114,53 @@ int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
   p.ldc = a.ldc > 0 ? a.ldc : a.N;
   p.kind = a.out_kind;
   p.order = a.tile_order;
-  const int tiles_m = (a.M + Cfg::BM - 1) / Cfg::BM;
+  constexpr int kCl = Cfg::CLUSTER;
+  const int units_m = (a.M + Cfg::BM * kCl - 1) / (Cfg::BM * kCl);
   p.tiles_n = (a.N + Cfg::BN - 1) / Cfg::BN;
-  p.total = tiles_m * p.tiles_n;
-  const int grid = p.total < num_sms ? p.total : num_sms;
+  p.total = units_m * p.tiles_n;
 
   auto* kernel = gemm_kernel<Cfg>;
-  static bool attr_set = false;  // NOTE: per process; fine for one device kind
-  if (!attr_set) {
+  static int max_clusters = 0;  // NOTE: per process; fine for one device kind
+  if (max_clusters == 0) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Cfg::kSmemBytes) != cudaSuccess)
       return kGemmLaunchFailed;
-    attr_set = true;
+    max_clusters = 1 << 30;
+    if (kCl > 1) {  // how many clusters of kCl CTAs fit on the GPU at once
+      cudaLaunchConfig_t q{};
+      cudaLaunchAttribute at{};
+      at.id = cudaLaunchAttributeClusterDimension;
+      at.val.clusterDim.x = kCl;
+      at.val.clusterDim.y = at.val.clusterDim.z = 1;
+      q.gridDim = dim3(kCl * num_sms_of_current_device());
+      q.blockDim = dim3(Cfg::kThreads);
+      q.dynamicSmemBytes = Cfg::kSmemBytes;
+      q.attrs = &at;
+      q.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &q) != cudaSuccess ||
+          max_clusters < 1) {
+        max_clusters = 0;
+        return kGemmLaunchFailed;
+      }
+    }
   }
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  int slots = num_sms / kCl;
+  if (slots < 1) slots = 1;
+  if (slots > max_clusters) slots = max_clusters;
+  if (slots > p.total) slots = p.total;
+
+  cudaLaunchConfig_t lc{};
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kCl;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  lc.gridDim = dim3(slots * kCl);
+  lc.blockDim = dim3(Cfg::kThreads);
+  lc.dynamicSmemBytes = Cfg::kSmemBytes;
+  lc.stream = stream;
+  lc.attrs = &attr;
+  lc.numAttrs = kCl > 1 ? 1 : 0;  // plain launch for single-CTA configs
+  if (cudaLaunchKernelEx(&lc, kernel, p) != cudaSuccess) return kGemmLaunchFailed;
   return cudaGetLastError() == cudaSuccess ? kGemmOk : kGemmLaunchFailed;
 }
 
@@ -154,6 +204,7 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     case Tile128x256x64::kId: return launch<Tile128x256x64>(a, stream, num_sms);
     case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
     case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);
+    case Tile128x256x64C2::kId: return launch<Tile128x256x64C2>(a, stream, num_sms);
 #ifdef MK_GEMM_EXPERIMENTS
     case ExpSkipEpi::kId: return launch<ExpSkipEpi>(a, stream, num_sms);
     case ExpOverlap::kId: return launch<ExpOverlap>(a, stream, num_sms);

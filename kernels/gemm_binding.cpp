@@ -59,7 +59,8 @@ void register_gemm(py::module_& m) {
         return v;
       },
       py::arg("M"), py::arg("N"), py::arg("config"), py::arg("num_sms"),
-      "Grouped (L2-friendly) tile order: tile ids tm * tiles_n + tn.");
+      "Grouped (L2-friendly) order of units (a tile, or CLUSTER vertically adjacent tiles):\n"
+      "ids um * tiles_n + tn.");
   m.def(
       "gemm_config_info",
       [](int id) {
@@ -68,6 +69,7 @@ void register_gemm(py::module_& m) {
         py::dict d;
         d["id"] = c.id; d["BM"] = c.bm; d["BN"] = c.bn; d["BK"] = c.bk; d["stages"] = c.stages;
         d["consumers"] = c.consumers; d["threads"] = c.threads; d["smem_bytes"] = c.smem_bytes;
+        d["cluster"] = c.cluster;
         return d;
       },
       py::arg("config"));

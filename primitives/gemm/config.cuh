@@ -11,6 +11,8 @@
 //   EPI_MODE       kEpiStaged (bf16 through staging + bulk copies, fp32 direct), kEpiDirect (all kinds
 //                  straight from registers), kEpiSkip (writes nothing: only for timing the epilogue)
 //   kProducerRegs / kConsumerRegs   setmaxnreg targets (the caller's template applies them)
+//   CLUSTER        CTAs per thread-block cluster along M (1 or 2); with 2, the two CTAs compute
+//                  vertically adjacent tiles and share each B slice through one multicast TMA load
 #pragma once
 #include <cstdint>
 
@@ -48,7 +50,7 @@ constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
 enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2 };
 
 template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
-          int EPI_MODE_ = kEpiStaged>
+          int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1>
 struct TileConfig {
   static constexpr int kId = ID_;
   static constexpr int BM = BM_, BN = BN_, BK = 64;
@@ -56,6 +58,7 @@ struct TileConfig {
   static constexpr int CONSUMERS = BM_ / 64;
   static constexpr int EPI_COLS = BN_ < EPI_COLS_ ? BN_ : EPI_COLS_;
   static constexpr int EPI_MODE = EPI_MODE_;
+  static constexpr int CLUSTER = CLUSTER_;
   // Staged passes during the next task's first k-slices: measured slower on H200 (it delays the
   // next wgmma issue), so off by default; see docs/gemm_engine.md.
   static constexpr bool EPI_OVERLAP = false;
@@ -65,6 +68,7 @@ struct TileConfig {
   static constexpr int kSmemBytes = SmemMap<TileConfig>::kBytes;
   static_assert(BM_ % 64 == 0 && BN_ % 64 == 0 && BN_ <= 256, "wgmma m64nNk16, N <= 256");
   static_assert(kSmemBytes <= kMaxDynamicSmem, "shared memory over the sm_90 limit");
+  static_assert(CLUSTER_ == 1 || CLUSTER_ == 2, "clusters of 1 or 2 CTAs");
   static_assert(128 * REG_P + 128 * CONSUMERS * REG_C <= 65536, "register file");
 };
 
@@ -75,7 +79,11 @@ using Tile128x128x64 = TileConfig<128, 128, 6, 1, 40, 232>;
 // 1 consumer warpgroup, 64 x 128: small M or few tiles.
 using Tile64x128x64 = TileConfig<64, 128, 8, 2, 40, 232>;
 
-constexpr int kNumConfigs = 3;
+// Two CTAs per cluster (a 256 x 256 block of C), each loading half of B for both: 33% less L2 traffic.
+// Only the plain GEMM op (kernels/gemm.cu) launches it so far; the fused template uses ids 0..2.
+using Tile128x256x64C2 = TileConfig<128, 256, 4, 3, 24, 240, 128, kEpiStaged, 2>;
+
+constexpr int kNumConfigs = 4;
 
 #ifdef MK_GEMM_EXPERIMENTS
 // Dev-harness variants (ids >= 100), never picked by the heuristic.
@@ -87,13 +95,13 @@ struct ExpOverlap : Tile128x256x64 {
 #endif
 
 struct ConfigInfo {
-  int id, bm, bn, bk, stages, consumers, threads, smem_bytes;
+  int id, bm, bn, bk, stages, consumers, threads, smem_bytes, cluster;
 };
 
 template <class Cfg>
 MK_HD constexpr ConfigInfo info_of() {
-  return {Cfg::kId, Cfg::BM, Cfg::BN, Cfg::BK, Cfg::STAGES, Cfg::CONSUMERS, Cfg::kThreads,
-          Cfg::kSmemBytes};
+  return {Cfg::kId,      Cfg::BM,         Cfg::BN,        Cfg::BK,     Cfg::STAGES,
+          Cfg::CONSUMERS, Cfg::kThreads, Cfg::kSmemBytes, Cfg::CLUSTER};
 }
 
 MK_HD inline ConfigInfo config_info(int id) {
@@ -101,28 +109,33 @@ MK_HD inline ConfigInfo config_info(int id) {
     case 0: return info_of<Tile128x256x64>();
     case 1: return info_of<Tile128x128x64>();
     case 2: return info_of<Tile64x128x64>();
+    case 3: return info_of<Tile128x256x64C2>();
 #ifdef MK_GEMM_EXPERIMENTS
     case 102: return info_of<ExpSkipEpi>();
     case 104: return info_of<ExpOverlap>();
 #endif
-    default: return {-1, 0, 0, 0, 0, 0, 0, 0};
+    default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }
 }
 
 // Heuristic: persistent CTAs run ceil(tiles / SMs) waves, each as long as one tile, and a tile of
 // BM x BN takes BM*BN / rate time, where `rate` is the config's relative efficiency per SM (128x256
-// reads the least shared memory per FLOP). Pick the config with the smallest predicted time.
-// NOTE: rates 1.0 / 0.90 / 0.75 are estimates, not fitted; see docs/gemm_engine.md.
+// reads the least shared memory per FLOP; its 2-CTA cluster form reads a third less from L2). A
+// cluster config runs clusters of CLUSTER tiles on num_sms / CLUSTER slots. Pick the config with the
+// smallest predicted time.
+// NOTE: rates are estimates, not fitted; see docs/gemm_engine.md.
 MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
   (void)K;
-  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f};
+  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f, 1.03f};
   int best = 0;
   float best_cost = 0.f;
   for (int id = 0; id < kNumConfigs; ++id) {
     ConfigInfo c = config_info(id);
-    long tiles = (long)((M + c.bm - 1) / c.bm) * ((N + c.bn - 1) / c.bn);
-    long waves = (tiles + num_sms - 1) / num_sms;
-    float cost = (float)waves * (float)(c.bm * c.bn) / rate[id];
+    if (c.cluster > num_sms) continue;
+    const long units = (long)((M + c.bm * c.cluster - 1) / (c.bm * c.cluster)) * ((N + c.bn - 1) / c.bn);
+    const long slots = num_sms / c.cluster;
+    const long waves = (units + slots - 1) / slots;
+    const float cost = (float)waves * (float)(c.bm * c.bn) / rate[id];
     if (id == 0 || cost < best_cost) {
       best = id;
       best_cost = cost;
@@ -131,10 +144,17 @@ MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
   return best;
 }
 
-// Host: tile ids (row-major over the tile grid: id = tm * tiles_n + tn) in grouped order. Tiles go
-// down a group of `group_m` tile-rows, then to the next tile-column, so the ~num_sms tiles in flight
-// cover a near-square block of C and share A rows / B columns in L2. Columns snake (alternate
-// direction per group) so that consecutive groups start on B columns that are still in L2.
+// The unit of the order is a cluster tile: CLUSTER vertically adjacent tiles (one tile when
+// CLUSTER = 1). Unit id = um * tiles_n + tn with um over ceil(tiles_m / CLUSTER) cluster rows.
+MK_HD inline int order_units(int M, int N, const ConfigInfo& c) {
+  const int rows = c.bm * c.cluster;
+  return ((M + rows - 1) / rows) * ((N + c.bn - 1) / c.bn);
+}
+
+// Host: unit ids in grouped order. Units go down a group of `group_m` unit-rows, then to the next
+// tile-column, so the ~num_sms tiles in flight cover a near-square block of C and share A rows / B
+// columns in L2. Columns snake (alternate direction per group) so that consecutive groups start on
+// B columns that are still in L2.
 inline int tile_order_group_m(int tiles_m, int bm, int bn, int num_sms) {
   int g = 1;
   while ((g + 1) * (g + 1) * bm <= num_sms * bn) ++g;  // g ~ sqrt(num_sms * bn / bm)
@@ -144,14 +164,15 @@ inline int tile_order_group_m(int tiles_m, int bm, int bn, int num_sms) {
 inline int make_tile_order(int M, int N, int config_id, int num_sms, int32_t* out, int capacity) {
   ConfigInfo c = config_info(config_id);
   if (c.id < 0) return -1;
-  const int tiles_m = (M + c.bm - 1) / c.bm, tiles_n = (N + c.bn - 1) / c.bn;
-  const int total = tiles_m * tiles_n;
+  const int ubm = c.bm * c.cluster;  // rows of one unit
+  const int units_m = (M + ubm - 1) / ubm, tiles_n = (N + c.bn - 1) / c.bn;
+  const int total = units_m * tiles_n;
   if (out == nullptr) return total;
   if (capacity < total) return -1;
-  const int g = tile_order_group_m(tiles_m, c.bm, c.bn, num_sms);
+  const int g = tile_order_group_m(units_m, ubm, c.bn, num_sms / c.cluster > 0 ? num_sms / c.cluster : 1);
   int k = 0;
-  for (int m_base = 0, grp = 0; m_base < tiles_m; m_base += g, ++grp) {
-    const int rows = (tiles_m - m_base) < g ? (tiles_m - m_base) : g;
+  for (int m_base = 0, grp = 0; m_base < units_m; m_base += g, ++grp) {
+    const int rows = (units_m - m_base) < g ? (units_m - m_base) : g;
     for (int jn = 0; jn < tiles_n; ++jn) {
       const int tn = (grp & 1) ? (tiles_n - 1 - jn) : jn;
       for (int im = 0; im < rows; ++im) out[k++] = (m_base + im) * tiles_n + tn;

@@ -30,6 +30,12 @@
 //     when true, task i's completion (bulk wait + barrier + fence + after_store) is done at the start
 //     of task i+1's epilogue (or after the last task), so consumers never stall on write latency;
 //     when false it is done right after task i's epilogue.
+//   * Cfg::CLUSTER == 2 (clusters of 2 CTAs along M sharing B): the CTAs of a cluster must get the
+//     same num_tasks() and, for every i, tasks with the same n0 (their B slices are one multicast
+//     load, half issued by each CTA); a CTA with nothing to store there gets rows = 0 and a valid
+//     m0. Every thread of the CTA calls cluster_begin(smem) before run() (barrier init made
+//     visible to the peer) and cluster_end() after it (no CTA exits while its peer may still arrive
+//     on its barriers); run() then skips its own init.
 // Remainders: A rows >= M, B columns >= N and k >= K are zero-filled by TMA; stores are clipped to
 // TileTask::rows x cols. Requirements (checked by launchers): K % 8 == 0, N % 8 == 0.
 #pragma once
@@ -38,6 +44,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cluster.cuh"
 #include "config.cuh"
 #include "epilogue.cuh"
 #include "mbarrier.cuh"
@@ -63,6 +70,7 @@ struct Engine {
   using Epi = WarpgroupEpilogue<Cfg::BN, Cfg::EPI_COLS>;
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   static constexpr int CONSUMERS = Cfg::CONSUMERS;
+  static constexpr int CLUSTER = Cfg::CLUSTER;
   static constexpr int kThreads = Cfg::kThreads;
   static constexpr int kSmemBytes = Cfg::kSmemBytes;
   static constexpr int kSmemAlign = 1024;
@@ -81,16 +89,10 @@ struct Engine {
   __device__ static void run(const Params& p, char* smem, Hooks& hooks) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);  // [STAGES]
     uint64_t* empty = full + STAGES;                                        // [STAGES]
-    if (threadIdx.x == 0) {
-      if (smem_u32(smem) % kSmemAlign != 0) __trap();
-#pragma unroll
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(&full[s], 1);                  // producer's arrive_expect_tx
-        mbar_init(&empty[s], 4 * CONSUMERS);     // lane 0 of every consumer warp
-      }
-      mbar_fence_init();
+    if constexpr (CLUSTER == 1) {
+      if (threadIdx.x == 0) init_barriers(smem);
+      named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
     }
-    named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
     if (threadIdx.x < 128) {
       if (threadIdx.x == 0) producer(p, smem, hooks, full, empty);
     } else {
@@ -98,7 +100,43 @@ struct Engine {
     }
   }
 
+  // CLUSTER > 1: called by every thread of the CTA before run() / after it (see the contract).
+  __device__ static void cluster_begin(char* smem) {
+    static_assert(CLUSTER > 1, "only clustered configs");
+    if (threadIdx.x == 0) init_barriers(smem);
+    __syncwarp();
+    cluster_sync_all();
+  }
+  __device__ static void cluster_end() {
+    static_assert(CLUSTER > 1, "only clustered configs");
+    __syncwarp();
+    cluster_sync_all();
+  }
+
  private:
+  __device__ static void init_barriers(char* smem) {
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
+    uint64_t* empty = full + STAGES;
+    if (smem_u32(smem) % kSmemAlign != 0) __trap();
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);                           // this CTA's producer's arrive_expect_tx
+      mbar_init(&empty[s], 4 * CONSUMERS * CLUSTER);    // lane 0 of every consumer warp in the cluster
+    }
+    mbar_fence_init();
+  }
+
+  // A consumer warp has finished reading stage `bar` belongs to: tell every producer that writes it
+  // (with a cluster, the peer's producer multicasts into this CTA's stage too).
+  __device__ static void release(uint64_t* bar) {
+    if constexpr (CLUSTER == 1) {
+      mbar_arrive(bar);
+    } else {
+#pragma unroll
+      for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(bar, c);
+    }
+  }
+
   template <class Hooks>
   __device__ static void producer(const Params& p, char* smem, Hooks& hooks, uint64_t* full,
                                   uint64_t* empty) {
@@ -107,6 +145,10 @@ struct Engine {
     const int nk = (p.K + BK - 1) / BK;
     PipeState<STAGES> ps;
     const int ntasks = hooks.num_tasks();
+    // With a cluster, this CTA loads its share of B's 64-column chunks for every CTA of the cluster.
+    constexpr int kChunks = BN / 64 / CLUSTER;
+    static_assert((BN / 64) % CLUSTER == 0, "B chunks split evenly over the cluster");
+    const int chunk0 = CLUSTER > 1 ? (int)cluster_ctarank() * kChunks : 0;
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
       hooks.before_load(i);
@@ -118,8 +160,14 @@ struct Engine {
         char* sb = smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
         tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
 #pragma unroll
-        for (int c = 0; c < BN / 64; ++c)
-          tma_load_2d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK);
+        for (int c = chunk0; c < chunk0 + kChunks; ++c) {
+          if constexpr (CLUSTER == 1) {
+            tma_load_2d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK);
+          } else {
+            tma_load_2d_multicast(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK,
+                                  (uint16_t)((1u << CLUSTER) - 1));
+          }
+        }
         ps.advance();
       }
     }
@@ -182,7 +230,7 @@ struct Engine {
         wgmma_commit();
         if (kb > 0) {
           wgmma_wait<1>();  // the previous k-slice's MMAs are done reading their stage
-          if (lt % 32 == 0) mbar_arrive(&empty[prev_stage]);
+          if (lt % 32 == 0) release(&empty[prev_stage]);
         }
         if (todo > 0) next_pass();  // overlaps the wgmmas just issued
         prev_stage = ps.stage;
@@ -190,7 +238,7 @@ struct Engine {
       }
       wgmma_wait<0>();
       fence_operands(acc);
-      if (nk > 0 && lt % 32 == 0) mbar_arrive(&empty[prev_stage]);
+      if (nk > 0 && lt % 32 == 0) release(&empty[prev_stage]);
       if (nk == 0) {
 #pragma unroll
         for (int r = 0; r < kAccRegs; ++r) acc[r] = 0.f;
