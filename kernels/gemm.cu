@@ -100,6 +100,8 @@ int num_sms_of_current_device() {
   return n;
 }
 
+int g_last_grid = 0;  // grid of the last launch (diagnostics: gemm_last_grid)
+
 template <class Cfg>
 int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
   GemmKernelParams<Cfg> p{};
@@ -155,6 +157,7 @@ int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
   attr.val.clusterDim.x = kCl;
   attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
   lc.gridDim = dim3(slots * kCl);
+  g_last_grid = slots * kCl;
   lc.blockDim = dim3(Cfg::kThreads);
   lc.dynamicSmemBytes = Cfg::kSmemBytes;
   lc.stream = stream;
@@ -180,6 +183,8 @@ const char* gemm_status_string(int s) {
     default: return "unknown status";
   }
 }
+
+int gemm_last_grid() { return g_last_grid; }
 
 int gemm_pick_config(int M, int N, int K, int num_sms) {
   return mk::gemm::pick_config(M, N, K, num_sms);

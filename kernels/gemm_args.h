@@ -44,3 +44,7 @@ int gemm_pick_config(int M, int N, int K, int num_sms);
 // Writes the tile order into out[0..tiles) and returns tiles; with out == nullptr returns tiles only;
 // returns -1 for an unknown config or a too small capacity.
 int gemm_tile_order(int M, int N, int config, int num_sms, int32_t* out, int capacity);
+
+// CTAs of the last launch_gemm on this host thread's process (a diagnostic for cluster configs,
+// whose grid depends on how many clusters fit on the GPU).
+int gemm_last_grid();

@@ -73,5 +73,6 @@ void register_gemm(py::module_& m) {
         return d;
       },
       py::arg("config"));
+  m.def("gemm_last_grid", &gemm_last_grid, "CTAs launched by the last launch_gemm call.");
   m.attr("gemm_num_configs") = mk::gemm::kNumConfigs;
 }
