@@ -7,8 +7,9 @@
 // need the same B slice; each loads half of it and multicasts it to both, so each reads 32 KiB.
 //
 // Memory semantics: a multicast load completes its bytes on the mbarrier at the SAME shared-memory
-// offset in every destination CTA; a remote arrive is a release at cluster scope, so a peer's
-// producer that waits on it (acquire) sees this CTA's reads of the stage as finished.
+// offset in every destination CTA. A remote arrive only has to order this CTA's wgmma reads of a
+// stage (already complete: wgmma.wait_group) before the peer's next TMA write into it, so it keeps
+// the default .release.cta semantics; .release.cluster would fence every arrive at cluster scope.
 #pragma once
 #include <cuda.h>
 
@@ -50,7 +51,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta)
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}" ::"r"(smem_u32(bar)),
       "r"(cta)
       : "memory");
