@@ -213,6 +213,9 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
 #ifdef MK_GEMM_EXPERIMENTS
     case ExpSkipEpi::kId: return launch<ExpSkipEpi>(a, stream, num_sms);
     case ExpOverlap::kId: return launch<ExpOverlap>(a, stream, num_sms);
+    case ExpClusterRank0::kId: return launch<ExpClusterRank0>(a, stream, num_sms);
+    case ExpClusterNoShare::kId: return launch<ExpClusterNoShare>(a, stream, num_sms);
+    case ExpClusterCoupled::kId: return launch<ExpClusterCoupled>(a, stream, num_sms);
 #endif
     default: return kGemmBadConfig;
   }

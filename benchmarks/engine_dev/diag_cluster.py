@@ -1,16 +1,26 @@
-import sys, torch
+"""Cluster experiments: grid and TFLOP/s of configs 0, 3 and the cluster variants 105..107 (dev build),
+interleaved rounds, 4 rotated input sets."""
+import sys
+
+import torch
+
 sys.path.insert(0, "benchmarks/engine_dev")
-from common import load_module, launch, tile_order
+from bench_gemm import time_interleaved  # noqa: E402
+from common import launch, load_module, tile_order  # noqa: E402
+
 mk = load_module(sys.argv[1])
-M=N=K=8192
-A=torch.randn(M,K,device='cuda').bfloat16(); B=torch.randn(K,N,device='cuda').bfloat16(); C=torch.empty(M,N,device='cuda',dtype=torch.bfloat16)
-for cfg in (0,3):
-    o=tile_order(mk,M,N,cfg,132)
-    for order in (o, None):
-        launch(mk,A,B,C,M,N,K,config=cfg,order=order); torch.cuda.synchronize()
-        s=torch.cuda.Event(enable_timing=True); e=torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20): launch(mk,A,B,C,M,N,K,config=cfg,order=order)
-        e.record(); torch.cuda.synchronize()
-        ms=s.elapsed_time(e)/20
-        print(f"cfg{cfg} order={'grouped' if order is not None else 'rowmajor'} grid={mk.gemm_last_grid()} {2*M*N*K/ms/1e9:.0f} TF/s")
+CFGS = (0, 3, 105, 106, 107)
+for M, N, K in ((8192, 8192, 8192), (8192, 8192, 3584)):
+    sets = [(torch.randn(M, K, device="cuda").bfloat16(), torch.randn(K, N, device="cuda").bfloat16(),
+             torch.empty(M, N, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
+    fns = {}
+    for cfg in CFGS:
+        o = tile_order(mk, M, N, cfg, 132)
+        fns[f"cfg{cfg}"] = (lambda i, cfg=cfg, o=o: launch(mk, *sets[i], M, N, K, config=cfg, order=o))
+        fns[f"cfg{cfg}"](0)
+        torch.cuda.synchronize()
+        print(f"cfg{cfg} grid={mk.gemm_last_grid()}")
+    fns["cublas"] = lambda i: torch.matmul(sets[i][0], sets[i][1], out=sets[i][2])
+    t = time_interleaved(fns, rounds=4, per=10)
+    print(f"{M}x{N}x{K}: " + "  ".join(f"{k}={2*M*N*K/v[0]/1e9:.0f}" for k, v in t.items()), flush=True)
+    del sets

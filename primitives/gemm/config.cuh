@@ -50,7 +50,7 @@ constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
 enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2 };
 
 template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
-          int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1>
+          int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1, int CLUSTER_MODE_ = 0>
 struct TileConfig {
   static constexpr int kId = ID_;
   static constexpr int BM = BM_, BN = BN_, BK = 64;
@@ -59,6 +59,10 @@ struct TileConfig {
   static constexpr int EPI_COLS = BN_ < EPI_COLS_ ? BN_ : EPI_COLS_;
   static constexpr int EPI_MODE = EPI_MODE_;
   static constexpr int CLUSTER = CLUSTER_;
+  // How a cluster shares B: 0 each CTA multicasts its share of the chunks; experiments only:
+  // 1 rank 0 multicasts all chunks, 2 no sharing (each CTA loads all of B, releases only its own
+  // stage), 3 no sharing but stages released cluster-wide (isolates the coupling).
+  static constexpr int CLUSTER_MODE = CLUSTER_MODE_;
   // Staged passes during the next task's first k-slices: measured slower on H200 (it delays the
   // next wgmma issue), so off by default; see docs/gemm_engine.md.
   static constexpr bool EPI_OVERLAP = false;
@@ -92,6 +96,9 @@ struct ExpOverlap : Tile128x256x64 {
   static constexpr int kId = 104;
   static constexpr bool EPI_OVERLAP = true;
 };
+using ExpClusterRank0 = TileConfig<128, 256, 4, 105, 24, 240, 128, kEpiStaged, 2, 1>;
+using ExpClusterNoShare = TileConfig<128, 256, 4, 106, 24, 240, 128, kEpiStaged, 2, 2>;
+using ExpClusterCoupled = TileConfig<128, 256, 4, 107, 24, 240, 128, kEpiStaged, 2, 3>;
 #endif
 
 struct ConfigInfo {
@@ -113,6 +120,9 @@ MK_HD inline ConfigInfo config_info(int id) {
 #ifdef MK_GEMM_EXPERIMENTS
     case 102: return info_of<ExpSkipEpi>();
     case 104: return info_of<ExpOverlap>();
+    case 105: return info_of<ExpClusterRank0>();
+    case 106: return info_of<ExpClusterNoShare>();
+    case 107: return info_of<ExpClusterCoupled>();
 #endif
     default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }
