@@ -34,6 +34,8 @@ struct GemmKernelParams {
 template <class Cfg>
 struct GemmHooks {
   const GemmKernelParams<Cfg>& p;
+  // Nobody waits for a tile of a plain GEMM: no per-tile completion (experiment 108 keeps it).
+  static constexpr bool kAfterStore = Cfg::kId == 108;
   static constexpr bool kDeferAfterStore = true;
 
   // This CTA's unit slot and the number of slots (CTAs, or clusters).
@@ -216,6 +218,8 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     case ExpClusterRank0::kId: return launch<ExpClusterRank0>(a, stream, num_sms);
     case ExpClusterNoShare::kId: return launch<ExpClusterNoShare>(a, stream, num_sms);
     case ExpClusterCoupled::kId: return launch<ExpClusterCoupled>(a, stream, num_sms);
+    case ExpWithCompletion::kId: return launch<ExpWithCompletion>(a, stream, num_sms);
+    case ExpOnePass::kId: return launch<ExpOnePass>(a, stream, num_sms);
 #endif
     default: return kGemmBadConfig;
   }

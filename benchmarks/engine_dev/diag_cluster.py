@@ -9,8 +9,8 @@ from bench_gemm import time_interleaved  # noqa: E402
 from common import launch, load_module, tile_order  # noqa: E402
 
 mk = load_module(sys.argv[1])
-CFGS = (0, 3, 105, 106, 107)
-for M, N, K in ((8192, 8192, 8192), (8192, 8192, 3584)):
+CFGS = tuple(int(c) for c in sys.argv[2].split(",")) if len(sys.argv) > 2 else (0, 3)
+for M, N, K in ((8192, 8192, 8192), (8192, 8192, 3584), (8192, 1024, 8192), (2048, 8192, 8192)):
     sets = [(torch.randn(M, K, device="cuda").bfloat16(), torch.randn(K, N, device="cuda").bfloat16(),
              torch.empty(M, N, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
     fns = {}

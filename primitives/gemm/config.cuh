@@ -99,6 +99,8 @@ struct ExpOverlap : Tile128x256x64 {
 using ExpClusterRank0 = TileConfig<128, 256, 4, 105, 24, 240, 128, kEpiStaged, 2, 1>;
 using ExpClusterNoShare = TileConfig<128, 256, 4, 106, 24, 240, 128, kEpiStaged, 2, 2>;
 using ExpClusterCoupled = TileConfig<128, 256, 4, 107, 24, 240, 128, kEpiStaged, 2, 3>;
+using ExpWithCompletion = TileConfig<128, 256, 4, 108, 24, 240>;  // per-tile completion kept
+using ExpOnePass = TileConfig<128, 256, 3, 110, 24, 240, 256>;    // 3 stages, one 256-col pass
 #endif
 
 struct ConfigInfo {
@@ -123,6 +125,8 @@ MK_HD inline ConfigInfo config_info(int id) {
     case 105: return info_of<ExpClusterRank0>();
     case 106: return info_of<ExpClusterNoShare>();
     case 107: return info_of<ExpClusterCoupled>();
+    case 108: return info_of<ExpWithCompletion>();
+    case 110: return info_of<ExpOnePass>();
 #endif
     default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }
