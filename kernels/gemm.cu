@@ -34,8 +34,8 @@ struct GemmKernelParams {
 template <class Cfg>
 struct GemmHooks {
   const GemmKernelParams<Cfg>& p;
-  // Nobody waits for a tile of a plain GEMM: no per-tile completion (experiment 108 keeps it).
-  static constexpr bool kAfterStore = Cfg::kId == 108;
+  // Nobody waits for a tile of a plain GEMM: no per-tile completion.
+  static constexpr bool kAfterStore = false;
   static constexpr bool kDeferAfterStore = true;
 
   // This CTA's unit slot and the number of slots (CTAs, or clusters).
@@ -211,15 +211,11 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     case Tile128x256x64::kId: return launch<Tile128x256x64>(a, stream, num_sms);
     case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
     case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);
-    case Tile128x256x64C2::kId: return launch<Tile128x256x64C2>(a, stream, num_sms);
 #ifdef MK_GEMM_EXPERIMENTS
     case ExpSkipEpi::kId: return launch<ExpSkipEpi>(a, stream, num_sms);
+    case ExpCluster2::kId: return launch<ExpCluster2>(a, stream, num_sms);
     case ExpOverlap::kId: return launch<ExpOverlap>(a, stream, num_sms);
-    case ExpClusterRank0::kId: return launch<ExpClusterRank0>(a, stream, num_sms);
-    case ExpClusterNoShare::kId: return launch<ExpClusterNoShare>(a, stream, num_sms);
-    case ExpClusterCoupled::kId: return launch<ExpClusterCoupled>(a, stream, num_sms);
-    case ExpWithCompletion::kId: return launch<ExpWithCompletion>(a, stream, num_sms);
-    case ExpOnePass::kId: return launch<ExpOnePass>(a, stream, num_sms);
+    case ExpFourStages::kId: return launch<ExpFourStages>(a, stream, num_sms);
 #endif
     default: return kGemmBadConfig;
   }

@@ -133,15 +133,19 @@ def main():
         for kind in (0, 1, 2):
             for M, N, K in [(1000, 1000, 64), (515, 2056, 200), (1024, 1024, 1024)]:
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=3)
-    # 1c. dev-only experiment configs (timing variants), when built in
-    for cfg in (104,):
+    # 1c. dev-only experiment configs (timing variants), when built in. 103 is the 2-CTA cluster
+    #     config: odd tile-row counts (300, 640 rows) give a cluster a tile below M (stores nothing).
+    for cfg in (103, 104, 110):
         try:
             mk.gemm_config_info(cfg)
         except ValueError:
             continue
-        for M, N, K in [(129, 264, 72), (1000, 1000, 1000), (2048, 2048, 512)]:
-            check_case(mk, M, N, K, cfg, 0, sms=sms, quiet=True)
-            check_case(mk, M, N, K, cfg, 0, sms=sms, quiet=True, grid=5)
+        kinds = (0, 1, 2) if cfg == 103 else (0,)
+        for M, N, K in [(129, 264, 72), (300, 520, 136), (640, 776, 328), (1000, 1000, 1000),
+                        (2048, 2048, 512)]:
+            for kind in kinds:
+                check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True)
+                check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=5)
     print(
         f"fixed shapes + few CTAs + experiment configs: {Stats.passed} passed, {len(Stats.failed)} failed"
     )

@@ -50,7 +50,7 @@ constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
 enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2 };
 
 template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
-          int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1, int CLUSTER_MODE_ = 0>
+          int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1>
 struct TileConfig {
   static constexpr int kId = ID_;
   static constexpr int BM = BM_, BN = BN_, BK = 64;
@@ -59,10 +59,6 @@ struct TileConfig {
   static constexpr int EPI_COLS = BN_ < EPI_COLS_ ? BN_ : EPI_COLS_;
   static constexpr int EPI_MODE = EPI_MODE_;
   static constexpr int CLUSTER = CLUSTER_;
-  // How a cluster shares B: 0 each CTA multicasts its share of the chunks; experiments only:
-  // 1 rank 0 multicasts all chunks, 2 no sharing (each CTA loads all of B, releases only its own
-  // stage), 3 no sharing but stages released cluster-wide (isolates the coupling).
-  static constexpr int CLUSTER_MODE = CLUSTER_MODE_;
   // Staged passes during the next task's first k-slices: measured slower on H200 (it delays the
   // next wgmma issue), so off by default; see docs/gemm_engine.md.
   static constexpr bool EPI_OVERLAP = false;
@@ -76,31 +72,28 @@ struct TileConfig {
   static_assert(128 * REG_P + 128 * CONSUMERS * REG_C <= 65536, "register file");
 };
 
-// 2 consumer warpgroups, each 64 x 256: the large-problem workhorse.
-using Tile128x256x64 = TileConfig<128, 256, 4, 0, 24, 240>;
+// 2 consumer warpgroups, each 64 x 256: the large-problem workhorse. 3 stages leave room for a
+// staging tile of the warpgroup's whole 64 x 256 result, so its epilogue is one pass that never waits
+// for its own bulk copies (4 stages + two 128-column passes measured 1-3.5% slower, most at K=3584).
+using Tile128x256x64 = TileConfig<128, 256, 3, 0, 24, 240, 256>;
 // 2 consumer warpgroups, each 64 x 128: more tiles for mid-size problems.
 using Tile128x128x64 = TileConfig<128, 128, 6, 1, 40, 232>;
 // 1 consumer warpgroup, 64 x 128: small M or few tiles.
 using Tile64x128x64 = TileConfig<64, 128, 8, 2, 40, 232>;
 
-// Two CTAs per cluster (a 256 x 256 block of C), each loading half of B for both: 33% less L2 traffic.
-// Only the plain GEMM op (kernels/gemm.cu) launches it so far; the fused template uses ids 0..2.
-using Tile128x256x64C2 = TileConfig<128, 256, 4, 3, 24, 240, 128, kEpiStaged, 2>;
-
-constexpr int kNumConfigs = 4;
+constexpr int kNumConfigs = 3;
 
 #ifdef MK_GEMM_EXPERIMENTS
 // Dev-harness variants (ids >= 100), never picked by the heuristic.
-using ExpSkipEpi = TileConfig<128, 256, 4, 102, 24, 240, 128, kEpiSkip>;  // timing only
+using ExpSkipEpi = TileConfig<128, 256, 3, 102, 24, 240, 256, kEpiSkip>;  // timing only
+// Two CTAs per cluster (a 256 x 256 block of C), each loading half of B for both (a third less L2
+// traffic): measured no faster than config 0 on H200 (the GPU is power-bound, not L2-bound).
+using ExpCluster2 = TileConfig<128, 256, 3, 103, 24, 240, 256, kEpiStaged, 2>;
 struct ExpOverlap : Tile128x256x64 {
   static constexpr int kId = 104;
   static constexpr bool EPI_OVERLAP = true;
 };
-using ExpClusterRank0 = TileConfig<128, 256, 4, 105, 24, 240, 128, kEpiStaged, 2, 1>;
-using ExpClusterNoShare = TileConfig<128, 256, 4, 106, 24, 240, 128, kEpiStaged, 2, 2>;
-using ExpClusterCoupled = TileConfig<128, 256, 4, 107, 24, 240, 128, kEpiStaged, 2, 3>;
-using ExpWithCompletion = TileConfig<128, 256, 4, 108, 24, 240>;  // per-tile completion kept
-using ExpOnePass = TileConfig<128, 256, 3, 110, 24, 240, 256>;    // 3 stages, one 256-col pass
+using ExpFourStages = TileConfig<128, 256, 4, 110, 24, 240, 128>;  // the previous config 0
 #endif
 
 struct ConfigInfo {
@@ -118,15 +111,11 @@ MK_HD inline ConfigInfo config_info(int id) {
     case 0: return info_of<Tile128x256x64>();
     case 1: return info_of<Tile128x128x64>();
     case 2: return info_of<Tile64x128x64>();
-    case 3: return info_of<Tile128x256x64C2>();
 #ifdef MK_GEMM_EXPERIMENTS
     case 102: return info_of<ExpSkipEpi>();
+    case 103: return info_of<ExpCluster2>();
     case 104: return info_of<ExpOverlap>();
-    case 105: return info_of<ExpClusterRank0>();
-    case 106: return info_of<ExpClusterNoShare>();
-    case 107: return info_of<ExpClusterCoupled>();
-    case 108: return info_of<ExpWithCompletion>();
-    case 110: return info_of<ExpOnePass>();
+    case 110: return info_of<ExpFourStages>();
 #endif
     default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }
@@ -134,13 +123,12 @@ MK_HD inline ConfigInfo config_info(int id) {
 
 // Heuristic: persistent CTAs run ceil(tiles / SMs) waves, each as long as one tile, and a tile of
 // BM x BN takes BM*BN / rate time, where `rate` is the config's relative efficiency per SM (128x256
-// reads the least shared memory per FLOP; its 2-CTA cluster form reads a third less from L2). A
-// cluster config runs clusters of CLUSTER tiles on num_sms / CLUSTER slots. Pick the config with the
-// smallest predicted time.
+// reads the least shared memory per FLOP). A cluster config would run clusters of CLUSTER tiles on
+// num_sms / CLUSTER slots. Pick the config with the smallest predicted time.
 // NOTE: rates are estimates, not fitted; see docs/gemm_engine.md.
 MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
   (void)K;
-  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f, 1.03f};
+  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f};
   int best = 0;
   float best_cost = 0.f;
   for (int id = 0; id < kNumConfigs; ++id) {

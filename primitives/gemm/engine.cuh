@@ -77,9 +77,6 @@ struct Engine {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   static constexpr int CONSUMERS = Cfg::CONSUMERS;
   static constexpr int CLUSTER = Cfg::CLUSTER;
-  static constexpr int kMode = Cfg::CLUSTER_MODE;
-  static constexpr bool kMulticast = CLUSTER > 1 && (kMode == 0 || kMode == 1);
-  static constexpr int kReleaseTo = CLUSTER > 1 && kMode != 2 ? CLUSTER : 1;  // producers per stage
   static constexpr int kThreads = Cfg::kThreads;
   static constexpr int kSmemBytes = Cfg::kSmemBytes;
   static constexpr int kSmemAlign = 1024;
@@ -130,7 +127,7 @@ struct Engine {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);                           // this CTA's producer's arrive_expect_tx
-      mbar_init(&empty[s], 4 * CONSUMERS * kReleaseTo);   // lane 0 of every consumer warp in the cluster
+      mbar_init(&empty[s], 4 * CONSUMERS * CLUSTER);   // lane 0 of every consumer warp in the cluster
     }
     mbar_fence_init();
   }
@@ -138,7 +135,7 @@ struct Engine {
   // A consumer warp has finished reading stage `bar` belongs to: tell every producer that writes it
   // (with a cluster, the peer's producer multicasts into this CTA's stage too).
   __device__ static void release(uint64_t* bar) {
-    if constexpr (kReleaseTo == 1) {
+    if constexpr (CLUSTER == 1) {
       mbar_arrive(bar);
     } else {
 #pragma unroll
@@ -155,11 +152,9 @@ struct Engine {
     PipeState<STAGES> ps;
     const int ntasks = hooks.num_tasks();
     // With a cluster, this CTA loads its share of B's 64-column chunks for every CTA of the cluster.
-    constexpr int kChunks = kMulticast && kMode == 0 ? BN / 64 / CLUSTER : BN / 64;
+    constexpr int kChunks = BN / 64 / CLUSTER;
     static_assert((BN / 64) % CLUSTER == 0, "B chunks split evenly over the cluster");
-    const int rank = CLUSTER > 1 ? (int)cluster_ctarank() : 0;
-    const int chunk0 = kMulticast && kMode == 0 ? rank * kChunks : 0;
-    const bool loads_b = !(kMulticast && kMode == 1) || rank == 0;
+    const int chunk0 = CLUSTER > 1 ? (int)cluster_ctarank() * kChunks : 0;
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
       hooks.before_load(i);
@@ -171,8 +166,8 @@ struct Engine {
         char* sb = smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
         tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
 #pragma unroll
-        for (int c = chunk0; c < chunk0 + kChunks && loads_b; ++c) {
-          if constexpr (!kMulticast) {
+        for (int c = chunk0; c < chunk0 + kChunks; ++c) {
+          if constexpr (CLUSTER == 1) {
             tma_load_2d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK);
           } else {
             tma_load_2d_multicast(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK,
