@@ -43,6 +43,9 @@ struct ComputeHooksBase {
   }
   __device__ void before_load(int) const {}
   __device__ void after_store(int) const {}
+  // Whether after_store does anything (the engine skips per-tile completion otherwise). An op that
+  // signals from after_store overrides this.
+  __device__ bool signals() const { return false; }
 };
 
 // Tile configs by id (mkernel/schedule.py TILE_CONFIG_IDS).

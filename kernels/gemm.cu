@@ -35,7 +35,7 @@ template <class Cfg>
 struct GemmHooks {
   const GemmKernelParams<Cfg>& p;
   // Nobody waits for a tile of a plain GEMM: no per-tile completion.
-  static constexpr bool kAfterStore = false;
+  __device__ __forceinline__ bool signals() const { return false; }
   static constexpr bool kDeferAfterStore = true;
 
   // This CTA's unit slot and the number of slots (CTAs, or clusters).

@@ -48,6 +48,7 @@ struct GemmAR {
         return gemm::Dest{this->a.out_of(this->cta.rank) + off, this->a.N, gemm::kStoreBF16};
       return gemm::Dest{this->a.acc.map(t.tag) + off, this->a.N, gemm::kReduceF32};
     }
+    __device__ bool signals() const { return this->a.common.world.world_size > 1; }
     __device__ void after_store(int i) const {
       const FusedCommon& c = this->a.common;
       const int rank = this->cta.rank;

@@ -37,6 +37,7 @@ struct GemmRS {
         return gemm::Dest{a.out.at(this->cta.local_rank) + off, a.N, gemm::kStoreBF16};
       return gemm::Dest{a.acc.map(t.tag) + off, a.N, gemm::kReduceF32};
     }
+    __device__ bool signals() const { return this->a.common.world.world_size > 1; }
     __device__ void after_store(int i) const {
       const FusedCommon& c = this->a.common;
       const int rank = this->cta.rank;

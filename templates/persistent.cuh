@@ -120,6 +120,9 @@ struct TimedHooks : Hooks {
     Hooks::after_store(i);
     stamp(i, 1);
   }
+  __device__ bool signals() const {
+    return this->a.common.timeline != nullptr || Hooks::signals();
+  }
 };
 
 __device__ __forceinline__ Tile load_tile(const PlanView& p, int id) {

@@ -26,7 +26,8 @@
 //   * Named barriers used: kBarInit, kBarConsumers, kBarWG0 .. kBarWG0 + CONSUMERS - 1 (8..11).
 //   * Hooks (all __device__): num_tasks(), task(i) -> TileTask, before_load(i) [producer lane],
 //     dest(i) -> Dest, after_store(i) [one consumer thread, once task i's writes are complete and
-//     visible at system scope]. Optional: `static constexpr bool kDeferAfterStore` (default true):
+//     visible at system scope]. Optional: `bool signals() const` (default true): false skips every
+//     after_store and the completion work before it (nobody waits for these tiles). Optional: `static constexpr bool kDeferAfterStore` (default true):
 //     when true, task i's completion (bulk wait + barrier + fence + after_store) is done at the start
 //     of task i+1's epilogue (or after the last task), so consumers never stall on write latency;
 //     when false it is done right after task i's epilogue.
@@ -58,11 +59,21 @@ struct TileTask {
   int rows, cols;  // valid extent, <= BM, BN
 };
 
+// Optional hook `bool signals() const`: false when nobody waits for this launch's tiles (a plain
+// GEMM, one rank), so the engine skips the per-task completion (bulk wait, consumer barrier, system
+// fence, after_store); measured ~2 us per tile on H200. Without the hook: true.
 template <class H, class = void>
-struct has_after_store : std::true_type {};
+struct has_signals : std::false_type {};
 template <class H>
-struct has_after_store<H, std::void_t<decltype(H::kAfterStore)>>
-    : std::bool_constant<H::kAfterStore> {};
+struct has_signals<H, std::void_t<decltype(std::declval<const H&>().signals())>> : std::true_type {};
+template <class H>
+__device__ __forceinline__ bool hooks_signal(const H& h) {
+  if constexpr (has_signals<H>::value) {
+    return h.signals();
+  } else {
+    return true;
+  }
+}
 
 template <class H, class = void>
 struct defer_after_store : std::true_type {};
@@ -196,9 +207,7 @@ struct Engine {
     const int wg = threadIdx.x / 128 - 1;
     const int lt = threadIdx.x % 128;
     const int nk = (p.K + BK - 1) / BK;
-    // Hooks with `kAfterStore = false` (a plain GEMM: nobody waits for a tile) skip the per-task
-    // completion (bulk wait, consumer barrier, system fence): it costs ~2 us per tile on H200.
-    constexpr bool kComplete = has_after_store<Hooks>::value;
+    const bool signal = hooks_signal(hooks);  // else: no per-task completion at all
     constexpr bool kDefer = defer_after_store<Hooks>::value;
     // This warpgroup's 64 rows of each A stage start 64 * 128 bytes further in.
     const uint32_t a_base = smem_u32(smem + Map::kAOffset) + wg * 64 * 128;
@@ -255,7 +264,7 @@ struct Engine {
       while (todo > 0) next_pass();  // fewer k-slices than passes
 
       // ---- epilogue of task i (the producer is already loading task i+1) ----
-      if (kComplete && kDefer && pending >= 0) complete(hooks, pending);
+      if (signal && kDefer && pending >= 0) complete(hooks, pending);
       const TileTask t = hooks.task(i);
       Dest d = hooks.dest(i);
       const int rows_wg = t.rows - 64 * wg;  // valid rows of this warpgroup's 64
@@ -279,7 +288,7 @@ struct Engine {
       } else if (rows_wg > 0) {
         Epi::store_direct(acc, d, rows_wg, t.cols);
       }
-      if (kDefer || !kComplete) {
+      if (kDefer || !signal) {
         pending = i;
       } else {
         complete(hooks, i);
@@ -287,7 +296,7 @@ struct Engine {
     }
     while (todo > 0) next_pass();
     if (pending >= 0) {
-      if constexpr (kComplete) {
+      if (signal) {
         complete(hooks, pending);
       } else if (threadIdx.x % 128 < 64) {
         bulk_wait_all();  // the staging tile is read and the writes land before the CTA exits
