@@ -141,8 +141,13 @@ def main():
         except ValueError:
             continue
         kinds = (0, 1, 2) if cfg == 103 else (0,)
-        for M, N, K in [(129, 264, 72), (300, 520, 136), (640, 776, 328), (1000, 1000, 1000),
-                        (2048, 2048, 512)]:
+        for M, N, K in [
+            (129, 264, 72),
+            (300, 520, 136),
+            (640, 776, 328),
+            (1000, 1000, 1000),
+            (2048, 2048, 512),
+        ]:
             for kind in kinds:
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True)
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=5)
