@@ -68,7 +68,7 @@ struct GemmHooks {
   __device__ __forceinline__ void before_load(int) const {}
   __device__ __forceinline__ Dest dest(int i) const {
     const TileTask t = task(i);
-    const long esize = p.kind == kStoreBF16 ? 2 : 4;
+    const long esize = p.kind == kStoreBF16 ? 2 : 4;  // fp32 for kinds 1..3
     Dest d;
     d.ptr = static_cast<char*>(p.c) + ((long)t.m0 * p.ldc + t.n0) * esize;
     d.ld = p.ldc;
@@ -178,7 +178,8 @@ const char* gemm_status_string(int s) {
     case kGemmBadAlignment: return "N and K must be multiples of 8 (16-byte TMA strides)";
     case kGemmBadPointer: return "a, b, c must be non-null and a, b 16-byte aligned";
     case kGemmBadConfig: return "unknown GEMM config id";
-    case kGemmBadKind: return "out_kind must be 0 (bf16), 1 (fp32 reduce-add) or 2 (fp32)";
+    case kGemmBadKind:
+      return "out_kind must be 0 (bf16), 1 (fp32 reduce-add), 2 (fp32) or 3 (fp32 TMA reduce-add)";
     case kGemmBadLdc: return "ldc must be >= N";
     case kGemmTensorMap: return "could not encode a TMA tensor map (cuTensorMapEncodeTiled)";
     case kGemmLaunchFailed: return "CUDA launch failed";
@@ -202,7 +203,7 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
   if (a.a == nullptr || a.b == nullptr || a.c == nullptr ||
       (reinterpret_cast<uintptr_t>(a.a) & 15) || (reinterpret_cast<uintptr_t>(a.b) & 15))
     return kGemmBadPointer;
-  if (a.out_kind < 0 || a.out_kind > 2) return kGemmBadKind;
+  if (a.out_kind < 0 || a.out_kind > 3) return kGemmBadKind;
   if (a.ldc != 0 && a.ldc < a.N) return kGemmBadLdc;
   const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
   if (num_sms < 1) return kGemmLaunchFailed;

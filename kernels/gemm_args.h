@@ -2,7 +2,7 @@
 //
 //   C = A @ B      A [M, K] bf16 row-major, B [K, N] bf16 row-major,
 //                  C [M, ldc] row-major: bf16 (out_kind 0), fp32 (out_kind 1: C += A@B atomically,
-//                  out_kind 2: C = A@B in fp32).
+//                  out_kind 2: C = A@B in fp32, out_kind 3: C += A@B by TMA bulk reduce-add).
 // One persistent launch: grid = min(num_sms, tiles), one CTA per SM; CTA b computes tiles
 // tile_order[b], tile_order[b + grid], ... (tile id = tm * tiles_n + tn over the config's tile grid).
 #pragma once
@@ -18,7 +18,8 @@ struct GemmArgs {
   int config = -1;                     // mk::gemm config id; -1: gemm_pick_config
   const int32_t* tile_order = nullptr; // device int32[tiles], or nullptr for row-major order
   long ldc = 0;                        // row pitch of C in elements; 0 means N
-  int out_kind = 0;                    // 0 store bf16, 1 reduce-add fp32, 2 store fp32
+  int out_kind = 0;                    // 0 store bf16, 1 reduce-add fp32, 2 store fp32,
+                                       // 3 reduce-add fp32 by TMA (cp.reduce.async.bulk)
   int num_sms = 0;                     // 0: the device's multiprocessor count
 };
 
@@ -28,7 +29,7 @@ enum GemmStatus : int {
   kGemmBadAlignment = 2,   // N % 8 != 0 or K % 8 != 0 (TMA needs 16-byte row strides)
   kGemmBadPointer = 3,     // a, b or c null, or a / b not 16-byte aligned
   kGemmBadConfig = 4,      // config id unknown
-  kGemmBadKind = 5,        // out_kind not in 0..2
+  kGemmBadKind = 5,        // out_kind not in 0..3
   kGemmBadLdc = 6,         // ldc < N
   kGemmTensorMap = 7,      // cuTensorMapEncodeTiled unavailable or failed
   kGemmLaunchFailed = 8,   // a CUDA runtime error at launch (see cudaGetLastError)

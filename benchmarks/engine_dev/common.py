@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-KINDS = {0: "bf16", 1: "f32-reduce-add", 2: "f32"}
+KINDS = {0: "bf16", 1: "f32-reduce-add", 2: "f32", 3: "f32-tma-reduce-add"}
 
 
 def load_module(build_dir):

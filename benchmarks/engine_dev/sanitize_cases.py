@@ -15,7 +15,12 @@ try:
 except ValueError:
     pass
 for cfg in cfgs:
-    for kind, dt in ((0, torch.bfloat16), (1, torch.float32), (2, torch.float32)):
+    for kind, dt in (
+        (0, torch.bfloat16),
+        (1, torch.float32),
+        (2, torch.float32),
+        (3, torch.float32),
+    ):
         for M, N, K, grid in ((129, 264, 72, 0), (300, 520, 136, 2)):
             A = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             B = torch.randn(K, N, device="cuda").to(torch.bfloat16)

@@ -69,7 +69,7 @@ def check_case(
         )
         torch.cuda.synchronize()
         out = buf[:M, :N].float()
-        expected = ref + (before[:M, :N] if kind == 1 else 0)
+        expected = ref + (before[:M, :N] if kind in (1, 3) else 0)
         assert torch.isfinite(out).all(), "non-finite output (unwritten element?)"
         bound = error_bound(absprod, expected, K, kind)
         err = (out - expected).abs()
@@ -123,14 +123,14 @@ def main():
         (3000, 2056, 1160),
     ]
     for cfg in range(mk.gemm_num_configs):
-        for kind in (0, 1, 2):
+        for kind in (0, 1, 2, 3):
             for i, (M, N, K) in enumerate(shapes):
                 check_case(mk, M, N, K, cfg, kind, ldc_pad=8 * (i % 3), sms=sms, quiet=True)
     print(f"fixed shapes: {Stats.passed} passed, {len(Stats.failed)} failed")
 
     # 1b. few CTAs, many tiles each (pipeline phases and the overlapped epilogue across tasks)
     for cfg in range(mk.gemm_num_configs):
-        for kind in (0, 1, 2):
+        for kind in (0, 1, 2, 3):
             for M, N, K in [(1000, 1000, 64), (515, 2056, 200), (1024, 1024, 1024)]:
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=3)
     # 1c. dev-only experiment configs (timing variants), when built in. 103 is the 2-CTA cluster
@@ -140,7 +140,7 @@ def main():
             mk.gemm_config_info(cfg)
         except ValueError:
             continue
-        kinds = (0, 1, 2) if cfg == 103 else (0,)
+        kinds = (0, 1, 2, 3) if cfg == 103 else (0,)
         for M, N, K in [
             (129, 264, 72),
             (300, 520, 136),
@@ -166,7 +166,7 @@ def main():
             N,
             K,
             rng.choice([-1, 0, 1, 2]),
-            rng.choice([0, 1, 2]),
+            rng.choice([0, 1, 2, 3]),
             ldc_pad=rng.choice([0, 0, 8, 24, 1]),
             order=rng.choice(["grouped", "random", None]),
             sms=sms,
@@ -209,7 +209,7 @@ def main():
         ((8, 12, 8), {}, 2),
         ((8, 8, 12), {}, 2),
         ((8, 8, 8), {"config": 7}, 4),
-        ((8, 8, 8), {"kind": 3}, 5),
+        ((8, 8, 8), {"kind": 4}, 5),
         ((8, 16, 8), {"ldc": 8}, 6),
         ((8, 8, 8), {"ptrs": (0, 256, 256)}, 3),
         ((8, 8, 8), {"ptrs": (258, 256, 256)}, 3),

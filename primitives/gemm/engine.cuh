@@ -285,6 +285,8 @@ struct Engine {
         if (!kDefer || !Cfg::EPI_OVERLAP) {
           while (todo > 0) next_pass();
         }
+      } else if (Cfg::EPI_MODE == kEpiStaged && Epi::staged_reduce_ok(d, t.cols)) {
+        Epi::reduce_staged(acc, staging, d, rows_wg, t.cols, kBarWG0 + wg);
       } else if (rows_wg > 0) {
         Epi::store_direct(acc, d, rows_wg, t.cols);
       }

@@ -4,6 +4,9 @@
 //   kStoreBF16   = 0: C[r][c] = bf16(acc)                 (element type bf16)
 //   kReduceF32   = 1: C[r][c] += acc, atomically (.sys)  (element type fp32; several GPUs may add)
 //   kStoreF32    = 2: C[r][c] = acc                      (element type fp32)
+//   kReduceF32Bulk = 3: C[r][c] += acc by TMA reduce-store (cp.reduce.async.bulk .add.f32) at the
+//                    destination's memory: same result as kind 1, one bulk op per row instead of
+//                    BN/2 atomics per thread (element type fp32)
 // Dest::ptr is the address of the tile's element (0,0), Dest::ld the row pitch in ELEMENTS; it may be
 // a peer GPU's memory (NVLink), so no tensor map is used for destinations.
 //
@@ -13,7 +16,10 @@
 //     tile with stmatrix, fences the async proxy, and threads 0..63 each issue one non-tensor bulk copy
 //     (cp.async.bulk.global.shared::cta) per row. The copies join each thread's bulk group; the caller
 //     must bulk_wait_all() in threads 0..63 before it tells anybody the data landed.
-//   * direct (everything else): vector st.global / red.global.add.v2.f32 straight from registers,
+//   * staged reduce (kind 3 when ptr and ld*4 are 16-byte aligned and the valid column count is a
+//     multiple of 4): EPI_COLS/2 fp32 columns per pass through the same staging tile (st.shared.v2),
+//     then one bulk reduce-add per row from threads 0..63; same completion rule as the bf16 path.
+//   * direct (everything else; kind 3 falls back to kind 1's atomics): vector st.global / red.global.add.v2.f32 straight from registers,
 //     scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
 //     __threadfence_system() in the signalling thread.
 // Every path writes only rows < rows_valid and columns < cols_valid of the tile.
@@ -26,7 +32,7 @@
 
 namespace mk::gemm {
 
-enum DestKind : int { kStoreBF16 = 0, kReduceF32 = 1, kStoreF32 = 2 };
+enum DestKind : int { kStoreBF16 = 0, kReduceF32 = 1, kStoreF32 = 2, kReduceF32Bulk = 3 };
 
 struct Dest {
   void* ptr;  // element (0,0) of the tile's destination
@@ -44,6 +50,10 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uin
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
+}
+
+__device__ __forceinline__ void st_shared_f32x2(uint32_t smem_addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(a), "f"(b) : "memory");
 }
 
 __device__ __forceinline__ void red_add_f32x2_sys(float* p, float a, float b) {
@@ -123,6 +133,56 @@ struct WarpgroupEpilogue {
       if (pass == 3) store_staged_pass<3>(packed, staging, d, rows_valid, cols_valid, wg_bar);
   }
 
+  static constexpr int kF32Cols = EPI_COLS / 2;  // fp32 columns per staged pass (same row bytes)
+  static constexpr int kF32Passes = BN / kF32Cols;
+
+  __device__ __forceinline__ static bool staged_reduce_ok(const Dest& d, int cols_valid) {
+    return d.kind == kReduceF32Bulk && (reinterpret_cast<uintptr_t>(d.ptr) & 15) == 0 &&
+           ((d.ld * 4) & 15) == 0 && (cols_valid & 3) == 0;
+  }
+
+  // One fp32 pass (columns PASS*kF32Cols ..) reduce-added into the destination by bulk TMA, all 128
+  // threads of the warpgroup. Accumulator layout (wgmma m64nN, fp32): thread (warp w, lane l) holds
+  // rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) in acc[4j + 2h + {0,1}].
+  template <int PASS>
+  __device__ static void reduce_staged_pass(const float (&acc)[kRegs], char* staging, const Dest& d,
+                                            int rows_valid, int cols_valid, int wg_bar) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
+    const uint32_t base = smem_u32(staging);
+    if (lt < 64) bulk_wait_read();  // the staging tile may still be read by earlier bulk ops
+    named_barrier_sync(wg_bar, 128);
+#pragma unroll
+    for (int jj = 0; jj < kF32Cols / 8; ++jj) {
+      const int j = PASS * (kF32Cols / 8) + jj;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        st_shared_f32x2(base + (r_base + 8 * h) * kStagingStride + (8 * jj + c_base) * 4,
+                        acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(wg_bar, 128);
+    if (lt < 64) {
+      const int c0 = PASS * kF32Cols;
+      if (lt < rows_valid && c0 < cols_valid) {
+        const int ncols = (cols_valid - c0) < kF32Cols ? (cols_valid - c0) : kF32Cols;
+        reduce_add_bulk_f32(static_cast<float*>(d.ptr) + (long)lt * d.ld + c0,
+                            reinterpret_cast<const float*>(staging + lt * kStagingStride),
+                            (uint32_t)ncols * 4u);
+      }
+      bulk_commit();
+    }
+  }
+
+  __device__ static void reduce_staged(const float (&acc)[kRegs], char* staging, const Dest& d,
+                                       int rows_valid, int cols_valid, int wg_bar) {
+    static_assert(kF32Passes >= 1 && kF32Passes <= 4, "1..4 passes");
+    reduce_staged_pass<0>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 1) reduce_staged_pass<1>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 2) reduce_staged_pass<2>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 3) reduce_staged_pass<3>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+  }
+
   // All 128 threads of the warpgroup; any kind, any alignment.
   __device__ static void store_direct(const float (&acc)[kRegs], const Dest& d, int rows_valid,
                                       int cols_valid) {
@@ -151,7 +211,7 @@ struct WarpgroupEpilogue {
       }
     } else {
       const bool vec = (base & 7) == 0 && (d.ld & 1) == 0;
-      const bool reduce = d.kind == kReduceF32;
+      const bool reduce = d.kind == kReduceF32 || d.kind == kReduceF32Bulk;
       float* out = reinterpret_cast<float*>(d.ptr);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
