@@ -52,6 +52,61 @@ def reference(op: str, a, b, W: int, rank: int) -> torch.Tensor:
     return getattr(mkernel.reference, op)(a, b, world=emu)[rank]
 
 
+def check_engine_peer_epilogue(world, W: int, rank: int) -> list[tuple[str, bool, str]]:
+    """The GEMM engine's epilogue writing into OTHER ranks' memory through the symmetric mapping:
+    rank r stores bf16 A_r @ B_r into rank r+1's buffer (Dest kind 0, bulk copies) and reduce-adds
+    it in fp32 into rank 0's accumulator twice, once by TMA reduce-add (kind 3) and once by atomics
+    (kind 1). Every rank checks its bf16 buffer; rank 0 checks prefill + 2 * sum_r A_r @ B_r."""
+    ext = mkernel.ops.common.extension()
+    m, n, k = 520, 776, 264  # remainder tiles in every dimension
+    gen = torch.Generator().manual_seed(77)
+    a_all = [torch.randn(m, k, generator=gen).bfloat16() for _ in range(W)]
+    b_all = [torch.randn(k, n, generator=gen).bfloat16() for _ in range(W)]
+    prefill = torch.randn(m, n, generator=gen)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a, b = a_all[rank].to(dev), b_all[rank].to(dev)
+    dst = world.symmetric(("engine_peer_bf16",), (m, n), torch.bfloat16)
+    acc = world.symmetric(("engine_peer_f32",), (m, n), torch.float32)
+    dst.local.fill_(float("nan"))
+    acc.local.copy_(prefill.to(dev))
+    torch.cuda.synchronize()
+    dist.barrier()
+    ptrs = dst.peer_ptrs.tolist(), acc.peer_ptrs.tolist()
+    stream = torch.cuda.current_stream().cuda_stream
+    for c_ptr, kind in ((ptrs[0][(rank + 1) % W], 0), (ptrs[1][0], 3), (ptrs[1][0], 1)):
+        args = ext.GemmArgs()
+        args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), c_ptr
+        args.M, args.N, args.K, args.out_kind = m, n, k, kind
+        st = ext.launch_gemm(args, stream)
+        if st:
+            return [("engine peer epilogue launch", False, ext.gemm_status_string(st))]
+    torch.cuda.synchronize()
+    dist.barrier()
+    src = (rank - 1) % W
+    want = a_all[src].float() @ b_all[src].float()
+    got = dst.local.float().cpu()
+    rel = ((got - want).norm() / want.norm()).item()
+    out = [
+        (
+            "engine epilogue: bf16 store into a peer",
+            bool(torch.isfinite(got).all()) and rel < 1e-2,
+            f"rel err {rel:.2e}",
+        )
+    ]
+    if rank == 0:
+        want32 = prefill + 2 * sum(x.float() @ y.float() for x, y in zip(a_all, b_all, strict=True))
+        got32 = acc.local.cpu()
+        rel32 = ((got32 - want32).norm() / want32.norm()).item()
+        out.append(
+            (
+                "engine epilogue: fp32 TMA + atomic reduce-add into a peer",
+                rel32 < 1e-5,
+                f"rel err {rel32:.2e}",
+            )
+        )
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="gemm_rs")
@@ -78,6 +133,18 @@ def main() -> int:
         if rank == 0:
             print(f"{'PASS' if bad == 0 else 'FAIL'} W={W} {name} {detail}", flush=True)
 
+    try:
+        results = check_engine_peer_epilogue(world, W, rank)
+    except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
+        results = [("engine peer epilogue", False, repr(e)[:300])]
+    for name, ok, detail in results[:1]:
+        report(name, ok, detail)  # every rank takes part in report's all_reduce
+    ok0 = all(ok for _, ok, _ in results[1:]) if rank == 0 else True
+    report(
+        "engine epilogue: fp32 TMA + atomic reduce-add into a peer (rank 0 checks)",
+        ok0,
+        results[1][2] if rank == 0 and len(results) > 1 else "",
+    )
     for op in args.ops.split(","):
         fn = getattr(mkernel, op)
         for overlap in ("intra_sm", "inter_sm"):
