@@ -1,8 +1,9 @@
 """The GEMM engine's correctness cases (benchmarks/engine_dev/test_gemm.py) through the package's
 extension: every config x every store kind (bf16 store, fp32 reduce-add by atomics and by TMA bulk
 reduce, fp32 store) on shapes with remainders and padded rows, few CTAs with many tiles, random
-shapes / configs / orders, bitwise invariance to tile order, launcher status codes, and the benchmark shapes. fp32 reference, poisoned
-or pre-filled outputs, guard rows and columns, elementwise bounds from the reference's rounding."""
+shapes / configs / orders, bitwise invariance to tile order, launcher status codes, and the
+benchmark shapes. fp32 reference, poisoned or pre-filled outputs, guard rows and columns,
+elementwise bounds from the reference's rounding."""
 
 from __future__ import annotations
 
