@@ -1,17 +1,14 @@
-"""Which kernels cuBLAS (torch.matmul) runs on the target shapes: names from torch.profiler, with the
-grid each got (the tile shape, cluster and split / stream-K choices are in the names)."""
+"""Which kernels cuBLAS (torch.matmul) runs on the target shapes: names from torch.profiler (tile
+shape, stages and cluster shape are in the names).
+
+    python3 benchmarks/engine_dev/cublas_kernels.py
+"""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-SHAPES = [
-    (8192, 8192, 8192),
-    (8192, 3584, 8192),
-    (8192, 8192, 3584),
-    (4096, 28672, 8192),
-    (2048, 8192, 8192),
-    (8192, 1024, 8192),
-]
+from bench_gemm import SHAPES  # run from benchmarks/engine_dev or with it on sys.path
+
 for m, n, k in SHAPES:
     a = torch.randn(m, k, device="cuda").bfloat16()
     b = torch.randn(k, n, device="cuda").bfloat16()
