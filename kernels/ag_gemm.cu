@@ -36,6 +36,8 @@ struct AgGemm {
   };
 
   struct ComputeHooks : ComputeHooksBase<Args> {
+    // after_store is the base's (empty): nobody waits for a compute tile, so no per-tile completion.
+    __device__ bool signals() const { return false; }
     // One thread: wait for the tile's chunks (tag = its first), then consume them.
     __device__ void before_load(int i) const {
       const Args& a = this->a;

@@ -43,9 +43,8 @@ struct ComputeHooksBase {
   }
   __device__ void before_load(int) const {}
   __device__ void after_store(int) const {}
-  // Whether after_store does anything (the engine skips per-tile completion otherwise). An op that
-  // signals from after_store overrides this.
-  __device__ bool signals() const { return false; }
+  // No signals() here: the engine's default (true) keeps the per-tile completion, so an op that adds
+  // an after_store cannot forget it. An op opts out by returning false where nobody waits.
 };
 
 // Tile configs by id (mkernel/schedule.py TILE_CONFIG_IDS).

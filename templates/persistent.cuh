@@ -28,6 +28,7 @@
 //   rank:    0            1                W-1
 //   CTAs:  [c0 c1 .. cn][c0 c1 .. cn] ... [c0 c1 .. cn]      entry barrier pairs c_i across ranks
 #pragma once
+#include "primitives/gemm/hooks.cuh"
 #include "primitives/signal.cuh"
 #include "primitives/sym.cuh"
 
@@ -120,8 +121,9 @@ struct TimedHooks : Hooks {
     Hooks::after_store(i);
     stamp(i, 1);
   }
-  __device__ bool signals() const {
-    return this->a.common.timeline != nullptr || Hooks::signals();
+  __device__ bool signals() const {  // the end stamps come from after_store
+    return this->a.common.timeline != nullptr ||
+           gemm::hooks_signal(static_cast<const Hooks&>(*this));
   }
 };
 
