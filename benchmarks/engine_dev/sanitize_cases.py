@@ -9,11 +9,12 @@ from common import launch, load_module
 
 mk = load_module(sys.argv[1])
 cfgs = list(range(mk.gemm_num_configs))
-try:
-    mk.gemm_config_info(103)  # the cluster experiment, when built in
-    cfgs.append(103)
-except ValueError:
-    pass
+for exp in (103, 111):  # the cluster and TMA-store experiments, when built in
+    try:
+        mk.gemm_config_info(exp)
+        cfgs.append(exp)
+    except ValueError:
+        pass
 for cfg in cfgs:
     for kind, dt in (
         (0, torch.bfloat16),

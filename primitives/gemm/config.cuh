@@ -9,7 +9,9 @@
 //   EPI_COLS       columns per epilogue pass through the shared-memory staging tile
 //   EPI_OVERLAP    write the staged bf16 passes during the next task's first k-slices
 //   EPI_MODE       kEpiStaged (bf16 through staging + bulk copies, fp32 direct), kEpiDirect (all kinds
-//                  straight from registers), kEpiSkip (writes nothing: only for timing the epilogue)
+//                  straight from registers), kEpiSkip (writes nothing: only for timing the epilogue),
+//                  kEpiTma (bf16 through two swizzled 64 x 64 buffers + TMA tensor stores; needs
+//                  Dest::map, else direct)
 //   kProducerRegs / kConsumerRegs   setmaxnreg targets (the caller's template applies them)
 //   CLUSTER        CTAs per thread-block cluster along M (1 or 2); with 2, the two CTAs compute
 //                  vertically adjacent tiles and share each B slice through one multicast TMA load
@@ -35,7 +37,8 @@ struct SmemMap {
   static constexpr int kBBytesPerStage = Cfg::BK * Cfg::BN * 2;           // [BK, BN] bf16
   static constexpr int kBChunkBytes = Cfg::BK * 128;                      // [BK, 64] bf16 chunk
   static constexpr int kStagingStride = Cfg::EPI_COLS * 2 + 16;           // bytes per staged row
-  static constexpr int kStagingBytesPerWG = 64 * kStagingStride;          // [64, EPI_COLS] bf16
+  // [64, EPI_COLS] bf16, or (kEpiTma) two swizzled [64, 64] boxes
+  static constexpr int kStagingBytesPerWG = Cfg::EPI_MODE == 3 ? 2 * 8192 : 64 * kStagingStride;
   static constexpr int kAOffset = 0;
   static constexpr int kBOffset = kAOffset + Cfg::STAGES * kABytesPerStage;
   static constexpr int kStagingOffset = kBOffset + Cfg::STAGES * kBBytesPerStage;
@@ -47,7 +50,7 @@ struct SmemMap {
 
 constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
 
-enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2 };
+enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2, kEpiTma = 3 };
 
 template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
           int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1>
@@ -94,6 +97,8 @@ struct ExpOverlap : Tile128x256x64 {
   static constexpr bool EPI_OVERLAP = true;
 };
 using ExpFourStages = TileConfig<128, 256, 4, 110, 24, 240, 128>;  // the previous config 0
+// 4 stages + TMA tensor stores of swizzled 64 x 64 boxes (32 KiB of staging instead of 66 KiB).
+using ExpTmaStore = TileConfig<128, 256, 4, 111, 24, 240, 128, kEpiTma>;
 #endif
 
 struct ConfigInfo {
@@ -116,6 +121,7 @@ MK_HD inline ConfigInfo config_info(int id) {
     case 103: return info_of<ExpCluster2>();
     case 104: return info_of<ExpOverlap>();
     case 110: return info_of<ExpFourStages>();
+    case 111: return info_of<ExpTmaStore>();
 #endif
     default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }

@@ -254,6 +254,10 @@ struct Engine {
 #pragma unroll
         for (int r = 0; r < kAccRegs; ++r) sum += acc[r];
         if (sum == 1.2345e-30f && rows_wg > 0) static_cast<float*>(d.ptr)[0] = sum;
+      } else if (Cfg::EPI_MODE == kEpiTma && d.kind == kStoreBF16 && d.map != nullptr) {
+        d.map_row += 64 * wg;
+        Epi::pack(acc, packed);
+        Epi::store_tma(packed, staging, d, kBarWG0 + wg);
       } else if (Cfg::EPI_MODE == kEpiStaged && Epi::staged_ok(d, t.cols)) {
         Epi::pack(acc, packed);
         pd = d;

@@ -38,7 +38,20 @@ struct Dest {
   void* ptr;  // element (0,0) of the tile's destination
   long ld;    // row pitch in elements
   int kind;   // DestKind
+  // Optional (configs with EPI_MODE kEpiTma, kind 0): a tensor map of the destination (bf16, box
+  // 64 x 64, 128-byte swizzle) and the {column, row} of element (0,0) in it; TMA clips to its bounds.
+  const CUtensorMap* map = nullptr;
+  int map_col = 0, map_row = 0;
 };
+
+// TMA tensor store of one box, shared (swizzled as the map says) -> global; joins the bulk group.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem_src, int c0,
+                                             int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(smem_src)), "r"(c0), "r"(c1)
+               : "memory");
+}
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low address) = lo
@@ -181,6 +194,37 @@ struct WarpgroupEpilogue {
     if constexpr (kF32Passes > 1) reduce_staged_pass<1>(acc, staging, d, rows_valid, cols_valid, wg_bar);
     if constexpr (kF32Passes > 2) reduce_staged_pass<2>(acc, staging, d, rows_valid, cols_valid, wg_bar);
     if constexpr (kF32Passes > 3) reduce_staged_pass<3>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+  }
+
+  // kEpiTma: the warpgroup's 64 x BN bf16 tile as BN/64 boxes of 64 x 64 through two 8 KiB buffers
+  // in the 128-byte swizzled layout (16-byte chunk c of row r at chunk c ^ (r % 8): stmatrix without
+  // bank conflicts, no padding), one TMA tensor store per box from thread 0. A buffer is reused once
+  // the store two boxes back has read it (wait_group.read 1), so boxes overlap their stores.
+  __device__ static void store_tma(const uint32_t (&packed)[kPacked], char* staging, const Dest& d,
+                                   int wg_bar) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    const int row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int half = (lane >> 4) & 1;  // second 8-column group of the stmatrix.x4
+#pragma unroll
+    for (int box = 0; box < BN / 64; ++box) {
+      char* buf = staging + (box & 1) * 8192;
+      if (lt == 0) bulk_wait_read_n<1>();
+      named_barrier_sync(wg_bar, 128);
+      const uint32_t row_base = smem_u32(buf) + row * 128;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = box * 8 + 2 * jj;  // first 8-column group (of the tile) of this stmatrix
+        const int chunk = 2 * jj + half;
+        stmatrix_x4(row_base + ((chunk ^ (row & 7)) << 4), packed[2 * j], packed[2 * j + 1],
+                    packed[2 * j + 2], packed[2 * j + 3]);
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(wg_bar, 128);
+      if (lt == 0) {
+        tma_store_2d(d.map, buf, d.map_col + 64 * box, d.map_row);
+        bulk_commit();
+      }
+    }
   }
 
   // All 128 threads of the warpgroup; any kind, any alignment.
