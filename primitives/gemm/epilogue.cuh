@@ -19,6 +19,9 @@
 //   * staged reduce (kind 3 when ptr and ld*4 are 16-byte aligned and the valid column count is a
 //     multiple of 4): EPI_COLS/2 fp32 columns per pass through the same staging tile (st.shared.v2),
 //     then one bulk reduce-add per row from threads 0..63; same completion rule as the bf16 path.
+//   * TMA tensor store (configs with EPI_MODE kEpiTma, kind 0 with Dest::map; dev experiment 111):
+//     64 x 64 boxes through two swizzled buffers, one cp.async.bulk.tensor store each; the map's
+//     bounds clip the tile.
 //   * direct (everything else; kind 3 falls back to kind 1's atomics): vector st.global / red.global.add.v2.f32 straight from registers,
 //     scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
 //     __threadfence_system() in the signalling thread.
