@@ -32,6 +32,8 @@ struct AgGemm {
     const int* consumers;                             // [W * C]: tiles overlapping each chunk
     int N, K, Ms, C, CR;
     int transfer_tma;  // 1: TMA bulk pushes (inter_sm only), 0: 16-byte stores
+    CUtensorMap out_map[kMaxLocalRanks];  // out [M, N] per local rank (TMA stores)
+    bool out_mapped;
     __device__ int chunk_of(int row) const { return row / Ms * C + row % Ms / CR; }
   };
 
@@ -63,7 +65,8 @@ struct AgGemm {
     __device__ gemm::Dest dest(int i) const {
       const Tile t = this->tile(i);
       __nv_bfloat16* out = this->a.out.at(this->cta.local_rank);
-      return gemm::Dest{out + (long long)t.m0 * this->a.N + t.n0, this->a.N, gemm::kStoreBF16};
+      return bf16_out_dest(this->a, this->cta.local_rank, out + (long long)t.m0 * this->a.N + t.n0,
+                           t.m0, t.n0);
     }
   };
 
@@ -152,6 +155,7 @@ struct LaunchAgGemm {
   args.C = L.tiles_per_rank;
   args.CR = L.chunk_rows;
   args.transfer_tma = L.transfer;
+  args.out_mapped = fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
   return launch_persistent<Op>(args, L, s);
   }
 };

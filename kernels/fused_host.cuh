@@ -76,6 +76,35 @@ inline bool fill_engine_params(const FusedLaunch& L, typename Engine::Params* ou
   return true;
 }
 
+// Tensor maps of the bf16 output of every rank this launch serves, rank r's at
+// L.out + r * L.out_rank_stride, [rows, cols] row-major: the engine stores bf16 tiles through them
+// with TMA (configs with kEpiTma). False when the engine does not use them or one cannot be encoded
+// (misaligned output): the engine then writes through its row-copy passes.
+template <class Engine>
+inline bool fill_out_maps(const FusedLaunch& L, CUtensorMap* maps, int rows, int cols) {
+  if (!Engine::kTmaStore || L.out == 0) return false;
+  for (int r = 0; r < L.ranks_here; ++r) {
+    const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(L.out) + r * L.out_rank_stride;
+    if (host::make_tensor_map_bf16_2d(&maps[r], out, rows, cols, cols, 64, 64, 128) !=
+        host::kTensorMapOk)
+      return false;
+  }
+  return true;
+}
+
+// Dest of a bf16 tile at (row, col) of this rank's output, with the output's tensor map if there is one.
+template <class Args>
+__device__ inline gemm::Dest bf16_out_dest(const Args& a, int local_rank, __nv_bfloat16* ptr,
+                                           int row, int col) {
+  gemm::Dest d{ptr, a.N, gemm::kStoreBF16};
+  if (a.out_mapped) {
+    d.map = &a.out_map[local_rank];
+    d.map_col = col;
+    d.map_row = row;
+  }
+  return d;
+}
+
 template <class Op>
 inline int launch_persistent(const typename Op::Args& args, const FusedLaunch& L, cudaStream_t s) {
   using Engine = typename Op::Engine;

@@ -26,10 +26,8 @@ struct GemmKernelParams {
   void* c;
   long ldc;
   int kind;
-#ifdef MK_GEMM_EXPERIMENTS
-  CUtensorMap c_map;  // C as bf16 [M, ldc], box 64 x 64, 128B swizzle (experiment 111, kEpiTma)
+  CUtensorMap c_map;  // C as bf16 [M, ldc], box 64 x 64, 128B swizzle (configs with kEpiTma)
   bool use_c_map;
-#endif
   const int32_t* order;  // [units] or nullptr (a unit is a tile, or a cluster tile)
   int tiles_n, total;    // total = units
 };
@@ -77,13 +75,11 @@ struct GemmHooks {
     d.ptr = static_cast<char*>(p.c) + ((long)t.m0 * p.ldc + t.n0) * esize;
     d.ld = p.ldc;
     d.kind = p.kind;
-#ifdef MK_GEMM_EXPERIMENTS
     if (p.use_c_map && t.rows > 0) {
       d.map = &p.c_map;
       d.map_col = t.n0;
       d.map_row = t.m0;
     }
-#endif
     return d;
   }
   __device__ __forceinline__ void after_store(int) const {}
@@ -128,13 +124,11 @@ int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
   p.c = a.c;
   p.ldc = a.ldc > 0 ? a.ldc : a.N;
   p.kind = a.out_kind;
-#ifdef MK_GEMM_EXPERIMENTS
   p.use_c_map = false;
   if (Cfg::EPI_MODE == kEpiTma && a.out_kind == kStoreBF16 &&
       mk::host::make_tensor_map_bf16_2d(&p.c_map, a.c, a.M, a.N, p.ldc, 64, 64, 128) ==
           mk::host::kTensorMapOk)
-    p.use_c_map = true;  // else: direct stores (misaligned C or ldc)
-#endif
+    p.use_c_map = true;  // else: row-copy passes or direct stores (misaligned C or ldc)
   p.order = a.tile_order;
   constexpr int kCl = Cfg::CLUSTER;
   const int units_m = (a.M + Cfg::BM * kCl - 1) / (Cfg::BM * kCl);
@@ -235,7 +229,7 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     case ExpCluster2::kId: return launch<ExpCluster2>(a, stream, num_sms);
     case ExpOverlap::kId: return launch<ExpOverlap>(a, stream, num_sms);
     case ExpFourStages::kId: return launch<ExpFourStages>(a, stream, num_sms);
-    case ExpTmaStore::kId: return launch<ExpTmaStore>(a, stream, num_sms);
+    case ExpOnePass::kId: return launch<ExpOnePass>(a, stream, num_sms);
 #endif
     default: return kGemmBadConfig;
   }

@@ -35,6 +35,8 @@ struct GemmAR {
     SymPtr<float> acc;                 // [M, N] fp32 per rank; only owned tiles are used
     SymPtr<int> flags, ready;          // [T, W] and [T] per rank
     int N, T;
+    CUtensorMap out_map[kMaxLocalRanks];  // out [M, N] per local rank (W == 1, TMA stores)
+    bool out_mapped;
     __device__ __nv_bfloat16* out_of(int p) const {
       return out_ptrs ? reinterpret_cast<__nv_bfloat16*>(out_ptrs[p]) : out.at(p);
     }
@@ -45,7 +47,8 @@ struct GemmAR {
       const Tile t = this->tile(i);
       const long long off = (long long)t.m0 * this->a.N + t.n0;
       if (this->a.common.world.world_size == 1)  // nothing to reduce: bf16 straight to out
-        return gemm::Dest{this->a.out_of(this->cta.rank) + off, this->a.N, gemm::kStoreBF16};
+        return bf16_out_dest(this->a, this->cta.local_rank, this->a.out_of(this->cta.rank) + off,
+                             t.m0, t.n0);
       return gemm::Dest{this->a.acc.map(t.tag) + off, this->a.N, gemm::kReduceF32};
     }
     __device__ bool signals() const { return this->a.common.world.world_size > 1; }
@@ -116,6 +119,7 @@ struct LaunchGemmAR {
   args.ready = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag2_ptrs)};
   args.N = L.N;
   args.T = L.tiles_per_rank;
+  args.out_mapped = L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
   return launch_persistent<Op>(args, L, s);
   }
 };

@@ -26,6 +26,8 @@ struct GemmRS {
     SymPtr<float> acc;           // [Ms, N] fp32 accumulators per rank
     SymPtr<int> flags;           // [U, W] per rank: flag[u][src]
     int N, Ms, U;
+    CUtensorMap out_map[kMaxLocalRanks];  // out [Ms, N] per local rank (W == 1, TMA stores)
+    bool out_mapped;
   };
 
   struct ComputeHooks : ComputeHooksBase<Args> {
@@ -34,7 +36,8 @@ struct GemmRS {
       const Tile t = this->tile(i);
       const long long off = (long long)(t.m0 - t.tag * a.Ms) * a.N + t.n0;
       if (a.common.world.world_size == 1)
-        return gemm::Dest{a.out.at(this->cta.local_rank) + off, a.N, gemm::kStoreBF16};
+        return bf16_out_dest(a, this->cta.local_rank, a.out.at(this->cta.local_rank) + off,
+                             t.m0 - t.tag * a.Ms, t.n0);
       return gemm::Dest{a.acc.map(t.tag) + off, a.N, gemm::kReduceF32};
     }
     __device__ bool signals() const { return this->a.common.world.world_size > 1; }
@@ -92,6 +95,7 @@ struct LaunchGemmRS {
     args.N = L.N;
     args.Ms = L.rows_per_rank;
     args.U = L.tiles_per_rank;
+    args.out_mapped = L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.rows_per_rank, L.N);
     return launch_persistent<Op>(args, L, s);
   }
 };

@@ -126,5 +126,5 @@ def test_heuristic_and_config_facts(driver) -> None:
     info = [list(map(int, line.split())) for line in driver([f"info {c}" for c in (*CONFIGS, 5)])]
     for row in info[:-1]:
         assert row[4] <= 232448, f"config {row[0]} over the sm_90 shared-memory limit"
-    assert info[0][1:4] == [128, 256, 3] and info[3][5] == 2
+    assert info[0][1:4] == [128, 256, 4] and info[3][5] == 2
     assert info[-1][0] == -1  # unknown id

@@ -107,7 +107,7 @@ def main():
                     fns[f"cfg{c}"] = ours(c, tile_order(mk, M, N, c, sms))
             fns["rowmajor_order"] = ours(cfg, None)
         if "--experiments" in sys.argv:
-            for c in (103, 104, 110, 111):
+            for c in (103, 104, 110, 112):
                 fns[f"cfg{c}"] = ours(c, tile_order(mk, M, N, c, sms))
             for g in (4, 8):
                 o = torch.tensor(grouped_order(M, N, 128, 256, g), dtype=torch.int32, device="cuda")

@@ -135,12 +135,12 @@ def main():
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=3)
     # 1c. dev-only experiment configs (timing variants), when built in. 103 is the 2-CTA cluster
     #     config: odd tile-row counts (300, 640 rows) give a cluster a tile below M (stores nothing).
-    for cfg in (103, 104, 110, 111):
+    for cfg in (103, 104, 110, 112):
         try:
             mk.gemm_config_info(cfg)
         except ValueError:
             continue
-        kinds = (0, 1, 2, 3) if cfg in (103, 111) else (0,)
+        kinds = (0, 1, 2, 3) if cfg == 103 else (0,)
         for M, N, K in [
             (129, 264, 72),
             (300, 520, 136),
@@ -151,9 +151,6 @@ def main():
             for kind in kinds:
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True)
                 check_case(mk, M, N, K, cfg, kind, sms=sms, quiet=True, grid=5)
-            if cfg == 111:  # the tensor map clips at N inside a padded row; ldc = N + 1 -> direct
-                for pad in (8, 24, 1):
-                    check_case(mk, M, N, K, cfg, 0, ldc_pad=pad, sms=sms, quiet=True)
     print(
         f"fixed shapes + few CTAs + experiment configs: {Stats.passed} passed, {len(Stats.failed)} failed"
     )

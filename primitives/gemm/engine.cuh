@@ -73,6 +73,10 @@ struct Engine {
   static constexpr int kConsumerRegs = Cfg::kConsumerRegs;
   static constexpr int kBarInit = 8, kBarConsumers = 9, kBarWG0 = 10;
   static constexpr int kAccRegs = BN / 2;
+  // The padded staging tile (row-copy passes, fp32 reduce passes) exists in both staged modes.
+  static constexpr bool kStaging = Cfg::EPI_MODE == kEpiStaged || Cfg::EPI_MODE == kEpiTma;
+  // bf16 tiles with a Dest::map leave as TMA tensor stores (fused launchers build the maps).
+  static constexpr bool kTmaStore = Cfg::EPI_MODE == kEpiTma;
   static constexpr uint32_t kStageTxBytes = (uint32_t)(Map::kABytesPerStage + Map::kBBytesPerStage);
 
   struct Params {
@@ -254,11 +258,12 @@ struct Engine {
 #pragma unroll
         for (int r = 0; r < kAccRegs; ++r) sum += acc[r];
         if (sum == 1.2345e-30f && rows_wg > 0) static_cast<float*>(d.ptr)[0] = sum;
-      } else if (Cfg::EPI_MODE == kEpiTma && d.kind == kStoreBF16 && d.map != nullptr) {
+      } else if (kTmaStore && d.kind == kStoreBF16 && d.map != nullptr && rows_wg >= 64 &&
+                 t.cols == BN) {  // a partial tile clips exactly in the row-copy passes below
         d.map_row += 64 * wg;
         Epi::pack(acc, packed);
         Epi::store_tma(packed, staging, d, kBarWG0 + wg);
-      } else if (Cfg::EPI_MODE == kEpiStaged && Epi::staged_ok(d, t.cols)) {
+      } else if (kStaging && Epi::staged_ok(d, t.cols)) {
         Epi::pack(acc, packed);
         pd = d;
         p_rows = rows_wg;
@@ -267,7 +272,7 @@ struct Engine {
         if (!kDefer || !Cfg::EPI_OVERLAP) {
           while (todo > 0) next_pass();
         }
-      } else if (Cfg::EPI_MODE == kEpiStaged && Epi::staged_reduce_ok(d, t.cols)) {
+      } else if (kStaging && Epi::staged_reduce_ok(d, t.cols)) {
         Epi::reduce_staged(acc, staging, d, rows_wg, t.cols, kBarWG0 + wg);
       } else if (rows_wg > 0) {
         Epi::store_direct(acc, d, rows_wg, t.cols);

@@ -199,8 +199,9 @@ struct WarpgroupEpilogue {
     if constexpr (kF32Passes > 3) reduce_staged_pass<3>(acc, staging, d, rows_valid, cols_valid, wg_bar);
   }
 
-  // kEpiTma: the warpgroup's 64 x BN bf16 tile as BN/64 boxes of 64 x 64 through two 8 KiB buffers
-  // in the 128-byte swizzled layout (16-byte chunk c of row r at chunk c ^ (r % 8): stmatrix without
+  // kEpiTma, full tiles only (64 valid rows, BN valid columns: a box is never clipped by the tile,
+  // only by the map): the warpgroup's 64 x BN bf16 tile as BN/64 boxes of 64 x 64 through two 8 KiB
+  // buffers in the 128-byte swizzled layout (16-byte chunk c of row r at chunk c ^ (r % 8): stmatrix without
   // bank conflicts, no padding), one TMA tensor store per box from thread 0. A buffer is reused once
   // the store two boxes back has read it (wait_group.read 1), so boxes overlap their stores.
   __device__ static void store_tma(const uint32_t (&packed)[kPacked], char* staging, const Dest& d,
@@ -211,7 +212,12 @@ struct WarpgroupEpilogue {
 #pragma unroll
     for (int box = 0; box < BN / 64; ++box) {
       char* buf = staging + (box & 1) * 8192;
-      if (lt == 0) bulk_wait_read_n<1>();
+      if (lt == 0) {
+        // box 0: the previous tile's stores (either path, anywhere in the staging tile) have read
+        // it; box 2, 3: the store of box - 2 has read this buffer.
+        if (box == 0) bulk_wait_read();
+        if (box >= 2) bulk_wait_read_n<1>();
+      }
       named_barrier_sync(wg_bar, 128);
       const uint32_t row_base = smem_u32(buf) + row * 128;
 #pragma unroll
