@@ -37,13 +37,16 @@ def interleaved_ms(
     fns: dict[str, Callable[[int], Any]], sets: int, rounds: int = 6, per: int = 20, warmup: int = 5
 ) -> dict[str, float]:
     """Median ms per call of each ``fn(i)`` (i cycles over ``sets`` input sets). The versions take
-    turns in rounds of ``per`` calls, so clock and thermal drift hit all of them alike."""
+    turns in rounds of ``per`` calls, so clock and thermal drift hit all of them alike; the round's
+    first version rotates, so none always runs right after the pause of a synchronize."""
     for f in fns.values():
         for i in range(warmup * sets):
             f(i % sets)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            f = fns[k]
             ev = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 for _ in range(per)
