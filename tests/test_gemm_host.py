@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from mkernel.bench.gemm import SHAPES  # the six target shapes of the benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")
 
@@ -112,16 +114,8 @@ def test_order_covers_every_tile_once(driver) -> None:
 
 
 def test_heuristic_and_config_facts(driver) -> None:
-    targets = [
-        (8192, 8192, 8192),
-        (8192, 3584, 8192),
-        (8192, 8192, 3584),
-        (4096, 28672, 8192),
-        (2048, 8192, 8192),
-        (8192, 1024, 8192),
-    ]
-    picks = driver([f"pick {m} {n} {k} 132" for m, n, k in targets])
-    assert picks == ["0"] * len(targets)  # the measured workhorse on every target shape
+    picks = driver([f"pick {m} {n} {k} 132" for m, n, k in SHAPES])
+    assert picks == ["0"] * len(SHAPES)  # the measured workhorse on every target shape
     assert driver(["pick 128 1024 1024 132"]) == ["2"]  # few tiles: the small config uses more SMs
     info = [list(map(int, line.split())) for line in driver([f"info {c}" for c in (*CONFIGS, 5)])]
     for row in info[:-1]:
