@@ -82,14 +82,18 @@ inline bool fill_engine_params(const FusedLaunch& L, typename Engine::Params* ou
 // (misaligned output): the engine then writes through its row-copy passes.
 template <class Engine>
 inline bool fill_out_maps(const FusedLaunch& L, CUtensorMap* maps, int rows, int cols) {
-  if (!Engine::kTmaStore || L.out == 0) return false;
-  for (int r = 0; r < L.ranks_here; ++r) {
-    const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(L.out) + r * L.out_rank_stride;
-    if (host::make_tensor_map_bf16_2d(&maps[r], out, rows, cols, cols, 64, 64, 128) !=
-        host::kTensorMapOk)
-      return false;
+  if constexpr (!Engine::kTmaStore) {
+    return false;
+  } else {
+    if (L.out == 0) return false;
+    for (int r = 0; r < L.ranks_here; ++r) {
+      const auto* out = reinterpret_cast<const __nv_bfloat16*>(L.out) + r * L.out_rank_stride;
+      if (host::make_tensor_map_bf16_2d(&maps[r], out, rows, cols, cols, 64, 64, 128) !=
+          host::kTensorMapOk)
+        return false;
+    }
+    return true;
   }
-  return true;
 }
 
 // Dest of a bf16 tile at (row, col) of this rank's output, with the output's tensor map if there is one.

@@ -26,6 +26,8 @@
 
 namespace mk::gemm {
 
+enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2, kEpiTma = 3 };
+
 // Shared-memory map (bytes from the 1024-aligned base), derived from a config:
 //   [A stages: STAGES x BM x BK bf16][B stages: STAGES x BK x BN bf16]
 //   [epilogue staging: CONSUMERS x 64 rows x (EPI_COLS*2 + 16) bytes][full[STAGES], empty[STAGES]]
@@ -40,7 +42,7 @@ struct SmemMap {
   // [64, EPI_COLS] bf16 padded rows; kEpiTma also lays two swizzled [64, 64] boxes over it
   static constexpr int kPaddedBytes = 64 * kStagingStride;
   static constexpr int kStagingBytesPerWG =
-      Cfg::EPI_MODE == 3 && kPaddedBytes < 2 * 8192 ? 2 * 8192 : kPaddedBytes;
+      Cfg::EPI_MODE == kEpiTma && kPaddedBytes < 2 * 8192 ? 2 * 8192 : kPaddedBytes;
   static constexpr int kAOffset = 0;
   static constexpr int kBOffset = kAOffset + Cfg::STAGES * kABytesPerStage;
   static constexpr int kStagingOffset = kBOffset + Cfg::STAGES * kBBytesPerStage;
@@ -48,13 +50,12 @@ struct SmemMap {
   static constexpr int kBytes = kBarOffset + 2 * Cfg::STAGES * 8;
   static_assert(kABytesPerStage % 1024 == 0 && kBBytesPerStage % 1024 == 0, "1024-B stages");
   static_assert(kStagingBytesPerWG % 16 == 0, "bulk copies need 16-byte aligned rows");
-  static_assert(Cfg::EPI_MODE != 3 || (kStagingOffset % 1024 == 0 && kStagingBytesPerWG % 1024 == 0),
+  static_assert(Cfg::EPI_MODE != kEpiTma ||
+                    (kStagingOffset % 1024 == 0 && kStagingBytesPerWG % 1024 == 0),
                 "swizzled TMA store boxes need 1024-byte alignment");
 };
 
 constexpr int kMaxDynamicSmem = 232448;  // 227 KiB per block on sm_90
-
-enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2, kEpiTma = 3 };
 
 template <int BM_, int BN_, int STAGES_, int ID_, int REG_P, int REG_C, int EPI_COLS_ = 128,
           int EPI_MODE_ = kEpiStaged, int CLUSTER_ = 1>
@@ -156,17 +157,11 @@ MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
   return best;
 }
 
-// The unit of the order is a cluster tile: CLUSTER vertically adjacent tiles (one tile when
-// CLUSTER = 1). Unit id = um * tiles_n + tn with um over ceil(tiles_m / CLUSTER) cluster rows.
-MK_HD inline int order_units(int M, int N, const ConfigInfo& c) {
-  const int rows = c.bm * c.cluster;
-  return ((M + rows - 1) / rows) * ((N + c.bn - 1) / c.bn);
-}
-
-// Host: unit ids in grouped order. Units go down a group of `group_m` unit-rows, then to the next
-// tile-column, so the ~num_sms tiles in flight cover a near-square block of C and share A rows / B
-// columns in L2. Columns snake (alternate direction per group) so that consecutive groups start on
-// B columns that are still in L2.
+// Host: unit ids in grouped order. The unit is a cluster tile: CLUSTER vertically adjacent tiles
+// (one tile when CLUSTER = 1), id = um * tiles_n + tn over ceil(tiles_m / CLUSTER) unit-rows.
+// Units go down a group of `group_m` unit-rows, then to the next tile-column, so the ~num_sms tiles
+// in flight cover a near-square block of C and share A rows / B columns in L2. Columns snake
+// (alternate direction per group) so that consecutive groups start on B columns still in L2.
 inline int tile_order_group_m(int tiles_m, int bm, int bn, int num_sms) {
   int g = 1;
   while ((g + 1) * (g + 1) * bm <= num_sms * bn) ++g;  // g ~ sqrt(num_sms * bn / bm)
