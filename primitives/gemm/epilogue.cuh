@@ -236,63 +236,62 @@ struct WarpgroupEpilogue {
     }
   }
 
+  // Calls f(r, c, v0, v1) for every pair of accumulators this thread holds inside rows_valid x
+  // cols_valid: rows r, columns c and c + 1 of the warpgroup's tile (wgmma m64nN fp32 layout).
+  template <class F>
+  __device__ __forceinline__ static void for_each_pair(const float (&acc)[kRegs], int rows_valid,
+                                                       int cols_valid, F&& f) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_base + 8 * h, c = 8 * j + c_base;
+        if (r < rows_valid && c < cols_valid) f(r, c, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+
   // All 128 threads of the warpgroup; any kind, any alignment.
   __device__ static void store_direct(const float (&acc)[kRegs], const Dest& d, int rows_valid,
                                       int cols_valid) {
-    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
-    const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
     const uintptr_t base = reinterpret_cast<uintptr_t>(d.ptr);
     if (d.kind == kStoreBF16) {
       const bool vec = (base & 3) == 0 && (d.ld & 1) == 0;
       __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(d.ptr);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r_base + 8 * h, c = 8 * j + c_base;
-          if (r < rows_valid && c < cols_valid) {
-            __nv_bfloat16* p = out + (long)r * d.ld + c;
-            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-            if (vec && c + 1 < cols_valid) {
-              *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(v0, v1);
-            } else {
-              p[0] = __float2bfloat16_rn(v0);
-              if (c + 1 < cols_valid) p[1] = __float2bfloat16_rn(v1);
-            }
-          }
+      for_each_pair(acc, rows_valid, cols_valid, [&](int r, int c, float v0, float v1) {
+        __nv_bfloat16* p = out + (long)r * d.ld + c;
+        if (vec && c + 1 < cols_valid) {
+          *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(v0, v1);
+        } else {
+          p[0] = __float2bfloat16_rn(v0);
+          if (c + 1 < cols_valid) p[1] = __float2bfloat16_rn(v1);
         }
-      }
+      });
     } else {
       const bool vec = (base & 7) == 0 && (d.ld & 1) == 0;
       const bool reduce = d.kind == kReduceF32 || d.kind == kReduceF32Bulk;
       float* out = reinterpret_cast<float*>(d.ptr);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r_base + 8 * h, c = 8 * j + c_base;
-          if (r < rows_valid && c < cols_valid) {
-            float* p = out + (long)r * d.ld + c;
-            const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-            const bool pair = c + 1 < cols_valid;
-            if (reduce) {
-              if (vec && pair) {
-                red_add_f32x2_sys(p, v0, v1);
-              } else {
-                red_add_f32_sys(p, v0);
-                if (pair) red_add_f32_sys(p + 1, v1);
-              }
-            } else {
-              if (vec && pair) {
-                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-              } else {
-                p[0] = v0;
-                if (pair) p[1] = v1;
-              }
-            }
+      for_each_pair(acc, rows_valid, cols_valid, [&](int r, int c, float v0, float v1) {
+        float* p = out + (long)r * d.ld + c;
+        const bool pair = c + 1 < cols_valid;
+        if (reduce) {
+          if (vec && pair) {
+            red_add_f32x2_sys(p, v0, v1);
+          } else {
+            red_add_f32_sys(p, v0);
+            if (pair) red_add_f32_sys(p + 1, v1);
+          }
+        } else {
+          if (vec && pair) {
+            *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+          } else {
+            p[0] = v0;
+            if (pair) p[1] = v1;
           }
         }
-      }
+      });
     }
   }
 };
