@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from bench_gemm import SHAPES
 from common import KINDS, error_bound, launch, load_module, status_of, tile_order
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -225,14 +226,7 @@ def main():
 
     # 5. the benchmark shapes themselves (heuristic config, grouped order)
     if not quick:
-        for M, N, K in [
-            (8192, 8192, 8192),
-            (8192, 3584, 8192),
-            (8192, 8192, 3584),
-            (4096, 28672, 8192),
-            (2048, 8192, 8192),
-            (8192, 1024, 8192),
-        ]:
+        for M, N, K in SHAPES:
             check_case(mk, M, N, K, -1, 0, sms=sms)
             torch.cuda.empty_cache()
 
