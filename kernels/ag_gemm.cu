@@ -25,13 +25,13 @@ struct AgGemm {
   struct Args {
     FusedCommon common;
     typename Engine::Params engine[kMaxLocalRanks];  // A: the local gather buffer [M, K]
-    RankPtr<const __nv_bfloat16> a;                   // [Ms, K] per rank: the own shard
-    RankPtr<__nv_bfloat16> out;                       // [M, N] per rank
-    SymPtr<__nv_bfloat16> gather;                     // [M, K] per rank
-    SymPtr<int> ready, consumed;                      // [W * C] per rank
-    const int* consumers;                             // [W * C]: tiles overlapping each chunk
+    RankPtr<const __nv_bfloat16> a;                  // [Ms, K] per rank: the own shard
+    RankPtr<__nv_bfloat16> out;                      // [M, N] per rank
+    SymPtr<__nv_bfloat16> gather;                    // [M, K] per rank
+    SymPtr<int> ready, consumed;                     // [W * C] per rank
+    const int* consumers;                            // [W * C]: tiles overlapping each chunk
     int N, K, Ms, C, CR;
-    int transfer_tma;  // 1: TMA bulk pushes (inter_sm only), 0: 16-byte stores
+    int transfer_tma;                     // 1: TMA bulk pushes (inter_sm only), 0: 16-byte stores
     CUtensorMap out_map[kMaxLocalRanks];  // out [M, N] per local rank (TMA stores)
     bool out_mapped;
     __device__ int chunk_of(int row) const { return row / Ms * C + row % Ms / CR; }
@@ -134,29 +134,31 @@ struct AgGemm {
 template <class Engine>
 struct LaunchAgGemm {
   static int run(const FusedLaunch& L, cudaStream_t s) {
-  using Op = AgGemm<Engine>;
-  typename Op::Args args{};
-  args.common = make_common(L);
-  // The engine's A is the local gather buffer: rank r's at work_local + r * M * K (emulated);
-  // with one rank, a itself ([M, K]: nothing to gather).
-  const bool alone = L.world_size == 1;
-  const auto* a_base = reinterpret_cast<const __nv_bfloat16*>(alone ? L.a : L.work_local);
-  if (!fill_engine_params<Engine>(L, args.engine, a_base, alone ? L.a_rank_stride : (long long)L.M * L.K))
-    return kBadConfig;
-  args.a = RankPtr<const __nv_bfloat16>{reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride};
-  args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
-  args.gather = SymPtr<__nv_bfloat16>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
-  args.ready = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
-  args.consumed = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag2_ptrs)};
-  args.consumers = reinterpret_cast<const int*>(L.aux_ptr);
-  args.N = L.N;
-  args.K = L.K;
-  args.Ms = L.rows_per_rank;
-  args.C = L.tiles_per_rank;
-  args.CR = L.chunk_rows;
-  args.transfer_tma = L.transfer;
-  args.out_mapped = fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
-  return launch_persistent<Op>(args, L, s);
+    using Op = AgGemm<Engine>;
+    typename Op::Args args{};
+    args.common = make_common(L);
+    // The engine's A is the local gather buffer: rank r's at work_local + r * M * K (emulated);
+    // with one rank, a itself ([M, K]: nothing to gather).
+    const bool alone = L.world_size == 1;
+    const auto* a_base = reinterpret_cast<const __nv_bfloat16*>(alone ? L.a : L.work_local);
+    if (!fill_engine_params<Engine>(L, args.engine, a_base,
+                                    alone ? L.a_rank_stride : (long long)L.M * L.K))
+      return kBadConfig;
+    args.a =
+        RankPtr<const __nv_bfloat16>{reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride};
+    args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
+    args.gather = SymPtr<__nv_bfloat16>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
+    args.ready = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
+    args.consumed = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag2_ptrs)};
+    args.consumers = reinterpret_cast<const int*>(L.aux_ptr);
+    args.N = L.N;
+    args.K = L.K;
+    args.Ms = L.rows_per_rank;
+    args.C = L.tiles_per_rank;
+    args.CR = L.chunk_rows;
+    args.transfer_tma = L.transfer;
+    args.out_mapped = fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
+    return launch_persistent<Op>(args, L, s);
   }
 };
 

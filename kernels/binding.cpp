@@ -15,7 +15,7 @@ int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
 int launch_ag_gemm(const FusedLaunch&, cudaStream_t);
 int launch_gemm_ar(const FusedLaunch&, cudaStream_t);
 int launch_p2p(const P2PLaunch&, cudaStream_t);
-}
+}  // namespace mk
 
 #define FIELD(name) .def_readwrite(#name, &mk::FusedLaunch::name)
 
@@ -23,14 +23,16 @@ PYBIND11_MODULE(_mkernel_ext, m) {
   m.doc() = "mkernel device kernels (launchers over raw pointers)";
   register_gemm(m);
   py::class_<mk::FusedLaunch>(m, "FusedLaunch")
-      .def(py::init<>())
-      FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm) FIELD(compute_units)
-      FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap) FIELD(tile_config)
-      FIELD(world_size) FIELD(rank0) FIELD(ranks_here) FIELD(timeout_ns) FIELD(status)
-      FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank) FIELD(delay_ns) FIELD(a) FIELD(b)
-      FIELD(out) FIELD(a_rank_stride) FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N)
-      FIELD(K) FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs) FIELD(rows_per_rank)
-      FIELD(tiles_per_rank) FIELD(chunk_rows) FIELD(backoff_ns) FIELD(timeline) FIELD(timeline_cap) FIELD(transfer) FIELD(work_local) FIELD(aux_ptr);
+      .def(py::init<>()) FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm)
+          FIELD(compute_units) FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap)
+              FIELD(tile_config) FIELD(world_size) FIELD(rank0) FIELD(ranks_here) FIELD(timeout_ns)
+                  FIELD(status) FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank)
+                      FIELD(delay_ns) FIELD(a) FIELD(b) FIELD(out) FIELD(a_rank_stride)
+                          FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N) FIELD(K)
+                              FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs)
+                                  FIELD(rows_per_rank) FIELD(tiles_per_rank) FIELD(chunk_rows)
+                                      FIELD(backoff_ns) FIELD(timeline) FIELD(timeline_cap)
+                                          FIELD(transfer) FIELD(work_local) FIELD(aux_ptr);
   m.def(
       "launch_gemm_rs",
       [](const mk::FusedLaunch& L, uintptr_t stream) {

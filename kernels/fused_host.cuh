@@ -16,9 +16,15 @@ enum LaunchError : int { kOk = 0, kBadConfig = 1, kTooManyRanks = 2, kCudaError 
 
 inline FusedCommon make_common(const FusedLaunch& L) {
   FusedCommon c{};
-  c.plan = PlanView{reinterpret_cast<const int*>(L.tiles), reinterpret_cast<const int*>(L.compute_order),
-                    reinterpret_cast<const int*>(L.comm_tasks), L.tc, L.tm, L.compute_units,
-                    L.comm_units, L.ctas_per_rank, L.overlap};
+  c.plan = PlanView{reinterpret_cast<const int*>(L.tiles),
+                    reinterpret_cast<const int*>(L.compute_order),
+                    reinterpret_cast<const int*>(L.comm_tasks),
+                    L.tc,
+                    L.tm,
+                    L.compute_units,
+                    L.comm_units,
+                    L.ctas_per_rank,
+                    L.overlap};
   c.world = WorldView{L.world_size, L.rank0, L.ranks_here};
   c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(L.status), L.timeout_ns, L.backoff_ns};
   c.faults = FaultView{L.silent_rank, L.delay_rank, L.delay_ns};
@@ -67,7 +73,8 @@ inline bool fill_engine_params(const FusedLaunch& L, typename Engine::Params* ou
     const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(L.b) + r * L.b_rank_stride;
     if (host::make_tensor_map_bf16_2d(&out[r].a, a_base + r * a_stride, L.M, L.K, L.K, Engine::BM,
                                       64, 128) != host::kTensorMapOk ||
-        host::make_tensor_map_bf16_2d(&out[r].b, b, L.K, L.N, L.N, 64, 64, 128) != host::kTensorMapOk)
+        host::make_tensor_map_bf16_2d(&out[r].b, b, L.K, L.N, L.N, 64, 64, 128) !=
+            host::kTensorMapOk)
       return false;
     out[r].M = L.M;
     out[r].N = L.N;
@@ -116,7 +123,8 @@ inline int launch_persistent(const typename Op::Args& args, const FusedLaunch& L
   if (L.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;
   const int smem = Engine::kSmemBytes + Op::kCommSmemBytes;
   auto kernel = persistent_kernel<Op>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
     return kCudaError;
   kernel<<<L.ranks_here * L.ctas_per_rank, Engine::kThreads, smem, s>>>(args);
   return cudaGetLastError() == cudaSuccess ? kOk : kCudaError;

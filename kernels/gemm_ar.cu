@@ -30,10 +30,10 @@ struct GemmAR {
   struct Args {
     FusedCommon common;
     typename Engine::Params engine[kMaxLocalRanks];
-    RankPtr<__nv_bfloat16> out;        // [M, N] per rank (emulated: slices of one tensor)
+    RankPtr<__nv_bfloat16> out;          // [M, N] per rank (emulated: slices of one tensor)
     const unsigned long long* out_ptrs;  // [W] result addresses (distributed), or null
-    SymPtr<float> acc;                 // [M, N] fp32 per rank; only owned tiles are used
-    SymPtr<int> flags, ready;          // [T, W] and [T] per rank
+    SymPtr<float> acc;                   // [M, N] fp32 per rank; only owned tiles are used
+    SymPtr<int> flags, ready;            // [T, W] and [T] per rank
     int N, T;
     CUtensorMap out_map[kMaxLocalRanks];  // out [M, N] per local rank (W == 1, TMA stores)
     bool out_mapped;
@@ -108,19 +108,21 @@ struct GemmAR {
 template <class Engine>
 struct LaunchGemmAR {
   static int run(const FusedLaunch& L, cudaStream_t s) {
-  using Op = GemmAR<Engine>;
-  typename Op::Args args{};
-  args.common = make_common(L);
-  if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a), L.a_rank_stride)) return kBadConfig;
-  args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
-  args.out_ptrs = reinterpret_cast<const unsigned long long*>(L.aux_ptr);
-  args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
-  args.flags = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
-  args.ready = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag2_ptrs)};
-  args.N = L.N;
-  args.T = L.tiles_per_rank;
-  args.out_mapped = L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
-  return launch_persistent<Op>(args, L, s);
+    using Op = GemmAR<Engine>;
+    typename Op::Args args{};
+    args.common = make_common(L);
+    if (!fill_engine_params<Engine>(L, args.engine, reinterpret_cast<const __nv_bfloat16*>(L.a),
+                                    L.a_rank_stride))
+      return kBadConfig;
+    args.out = RankPtr<__nv_bfloat16>{reinterpret_cast<__nv_bfloat16*>(L.out), L.out_rank_stride};
+    args.out_ptrs = reinterpret_cast<const unsigned long long*>(L.aux_ptr);
+    args.acc = SymPtr<float>{reinterpret_cast<const unsigned long long*>(L.work_ptrs)};
+    args.flags = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag_ptrs)};
+    args.ready = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.flag2_ptrs)};
+    args.N = L.N;
+    args.T = L.tiles_per_rank;
+    args.out_mapped = L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.M, L.N);
+    return launch_persistent<Op>(args, L, s);
   }
 };
 

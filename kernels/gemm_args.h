@@ -11,28 +11,28 @@
 #include <cstdint>
 
 struct GemmArgs {
-  const void* a = nullptr;             // [M, K] bf16, 16-byte aligned
-  const void* b = nullptr;             // [K, N] bf16, 16-byte aligned
-  void* c = nullptr;                   // [M, ldc] bf16 or fp32 (see out_kind)
-  int M = 0, N = 0, K = 0;             // N % 8 == 0, K % 8 == 0
-  int config = -1;                     // mk::gemm config id; -1: gemm_pick_config
-  const int32_t* tile_order = nullptr; // device int32[tiles], or nullptr for row-major order
-  long ldc = 0;                        // row pitch of C in elements; 0 means N
-  int out_kind = 0;                    // 0 store bf16, 1 reduce-add fp32, 2 store fp32,
-                                       // 3 reduce-add fp32 by TMA (cp.reduce.async.bulk)
-  int num_sms = 0;                     // 0: the device's multiprocessor count
+  const void* a = nullptr;              // [M, K] bf16, 16-byte aligned
+  const void* b = nullptr;              // [K, N] bf16, 16-byte aligned
+  void* c = nullptr;                    // [M, ldc] bf16 or fp32 (see out_kind)
+  int M = 0, N = 0, K = 0;              // N % 8 == 0, K % 8 == 0
+  int config = -1;                      // mk::gemm config id; -1: gemm_pick_config
+  const int32_t* tile_order = nullptr;  // device int32[tiles], or nullptr for row-major order
+  long ldc = 0;                         // row pitch of C in elements; 0 means N
+  int out_kind = 0;                     // 0 store bf16, 1 reduce-add fp32, 2 store fp32,
+                                        // 3 reduce-add fp32 by TMA (cp.reduce.async.bulk)
+  int num_sms = 0;                      // 0: the device's multiprocessor count
 };
 
 enum GemmStatus : int {
   kGemmOk = 0,
-  kGemmBadShape = 1,       // M, N or K < 1
-  kGemmBadAlignment = 2,   // N % 8 != 0 or K % 8 != 0 (TMA needs 16-byte row strides)
-  kGemmBadPointer = 3,     // a, b or c null, or a / b not 16-byte aligned
-  kGemmBadConfig = 4,      // config id unknown
-  kGemmBadKind = 5,        // out_kind not in 0..3
-  kGemmBadLdc = 6,         // ldc < N
-  kGemmTensorMap = 7,      // cuTensorMapEncodeTiled unavailable or failed
-  kGemmLaunchFailed = 8,   // a CUDA runtime error at launch (see cudaGetLastError)
+  kGemmBadShape = 1,      // M, N or K < 1
+  kGemmBadAlignment = 2,  // N % 8 != 0 or K % 8 != 0 (TMA needs 16-byte row strides)
+  kGemmBadPointer = 3,    // a, b or c null, or a / b not 16-byte aligned
+  kGemmBadConfig = 4,     // config id unknown
+  kGemmBadKind = 5,       // out_kind not in 0..3
+  kGemmBadLdc = 6,        // ldc < N
+  kGemmTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed
+  kGemmLaunchFailed = 8,  // a CUDA runtime error at launch (see cudaGetLastError)
 };
 
 const char* gemm_status_string(int status);

@@ -67,8 +67,14 @@ void register_gemm(py::module_& m) {
         mk::gemm::ConfigInfo c = mk::gemm::config_info(id);
         if (c.id < 0) throw py::value_error("gemm_config_info: unknown config");
         py::dict d;
-        d["id"] = c.id; d["BM"] = c.bm; d["BN"] = c.bn; d["BK"] = c.bk; d["stages"] = c.stages;
-        d["consumers"] = c.consumers; d["threads"] = c.threads; d["smem_bytes"] = c.smem_bytes;
+        d["id"] = c.id;
+        d["BM"] = c.bm;
+        d["BN"] = c.bn;
+        d["BK"] = c.bk;
+        d["stages"] = c.stages;
+        d["consumers"] = c.consumers;
+        d["threads"] = c.threads;
+        d["smem_bytes"] = c.smem_bytes;
         d["cluster"] = c.cluster;
         return d;
       },

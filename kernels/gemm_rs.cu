@@ -67,13 +67,15 @@ struct GemmRS {
     }
     team.sync();
     float* acc = a.acc.map(cta.rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
-    __nv_bfloat16* out = a.out.at(cta.local_rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
+    __nv_bfloat16* out =
+        a.out.at(cta.local_rank) + (long long)(t.m0 - cta.rank * a.Ms) * a.N + t.n0;
     const int quads = t.rows * (t.cols / 4);  // cols % 8 == 0
     for (int q = team.lane; q < quads; q += team.size) {
       const long long off = (long long)(q / (t.cols / 4)) * a.N + (q % (t.cols / 4)) * 4;
       const float4 v = __ldcg(reinterpret_cast<const float4*>(acc + off));
       __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-      uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+      uint2 packed =
+          make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
       *reinterpret_cast<uint2*>(out + off) = packed;
       __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
     }
@@ -95,7 +97,8 @@ struct LaunchGemmRS {
     args.N = L.N;
     args.Ms = L.rows_per_rank;
     args.U = L.tiles_per_rank;
-    args.out_mapped = L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.rows_per_rank, L.N);
+    args.out_mapped =
+        L.world_size == 1 && fill_out_maps<Engine>(L, args.out_map, L.rows_per_rank, L.N);
     return launch_persistent<Op>(args, L, s);
   }
 };

@@ -34,22 +34,24 @@ __global__ void p2p_kernel(const P2PLaunch L) {
       for (int v = threadIdx.x; v < n / 16; v += blockDim.x) {
         const uint4 x = s[v];
         red_add_v4_f32(reinterpret_cast<float*>(dst + off) + 4 * v,
-                       make_float4(__uint_as_float(x.x), __uint_as_float(x.y),
-                                   __uint_as_float(x.z), __uint_as_float(x.w)));
+                       make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z),
+                                   __uint_as_float(x.w)));
       }
       continue;
     }
     char* stage = smem + buf * L.chunk_bytes;
     if (threadIdx.x == 0) bulk_wait_read_n<kStages - 1>();  // the op that used this buffer last
     __syncthreads();
-    for (int v = threadIdx.x; v < n / 16; v += blockDim.x) reinterpret_cast<uint4*>(stage)[v] = s[v];
+    for (int v = threadIdx.x; v < n / 16; v += blockDim.x)
+      reinterpret_cast<uint4*>(stage)[v] = s[v];
     fence_proxy_async_smem();
     __syncthreads();
     if (threadIdx.x == 0) {
       if (L.mode == 0) {
         tile_send_bulk(dst + off, stage, n);
       } else {
-        reduce_add_bulk_f32(reinterpret_cast<float*>(dst + off), reinterpret_cast<float*>(stage), n);
+        reduce_add_bulk_f32(reinterpret_cast<float*>(dst + off), reinterpret_cast<float*>(stage),
+                            n);
       }
       bulk_commit();
     }
@@ -58,11 +60,12 @@ __global__ void p2p_kernel(const P2PLaunch L) {
 }
 
 int launch_p2p(const P2PLaunch& L, cudaStream_t s) {
-  if (L.bytes <= 0 || L.bytes % 16 || L.src % 16 || L.dst % 16 || L.chunk_bytes % 16 || L.mode < 0 ||
-      L.mode > 3 || L.ctas < 1 || L.threads < 32)
+  if (L.bytes <= 0 || L.bytes % 16 || L.src % 16 || L.dst % 16 || L.chunk_bytes % 16 ||
+      L.mode < 0 || L.mode > 3 || L.ctas < 1 || L.threads < 32)
     return 1;
   const int smem = L.mode < 2 ? kStages * L.chunk_bytes : 0;
-  if (cudaFuncSetAttribute(p2p_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+  if (cudaFuncSetAttribute(p2p_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
     return 3;
   p2p_kernel<<<L.ctas, L.threads, smem, s>>>(L);
   return cudaGetLastError() == cudaSuccess ? 0 : 3;

@@ -42,10 +42,10 @@ __device__ __forceinline__ void tile_send_bulk(void* dst, const void* src_smem, 
 // TMA reduce-store: dst[i] += src[i] at the destination, fp32.
 __device__ __forceinline__ void reduce_add_bulk_f32(float* dst, const float* src_smem,
                                                     uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
-                   dst),
-               "r"(smem_u32(src_smem)), "r"(bytes)
-               : "memory");
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+      "r"(smem_u32(src_smem)), "r"(bytes)
+      : "memory");
 }
 
 // TMA reduce-store: dst[i] += src[i] at the destination, bf16.
@@ -53,12 +53,15 @@ __device__ __forceinline__ void reduce_add_bulk_bf16(__nv_bfloat16* dst,
                                                      const __nv_bfloat16* src_smem,
                                                      uint32_t bytes) {
   asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(dst),
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(
+          dst),
       "r"(smem_u32(src_smem)), "r"(bytes)
       : "memory");
 }
 
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
 
 // The shared-memory sources of every committed bulk op may be reused.
 __device__ __forceinline__ void bulk_wait_read() {

@@ -81,8 +81,12 @@ __device__ __forceinline__ int cas_acq_rel_sys(int* p, int expected, int desired
 }
 
 // Named after what they do, so kernels read as the protocol above.
-__device__ __forceinline__ void signal_set_release(int* flag, int v = 1) { st_release_sys(flag, v); }
-__device__ __forceinline__ void signal_add_release(int* flag, int v = 1) { red_add_release_sys(flag, v); }
+__device__ __forceinline__ void signal_set_release(int* flag, int v = 1) {
+  st_release_sys(flag, v);
+}
+__device__ __forceinline__ void signal_add_release(int* flag, int v = 1) {
+  red_add_release_sys(flag, v);
+}
 
 __device__ __forceinline__ bool aborting(const WaitPolicy& w) {
   return w.status != nullptr && ld_relaxed_sys(&w.status->abort) != 0;
@@ -103,7 +107,9 @@ __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
   st_release_sys(&w.status->abort, 1);
 }
 
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 
 // Spin until poll() holds, bounded by the deadline, sleeping backoff_ns between polls.
 template <class Poll>

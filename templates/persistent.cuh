@@ -35,7 +35,7 @@
 namespace mk {
 
 enum Overlap : int { kIntraSM = 0, kInterSM = 1 };
-constexpr int kMaxLocalRanks = 16;   // ranks one launch can serve (emulated world)
+constexpr int kMaxLocalRanks = 16;     // ranks one launch can serve (emulated world)
 constexpr int kMaxBarrierSlots = 256;  // entry-barrier flags per rank: [slot, W]
 
 struct PlanView {
@@ -110,7 +110,8 @@ struct Tile {
 template <class Hooks>
 struct TimedHooks : Hooks {
   __device__ void stamp(int i, int which) const {
-    long long* e = timeline_slot(this->a.common, this->cta.local_rank, this->cta.slot, kRoleCompute, i);
+    long long* e =
+        timeline_slot(this->a.common, this->cta.local_rank, this->cta.slot, kRoleCompute, i);
     if (e != nullptr) e[which] = (long long)globaltimer_ns();
   }
   __device__ void before_load(int i) const {
@@ -173,7 +174,8 @@ __device__ void run_comm(const typename Op::Args& args, const CtaInfo& cta, cons
                          const Team& team, char* smem) {
   const FusedCommon& c = args.common;
   for (int i = 0; i < tasks.count(); ++i) {
-    long long* e = team.lane == 0 ? timeline_slot(c, cta.local_rank, cta.slot, kRoleComm, i) : nullptr;
+    long long* e =
+        team.lane == 0 ? timeline_slot(c, cta.local_rank, cta.slot, kRoleComm, i) : nullptr;
     if (e != nullptr) e[0] = (long long)globaltimer_ns();
     if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
     Op::comm_task(args, cta, tasks[i], team, smem);

@@ -35,10 +35,10 @@ enum EpiMode : int { kEpiStaged = 0, kEpiDirect = 1, kEpiSkip = 2, kEpiTma = 3 }
 // banks; the bulk copies read each padded row as one contiguous run.
 template <class Cfg>
 struct SmemMap {
-  static constexpr int kABytesPerStage = Cfg::BM * Cfg::BK * 2;           // [BM, BK] bf16
-  static constexpr int kBBytesPerStage = Cfg::BK * Cfg::BN * 2;           // [BK, BN] bf16
-  static constexpr int kBChunkBytes = Cfg::BK * 128;                      // [BK, 64] bf16 chunk
-  static constexpr int kStagingStride = Cfg::EPI_COLS * 2 + 16;           // bytes per staged row
+  static constexpr int kABytesPerStage = Cfg::BM * Cfg::BK * 2;  // [BM, BK] bf16
+  static constexpr int kBBytesPerStage = Cfg::BK * Cfg::BN * 2;  // [BK, BN] bf16
+  static constexpr int kBChunkBytes = Cfg::BK * 128;             // [BK, 64] bf16 chunk
+  static constexpr int kStagingStride = Cfg::EPI_COLS * 2 + 16;  // bytes per staged row
   // [64, EPI_COLS] bf16 padded rows; kEpiTma also lays two swizzled [64, 64] boxes over it
   static constexpr int kPaddedBytes = 64 * kStagingStride;
   static constexpr int kStagingBytesPerWG =
@@ -112,7 +112,7 @@ struct ConfigInfo {
 
 template <class Cfg>
 MK_HD constexpr ConfigInfo info_of() {
-  return {Cfg::kId,      Cfg::BM,         Cfg::BN,        Cfg::BK,     Cfg::STAGES,
+  return {Cfg::kId,       Cfg::BM,       Cfg::BN,         Cfg::BK,     Cfg::STAGES,
           Cfg::CONSUMERS, Cfg::kThreads, Cfg::kSmemBytes, Cfg::CLUSTER};
 }
 
@@ -145,7 +145,8 @@ MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
   for (int id = 0; id < kNumConfigs; ++id) {
     ConfigInfo c = config_info(id);
     if (c.cluster > num_sms) continue;
-    const long units = (long)((M + c.bm * c.cluster - 1) / (c.bm * c.cluster)) * ((N + c.bn - 1) / c.bn);
+    const long units =
+        (long)((M + c.bm * c.cluster - 1) / (c.bm * c.cluster)) * ((N + c.bn - 1) / c.bn);
     const long slots = num_sms / c.cluster;
     const long waves = (units + slots - 1) / slots;
     const float cost = (float)waves * (float)(c.bm * c.bn) / rate[id];
@@ -176,7 +177,8 @@ inline int make_tile_order(int M, int N, int config_id, int num_sms, int32_t* ou
   const int total = units_m * tiles_n;
   if (out == nullptr) return total;
   if (capacity < total) return -1;
-  const int g = tile_order_group_m(units_m, ubm, c.bn, num_sms / c.cluster > 0 ? num_sms / c.cluster : 1);
+  const int g =
+      tile_order_group_m(units_m, ubm, c.bn, num_sms / c.cluster > 0 ? num_sms / c.cluster : 1);
   int k = 0;
   for (int m_base = 0, grp = 0; m_base < units_m; m_base += g, ++grp) {
     const int rows = (units_m - m_base) < g ? (units_m - m_base) : g;

@@ -87,7 +87,7 @@ struct Engine {
   template <class Hooks>
   __device__ static void run(const Params& p, char* smem, Hooks& hooks) {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);  // [STAGES]
-    uint64_t* empty = full + STAGES;                                        // [STAGES]
+    uint64_t* empty = full + STAGES;                                       // [STAGES]
     if constexpr (CLUSTER == 1) {
       if (threadIdx.x == 0) init_barriers(smem);
       named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
@@ -119,8 +119,9 @@ struct Engine {
     if (smem_u32(smem) % kSmemAlign != 0) __trap();
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);                           // this CTA's producer's arrive_expect_tx
-      mbar_init(&empty[s], 4 * CONSUMERS * CLUSTER);   // lane 0 of every consumer warp in the cluster
+      mbar_init(&full[s], 1);  // this CTA's producer's arrive_expect_tx
+      mbar_init(&empty[s],
+                4 * CONSUMERS * CLUSTER);  // lane 0 of every consumer warp in the cluster
     }
     mbar_fence_init();
   }
@@ -156,7 +157,8 @@ struct Engine {
         uint64_t* bar = &full[ps.stage];
         mbar_arrive_expect_tx(bar, kStageTxBytes);
         char* sa = smem + Map::kAOffset + ps.stage * Map::kABytesPerStage;  // [BM, 64] sw128
-        char* sb = smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
+        char* sb =
+            smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
         tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
 #pragma unroll
         for (int c = chunk0; c < chunk0 + kChunks; ++c) {

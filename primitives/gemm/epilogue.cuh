@@ -61,8 +61,8 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1,
+                                            uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
@@ -95,7 +95,8 @@ struct WarpgroupEpilogue {
   static constexpr int kPasses = BN / EPI_COLS;
   static constexpr int kPacked = BN / 4;  // packed[m] = bf16x2(acc[2m], acc[2m+1])
 
-  __device__ __forceinline__ static void pack(const float (&acc)[kRegs], uint32_t (&packed)[kPacked]) {
+  __device__ __forceinline__ static void pack(const float (&acc)[kRegs],
+                                              uint32_t (&packed)[kPacked]) {
 #pragma unroll
     for (int m = 0; m < kPacked; ++m) packed[m] = pack_bf16x2(acc[2 * m], acc[2 * m + 1]);
   }
@@ -194,9 +195,12 @@ struct WarpgroupEpilogue {
                                        int rows_valid, int cols_valid, int wg_bar) {
     static_assert(kF32Passes >= 1 && kF32Passes <= 4, "1..4 passes");
     reduce_staged_pass<0>(acc, staging, d, rows_valid, cols_valid, wg_bar);
-    if constexpr (kF32Passes > 1) reduce_staged_pass<1>(acc, staging, d, rows_valid, cols_valid, wg_bar);
-    if constexpr (kF32Passes > 2) reduce_staged_pass<2>(acc, staging, d, rows_valid, cols_valid, wg_bar);
-    if constexpr (kF32Passes > 3) reduce_staged_pass<3>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 1)
+      reduce_staged_pass<1>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 2)
+      reduce_staged_pass<2>(acc, staging, d, rows_valid, cols_valid, wg_bar);
+    if constexpr (kF32Passes > 3)
+      reduce_staged_pass<3>(acc, staging, d, rows_valid, cols_valid, wg_bar);
   }
 
   // kEpiTma, full tiles only (64 valid rows, BN valid columns: a box is never clipped by the tile,

@@ -16,7 +16,8 @@ namespace mk::gemm {
 template <class H, class = void>
 struct has_signals : std::false_type {};
 template <class H>
-struct has_signals<H, std::void_t<decltype(std::declval<const H&>().signals())>> : std::true_type {};
+struct has_signals<H, std::void_t<decltype(std::declval<const H&>().signals())>> : std::true_type {
+};
 
 template <class H>
 __device__ __forceinline__ bool hooks_signal(const H& h) {

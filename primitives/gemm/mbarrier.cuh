@@ -31,10 +31,10 @@ __device__ __forceinline__ void mbar_fence_init() {
 
 // Arrive (count 1) and announce `bytes` of transactions that TMA will complete on this phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(
-                   smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+      "r"(bytes)
+      : "memory");
 }
 
 // Plain arrive (count 1) with release semantics at CTA scope.
