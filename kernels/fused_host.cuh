@@ -103,7 +103,7 @@ inline bool fill_out_maps(const FusedLaunch& L, CUtensorMap* maps, int rows, int
   }
 }
 
-// Dest of a bf16 tile at (row, col) of this rank's output, with the output's tensor map if there is one.
+// Dest of a bf16 tile at (row, col) of this rank's output, with the output's tensor map if any.
 template <class Args>
 __device__ inline gemm::Dest bf16_out_dest(const Args& a, int local_rank, __nv_bfloat16* ptr,
                                            int row, int col) {

@@ -26,11 +26,12 @@
 //   * Named barriers used: kBarInit, kBarConsumers, kBarWG0 .. kBarWG0 + CONSUMERS - 1 (8..11).
 //   * Hooks (all __device__): num_tasks(), task(i) -> TileTask, before_load(i) [producer lane],
 //     dest(i) -> Dest, after_store(i) [one consumer thread, once task i's writes are complete and
-//     visible at system scope]. Optional: `bool signals() const` (default true): false skips every
-//     after_store and the completion work before it (nobody waits for these tiles). Optional: `static constexpr bool kDeferAfterStore` (default true):
-//     when true, task i's completion (bulk wait + barrier + fence + after_store) is done at the start
-//     of task i+1's epilogue (or after the last task), so consumers never stall on write latency;
-//     when false it is done right after task i's epilogue.
+//     visible at system scope]. Optional traits (hooks.cuh): `bool signals() const` (default true):
+//     false skips every after_store and the completion work before it (nobody waits for these
+//     tiles); `static constexpr bool kDeferAfterStore` (default true): when true, task i's
+//     completion (bulk wait + barrier + fence + after_store) is done at the start of task i+1's
+//     epilogue (or after the last task), so consumers never stall on write latency; when false it
+//     is done right after task i's epilogue.
 //   * Cfg::CLUSTER == 2 (clusters of 2 CTAs along M sharing B): the CTAs of a cluster must get the
 //     same num_tasks() and, for every i, tasks with the same n0 (their B slices are one multicast
 //     load, half issued by each CTA); a CTA with nothing to store there gets rows = 0 and a valid

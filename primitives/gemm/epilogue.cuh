@@ -22,8 +22,8 @@
 //   * TMA tensor store (configs with EPI_MODE kEpiTma, kind 0 with Dest::map; dev experiment 111):
 //     64 x 64 boxes through two swizzled buffers, one cp.async.bulk.tensor store each; the map's
 //     bounds clip the tile.
-//   * direct (everything else; kind 3 falls back to kind 1's atomics): vector st.global / red.global.add.v2.f32 straight from registers,
-//     scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
+//   * direct (everything else; kind 3 falls back to kind 1's atomics): vector st.global /
+//     red.global.add.v2.f32 straight from registers, scalar where alignment or clipping forbids a pair. Visibility: caller's named barrier, then
 //     __threadfence_system() in the signalling thread.
 // Every path writes only rows < rows_valid and columns < cols_valid of the tile.
 #pragma once
@@ -205,8 +205,8 @@ struct WarpgroupEpilogue {
 
   // kEpiTma, full tiles only (64 valid rows, BN valid columns: a box is never clipped by the tile,
   // only by the map): the warpgroup's 64 x BN bf16 tile as BN/64 boxes of 64 x 64 through two 8 KiB
-  // buffers in the 128-byte swizzled layout (16-byte chunk c of row r at chunk c ^ (r % 8): stmatrix without
-  // bank conflicts, no padding), one TMA tensor store per box from thread 0. A buffer is reused once
+  // buffers in the 128-byte swizzled layout (16-byte chunk c of row r at chunk c ^ (r % 8):
+  // stmatrix without bank conflicts, no padding), one TMA tensor store per box from thread 0. A buffer is reused once
   // the store two boxes back has read it (wait_group.read 1), so boxes overlap their stores.
   __device__ static void store_tma(const uint32_t (&packed)[kPacked], char* staging, const Dest& d,
                                    int wg_bar) {
