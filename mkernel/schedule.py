@@ -280,3 +280,34 @@ def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[i
     if comm >= sms:
         raise ValueError(f"Schedule.comm_sms={comm} leaves no compute SMs out of {sms} per rank")
     return max(1, min(sms - comm, n_compute_tasks)), comm
+
+
+def build_plan(
+    op: str,
+    schedule: Schedule,
+    world: Any,
+    tile: TileConfig,
+    shapes: dict[str, int],
+    tiles: list[Tile],
+    orders: list[list[int]],
+    comms: list[list[int]],
+    extra: dict[str, Any],
+) -> Plan:
+    """An op's Plan from its tiles and per-rank tables: ``orders[r]`` (tile indices in compute
+    order) and ``comms[r]`` (comm task ids, equally many per rank; none when W == 1)."""
+    W = world.size
+    compute_units, comm_units = split_units(schedule, world, len(tiles))
+    return Plan(
+        op=op,
+        world_size=W,
+        overlap=schedule.overlap,
+        tile=tile,
+        shapes=shapes,
+        tiles=tiles,
+        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, len(tiles)),
+        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, -1),
+        compute_units=compute_units,
+        comm_units=comm_units,
+        faults=schedule.faults,
+        extra=extra,
+    )

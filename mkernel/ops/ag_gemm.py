@@ -36,11 +36,11 @@ from ..schedule import (
     Schedule,
     Tile,
     apply_order,
+    build_plan,
     grid_tiles,
     grouped_order,
     pick_tile,
     rank_sms,
-    split_units,
 )
 from ..world import World
 from . import common
@@ -79,20 +79,17 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         orders.append(apply_order(schedule.tile_order, r, tiles, default))
         # W == 1: the engine reads a itself; there is nothing to gather.
         comms.append([r * C + c for c in range(C)] if W > 1 else [])
-    compute_units, comm_units = split_units(schedule, world, len(tiles))
-    return Plan(
-        op="ag_gemm",
-        world_size=W,
-        overlap=schedule.overlap,
-        tile=cfg,
-        shapes={"m": m, "n": n, "k": k},
-        tiles=tiles,
-        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, len(tiles)),
-        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, C if W > 1 else 0),
-        compute_units=compute_units,
-        comm_units=comm_units,
-        faults=schedule.faults,
-        extra={
+    shapes = {"m": m, "n": n, "k": k}
+    return build_plan(
+        "ag_gemm",
+        schedule,
+        world,
+        cfg,
+        shapes,
+        tiles,
+        orders,
+        comms,
+        {
             "rows_per_rank": ms,
             "chunk_rows": cr,
             "chunks": C,

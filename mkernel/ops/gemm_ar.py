@@ -35,11 +35,11 @@ from ..schedule import (
     Plan,
     Schedule,
     apply_order,
+    build_plan,
     grid_tiles,
     grouped_order,
     pick_tile,
     rank_sms,
-    split_units,
 )
 from ..world import World
 from . import common
@@ -62,21 +62,8 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         owned = [t for t in range(T) if t % W == r]
         # W == 1: the epilogue stores the bf16 tile straight into out; nothing to communicate.
         comms.append(owned + [T + t for t in range(T) if t % W != r] if W > 1 else [])
-    compute_units, comm_units = split_units(schedule, world, T)
-    return Plan(
-        op="gemm_ar",
-        world_size=W,
-        overlap=schedule.overlap,
-        tile=cfg,
-        shapes={"m": m, "n": n, "k": k},
-        tiles=tiles,
-        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, T),
-        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, T if W > 1 else 0),
-        compute_units=compute_units,
-        comm_units=comm_units,
-        faults=schedule.faults,
-        extra={"tiles": T},
-    )
+    shapes = {"m": m, "n": n, "k": k}
+    return build_plan("gemm_ar", schedule, world, cfg, shapes, tiles, orders, comms, {"tiles": T})
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:

@@ -23,11 +23,11 @@ from ..schedule import (
     Plan,
     Schedule,
     apply_order,
+    build_plan,
     grid_tiles,
     grouped_order,
     pick_tile,
     rank_sms,
-    split_units,
 )
 from ..world import World
 from . import common
@@ -53,21 +53,9 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         default = [((r + 1 + i) % W) * per_owner + j for j in block for i in range(W)]
         orders.append(apply_order(schedule.tile_order, r, tiles, default))
         comms.append([r * per_owner + j for j in range(per_owner)] if W > 1 else [])
-    compute_units, comm_units = split_units(schedule, world, len(tiles))
-    return Plan(
-        op="gemm_rs",
-        world_size=W,
-        overlap=schedule.overlap,
-        tile=cfg,
-        shapes={"m": m, "n": n, "k": k},
-        tiles=tiles,
-        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, len(tiles)),
-        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, -1),
-        compute_units=compute_units,
-        comm_units=comm_units,
-        faults=schedule.faults,
-        extra={"per_owner": per_owner, "rows_per_rank": ms},
-    )
+    shapes = {"m": m, "n": n, "k": k}
+    extra = {"per_owner": per_owner, "rows_per_rank": ms}
+    return build_plan("gemm_rs", schedule, world, cfg, shapes, tiles, orders, comms, extra)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
