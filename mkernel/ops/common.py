@@ -67,11 +67,17 @@ def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tupl
 
 
 def check_operands(
-    a: Any, a_form: str, b: Any, b_form: str, world: World
+    a: Any, a_form: str, b: Any, b_form: str, world: World, inner: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Checks a GEMM op's two operands (check_operand, ``a`` first) and returns their per-rank
-    shapes; the op then checks that the inner dimensions agree, in its own words."""
-    return check_operand("a", a, world, 2, a_form), check_operand("b", b, world, 2, b_form)
+    """Checks a GEMM op's two operands (check_operand, ``a`` first) and that a's columns and b's
+    rows, the shared dimension named ``inner``, agree; returns their per-rank shapes."""
+    a_shape = check_operand("a", a, world, 2, a_form)
+    b_shape = check_operand("b", b, world, 2, b_form)
+    if a_shape[1] != b_shape[0]:
+        raise ValueError(
+            f"a is {a_form} = {list(a_shape)} but b is {b_form} = {list(b_shape)}: {inner} differs"
+        )
+    return a_shape, b_shape
 
 
 def check_divides(name: str, value: int, by: int, what: str) -> None:

@@ -60,11 +60,7 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
     """The global GEMM sizes (m, n, k) of a call, after checking the operands."""
-    (m, kl), (kb, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world)
-    if kb != kl:
-        raise ValueError(
-            f"a is [M, K/W] = [{m}, {kl}] but b is [K/W, N] = [{kb}, {n}]: K/W differs"
-        )
+    (m, kl), (_, n) = common.check_operands(a, "[M, K/W]", b, "[K/W, N]", world, "K/W")
     common.check_divides("M (rows of a)", m, world.size, f"M is split over W={world.size} ranks")
     common.check_columns("K/W", kl, n)
     return {"m": m, "n": n, "k": kl * world.size}
