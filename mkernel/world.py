@@ -45,9 +45,6 @@ class SymBuffer:
     peer_ptrs: torch.Tensor | None
     handle: Any = None
 
-    def rank_view(self, rank: int) -> torch.Tensor:
-        return self.local[rank] if self.handle is None else self.local
-
 
 @dataclass(eq=False)
 class World:

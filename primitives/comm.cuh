@@ -102,9 +102,16 @@ __device__ __forceinline__ void copy_v4_team(uint4* dst, const uint4* src, long 
   for (; v < n; v += size) peer_store_v4(dst + v, src[v]);
 }
 
-// dst[0..1] += {a, b} at the destination (vector red, sm_90).
-__device__ __forceinline__ void red_add_v2_f32(float* dst, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+// dst[0..1] += {a, b} at the destination (vector red, sm_90), relaxed at system scope: several GPUs
+// may add into one buffer (the GEMM engine's fp32 reduce epilogue).
+__device__ __forceinline__ void red_add_v2_f32_sys(float* dst, float a, float b) {
+  asm volatile("red.relaxed.sys.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b)
+               : "memory");
+}
+
+// dst[0] += a at the destination, relaxed at system scope (unaligned or clipped remainders).
+__device__ __forceinline__ void red_add_f32_sys(float* dst, float a) {
+  asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(dst), "f"(a) : "memory");
 }
 
 // dst[0..3] += v at the destination (vector red, sm_90).

@@ -260,6 +260,3 @@ class Ctx:
     def sig(self, pad: str, rank: int, *index: int) -> SigRef:
         return SigRef(pad, rank, tuple(index))
 
-
-def rect_of(row0: int, rows: int, col0: int, cols: int) -> Rect:
-    return (row0, rows, col0, cols)

@@ -72,13 +72,6 @@ __device__ __forceinline__ void st_shared_f32x2(uint32_t smem_addr, float a, flo
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(a), "f"(b) : "memory");
 }
 
-__device__ __forceinline__ void red_add_f32x2_sys(float* p, float a, float b) {
-  asm volatile("red.relaxed.sys.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b)
-               : "memory");
-}
-__device__ __forceinline__ void red_add_f32_sys(float* p, float a) {
-  asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
-}
 
 // BN: tile width (accumulator has BN/2 floats per thread); EPI_COLS: columns per staged pass.
 template <int BN, int EPI_COLS>
@@ -282,7 +275,7 @@ struct WarpgroupEpilogue {
         const bool pair = c + 1 < cols_valid;
         if (reduce) {
           if (vec && pair) {
-            red_add_f32x2_sys(p, v0, v1);
+            red_add_v2_f32_sys(p, v0, v1);
           } else {
             red_add_f32_sys(p, v0);
             if (pair) red_add_f32_sys(p + 1, v1);
