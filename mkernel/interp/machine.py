@@ -259,4 +259,3 @@ class Ctx:
 
     def sig(self, pad: str, rank: int, *index: int) -> SigRef:
         return SigRef(pad, rank, tuple(index))
-

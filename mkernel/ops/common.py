@@ -206,11 +206,13 @@ def run_interpreter(
     compute: Callable,
     comm: Callable,
     seed: int,
-    expected_outputs: dict[int, list[int]],
+    expected_outputs: dict[int, list[int]] | None = None,
     barrier_pad: str = "barrier",
 ) -> Machine:
     """Runs one call of an op: an agent per compute unit and per comm unit of every rank, each
-    starting with the template's entry barrier (intra_sm: the CTA's barrier, then its comm warp)."""
+    starting with the template's entry barrier (intra_sm: the CTA's barrier, then its comm warp).
+    ``expected_outputs``: the output tiles each rank must have written in full (default: every
+    tile of the plan on every rank)."""
     from ..interp import twins
 
     steps = max(10_000, int(world.timeout_s * 200_000))
@@ -255,6 +257,8 @@ def run_interpreter(
     except CommTimeout:
         world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
         raise
+    if expected_outputs is None:
+        expected_outputs = {r: list(range(len(plan.tiles))) for r in range(world.size)}
     m.check_outputs(expected_outputs)
     world.last_timeline = m.timeline
     return m
