@@ -172,7 +172,9 @@ def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.T
     buffers = {"a": a, "b": b, "acc": acc.local, "out": out}
     pads = {"flags": flags.local, "barrier": barrier.local}
     # Each owner writes its own tiles (W == 1: every tile, run_interpreter's default).
-    expected = {r: plan.comm_tasks[r].tolist() for r in range(world.size)} if world.size > 1 else None
+    expected = None
+    if world.size > 1:
+        expected = {r: plan.comm_tasks[r].tolist() for r in range(world.size)}
     common.run_interpreter(
         world,
         plan,
