@@ -8,7 +8,9 @@ copy and import the winner's. ``MKERNEL_NO_BUILD=1`` turns a miss into an error.
 The cache folder is private (0700). A module is only imported from folders that the current user
 owns and nobody else can write, because importing a module runs its code.
 
-``python -m mkernel.jit --check`` compile-checks every device source with bare nvcc (no GPU needed).
+``python -m mkernel.jit --check`` compile-checks, with nvcc and no GPU, every source the build
+compiles (the spec's .cu and .cpp files, with the build's own flags: pybind11 and Python includes)
+and every header alone.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ __all__ = [
 
 # Bump when the build recipe below changes in a way the key would not otherwise see.
 _RECIPE_VERSION = "1"
+_SOURCE_SUFFIXES = (".cu", ".cpp", ".cc")
+# Headers the compile check covers besides the spec's own (which the cache key hashes).
 _HEADER_GLOBS = (
     "primitives/**/*.cuh",
     "primitives/**/*.h",
@@ -229,8 +233,10 @@ def _glob(root: Path, patterns: Sequence[str]) -> list[str]:
     return sorted(found)
 
 
-def _source_files(spec: ExtensionSpec) -> list[str]:
-    return [p for p in _glob(_root(spec), spec.sources) if p.endswith((".cu", ".cpp", ".cc"))]
+def _source_files(spec: ExtensionSpec, root: Path | None = None) -> list[str]:
+    """The translation units the build compiles, relative to the root (default: the spec's)."""
+    root = root if root is not None else _root(spec)
+    return [p for p in _glob(root, spec.sources) if p.endswith(_SOURCE_SUFFIXES)]
 
 
 def _arch_number(arch: str) -> str:
@@ -426,11 +432,18 @@ def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleTyp
 # ----------------------------------------------------------------------------- compile check
 
 
-def _check_targets(root: Path, paths: Sequence[str] | None) -> list[tuple[str, Path]]:
-    """Return (label, file) pairs; a given relative path is looked up under root, then cwd."""
+def _check_targets(
+    spec: ExtensionSpec, root: Path, paths: Sequence[str] | None
+) -> list[tuple[str, Path]]:
+    """Return (label, file) pairs; a given relative path is looked up under root, then cwd.
+
+    By default: every source the build of ``spec`` compiles (.cu and .cpp), then every header (the
+    spec's and ``_HEADER_GLOBS``), each once. Sources come first: they take longest.
+    """
     if paths is None:
-        rels = _glob(root, ("kernels/*.cu",)) + _glob(root, _HEADER_GLOBS)
-        return [(rel, root / rel) for rel in rels]
+        sources = _source_files(spec, root)
+        headers = [h for h in _glob(root, (*spec.headers, *_HEADER_GLOBS)) if h not in sources]
+        return [(rel, root / rel) for rel in sources + headers]
     pairs = []
     for p in paths:
         path = Path(p)
@@ -440,13 +453,14 @@ def _check_targets(root: Path, paths: Sequence[str] | None) -> list[tuple[str, P
     return pairs
 
 
-def _check_one(nvcc: str, root: Path, path: Path, obj: Path) -> str | None:
-    """Compile one file (a header through a one-line .cu); return the error text or None."""
+def _check_one(nvcc: str, spec: ExtensionSpec, root: Path, path: Path, obj: Path) -> str | None:
+    """Compile one file as the build would (a header through a one-line .cu); return the error
+    text or None."""
     src = path
-    if path.suffix != ".cu":
+    if not path.name.endswith(_SOURCE_SUFFIXES):
         src = obj.with_suffix(".cu")
         src.write_text(f'#include "{path}"\n')
-    spec = ExtensionSpec(name="check", sources=(), root=str(root))
+    # NOTE: the build's own flags, so a .cpp finds pybind11's and Python's headers as it does there.
     cmd = [nvcc, *_compile_flags(spec, root), "-c", str(src), "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode == 0:
@@ -454,16 +468,18 @@ def _check_one(nvcc: str, root: Path, path: Path, obj: Path) -> str | None:
     return f"command: {shlex.join(cmd)}\n{(proc.stdout + proc.stderr)[-_TAIL_CHARS:]}"
 
 
-def _iter_check(paths: Sequence[str] | None, root: Path | None) -> Iterator[tuple[str, str | None]]:
-    root = root if root is not None else source_root()
+def _iter_check(
+    paths: Sequence[str] | None, root: Path | None, spec: ExtensionSpec = EXTENSION
+) -> Iterator[tuple[str, str | None]]:
+    root = root if root is not None else _root(spec)
     nvcc = _require_nvcc()
-    targets = _check_targets(root, paths)
+    targets = _check_targets(spec, root, paths)
     with tempfile.TemporaryDirectory(prefix="mkernel-check-") as tmp:
         work = Path(tmp)
         # NOTE: one nvcc per file, run side by side: each is single-threaded and mostly front-end.
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             futures = [
-                pool.submit(_check_one, nvcc, root, path, work / f"{i}.o")
+                pool.submit(_check_one, nvcc, spec, root, path, work / f"{i}.o")
                 for i, (_, path) in enumerate(targets)
             ]
             for (label, _), future in zip(targets, futures, strict=True):
@@ -471,15 +487,20 @@ def _iter_check(paths: Sequence[str] | None, root: Path | None) -> Iterator[tupl
 
 
 def compile_check(
-    paths: Sequence[str] | None = None, *, root: str | Path | None = None
+    paths: Sequence[str] | None = None,
+    *,
+    root: str | Path | None = None,
+    spec: ExtensionSpec = EXTENSION,
 ) -> list[str]:
-    """Compile every kernels/*.cu and every primitives/templates header alone, for sm_90a.
+    """Compile every source the build of ``spec`` compiles (.cu and .cpp) with the build's flags,
+    and every header alone (``spec.headers`` plus primitives/ and templates/), for ``spec.arch``.
 
-    ``paths`` (relative to the root or the current folder, or absolute) narrows the check.
-    Returns the paths that failed, as given (or relative to the root).
+    ``root`` (default: the spec's) is the source root; ``paths`` (relative to the root or the
+    current folder, or absolute) narrows the check. Returns the paths that failed, as given (or
+    relative to the root).
     """
     base = Path(root).absolute() if root is not None else None
-    return [rel for rel, err in _iter_check(paths, base) if err is not None]
+    return [rel for rel, err in _iter_check(paths, base, spec) if err is not None]
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

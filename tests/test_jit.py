@@ -208,6 +208,32 @@ def test_compile_check_reports_only_the_broken_header(tmp_path: Path) -> None:
     root = _tiny_root(tmp_path)
     (root / "templates").mkdir()
     (root / "templates" / "bad.cuh").write_text("#pragma once\nint f() { return undefined_x; }\n")
-    (root / "kernels" / "binding.cpp").unlink()
-    failures = jit.compile_check(root=root)
+    (root / "kernels" / "binding.cpp").unlink()  # its pybind11 compile is slow and not tested here
+    failures = jit.compile_check(root=root, spec=_spec(root))
     assert failures == ["templates/bad.cuh"]
+
+
+def test_compile_check_covers_every_built_source_and_header(tmp_path: Path) -> None:
+    root = _tiny_root(tmp_path)
+    labels = [label for label, _ in jit._check_targets(_spec(root), root, None)]
+    assert labels == ["kernels/binding.cpp", "kernels/tiny.cu", "primitives/tiny.cuh"]
+    # The package's own extension: every translation unit the build compiles (.cpp included) and
+    # every header it hashes, each checked once.
+    real = jit.source_root()
+    labels = [label for label, _ in jit._check_targets(jit.EXTENSION, real, None)]
+    assert len(labels) == len(set(labels))
+    sources = jit._source_files(jit.EXTENSION)
+    assert [s for s in sources if s.endswith(".cpp")], sources
+    assert set(sources) | set(jit._glob(real, jit.EXTENSION.headers)) <= set(labels)
+
+
+@needs_nvcc
+def test_compile_check_reports_a_broken_cpp_source(tmp_path: Path) -> None:
+    root = _tiny_root(tmp_path)
+    # A copy of the binding with a syntax error planted; the intact binding must pass, which needs
+    # the build's pybind11 and Python include flags.
+    (root / "kernels" / "broken.cpp").write_text(BINDING + "int broken( {\n")
+    results = dict(jit._iter_check(None, root, _spec(root)))  # what compile_check and --check run
+    assert [label for label, err in results.items() if err] == ["kernels/broken.cpp"]
+    err = results["kernels/broken.cpp"]
+    assert "broken.cpp" in err and "error" in err and "pybind11" in err  # names file and command
