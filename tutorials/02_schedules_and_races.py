@@ -117,17 +117,21 @@ except mkernel.CommTimeout as e:  # DeadlockError is a CommTimeout
     assert (e.rank, e.peer) == (1, 0)
 
 # %% [markdown]
-# ## 3. Schedules change the timeline, not the result
+# ## 3. Schedules change the order of work, not the result
 # `mkernel.ag_gemm` gathers the A shards and multiplies; by default each rank computes the tiles of
 # its own shard first (its rows are there at once), then the others in arrival order. A tile-order
-# hook can ask for the opposite; the result is the same, the timeline is not.
+# hook `fn(rank, tiles) -> order` replaces that order. The order lives in the plan:
+# `schedule.plan(op, world, a, b)` returns the very plan the call runs, and `plan.compute_order[r]`
+# lists rank r's tiles in the order it computes them. Its n compute units split that list (unit c
+# takes entries c, c + n, c + 2n, ...) and run side by side, so the order in which tiles *start*
+# across units mixes in the interleaving; read the order from the plan, or per unit in the timeline.
 
 # %%
 W = 4
 world = mkernel.World.emulated(W)
 g = torch.Generator().manual_seed(0)
-a = torch.randn(W, 128, 64, generator=g).bfloat16()
-b = torch.randn(W, 64, 128, generator=g).bfloat16()
+a = torch.randn(W, 128, 64, generator=g).bfloat16()  # per rank [M/W, K]: 8 tiles of 128x128
+b = torch.randn(W, 64, 256, generator=g).bfloat16()  # [K, N]
 ref = mkernel.reference.ag_gemm(a, b, world).float()
 
 
@@ -141,13 +145,33 @@ def shuffled(rank, tiles):
     return order
 
 
-starts = {}
+orders, timelines = {}, {}
 for name, hook in (("default", None), ("reversed", reversed_order), ("shuffled", shuffled)):
     sched = mkernel.Schedule(overlap="inter_sm", sms=4, tile="128x128x64", tile_order=hook, seed=3)
+    plan = sched.plan("ag_gemm", world, a, b)
+    if hook is not None:  # the plan's order is the hook's, on every rank
+        for r in range(W):
+            assert plan.compute_order[r].tolist() == list(hook(r, plan.tiles))
     out = mkernel.ag_gemm(a, b, world, sched)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2
-    spans = sorted(world.last_timeline.spans, key=lambda s: s.start)
-    starts[name] = [s.task for s in spans if s.rank == 0 and s.unit.startswith("compute")][:6]
-    print(f"{name:9s} order: relative error {err:.1e}; rank 0 starts tiles {starts[name]}")
-assert starts["default"] != starts["reversed"]
+    tl = timelines[name] = world.last_timeline
+    for u in range(plan.compute_units):  # each unit ran its share of the plan's order, in order
+        ran = sorted((s.start, s.task) for s in tl.spans if (s.rank, s.unit) == (0, f"compute{u}"))
+        assert [task for _, task in ran] == plan.tasks_of("compute", 0, u)
+    orders[name] = plan.compute_order[0].tolist()
+    print(f"{name:9s} relative error {err:.1e}; rank 0 computes tiles {orders[name]}")
+assert orders["default"][:2] == [0, 1]  # rank 0's own shard (rows 0..127) first
+assert orders["reversed"] == list(range(7, -1, -1)) != orders["default"]
+
+# %% [markdown]
+# The timeline of rank 0 under the default order and under the reversed hook (whole ranks only:
+# `ranks=` picks them, `max_rows=` cuts at a rank boundary). Each compute unit runs every
+# `compute_units`-th tile of the order; the comm unit sends rank 0's chunks to its peers.
+
+# %%
+for name in ("default", "reversed"):
+    text = timelines[name].ascii(64, ranks=[0], legend=name == "default")
+    print(f"\n{name}: rank 0\n{text}")
+    shown = [line.split()[1] for line in text.splitlines() if line.startswith("r0 ")]
+    assert sorted(shown) == sorted({s.unit for s in timelines[name].spans if s.rank == 0})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,15 +60,51 @@ class Timeline:
         path.write_text(json.dumps(self.to_chrome()))
         return path
 
-    def ascii(self, width: int = 72) -> str:
-        """One line per (rank, unit); each task drawn with the last digit of its id."""
+    def ascii(
+        self,
+        width: int = 72,
+        *,
+        ranks: Iterable[int] | None = None,
+        max_rows: int | None = None,
+        legend: bool = True,
+    ) -> str:
+        """Text view: one row per (rank, unit), time running left to right in ``width`` columns.
+
+        A cell shows the last digit of the id of the task the unit runs during that column's ticks
+        (compute: the tile index; comm: the comm task id), blank when idle; where two tasks share
+        a column, the one recorded last shows. The time axis is the whole timeline's, whichever
+        ranks are shown. ``ranks`` keeps those ranks only; ``max_rows`` keeps the first ranks whose
+        rows all fit in that many rows (always at least one whole rank: a rank is never cut) and
+        says how many ranks it left out. ``legend`` heads the rows with what the rows, columns and
+        digits mean.
+        """
         if not self.spans:
             return "(empty timeline)"
         t0 = min(s.start for s in self.spans)
         t1 = max(s.end for s in self.spans)
         scale = max(1.0, (t1 - t0) / width)
+        wanted = None if ranks is None else set(ranks)
+        rows = sorted({(s.rank, s.unit) for s in self.spans if wanted is None or s.rank in wanted})
+        left_out: list[int] = []
+        if max_rows is not None:
+            kept: list[int] = []  # whole ranks, in order, while their rows fit
+            for rank in sorted({r for r, _ in rows}):
+                if left_out or (kept and sum(r in kept or r == rank for r, _ in rows) > max_rows):
+                    left_out.append(rank)
+                else:
+                    kept.append(rank)
+            rows = [(r, u) for r, u in rows if r in kept]
         lines = []
-        for rank, unit in sorted({(s.rank, s.unit) for s in self.spans}):
+        if legend:
+            tick = self.unit_of_time if self.unit_of_time == "ns" else self.unit_of_time + "s"
+            lines += [
+                "legend: row 'r2  compute1' = rank 2's compute unit 1 (commN: its comm unit N)",
+                f"        column = {scale:.3g} {tick}, time left to right ({tick} {t0}..{t1})",
+                "        digit = last digit of the running task's id "
+                "(compute: tile index; comm: task id)",
+                "        blank = idle",
+            ]
+        for rank, unit in rows:
             row = [" "] * (width + 1)
             for s in self.spans:
                 if (s.rank, s.unit) == (rank, unit):
@@ -75,4 +112,9 @@ class Timeline:
                     for x in range(a, max(a + 1, b)):
                         row[min(x, width)] = str(s.task % 10)
             lines.append(f"r{rank} {unit:>9} |{''.join(row)}|")
+        if left_out:
+            lines.append(
+                f"({len(left_out)} more rank{'s' if len(left_out) > 1 else ''} not shown: "
+                f"max_rows={max_rows}; ranks= picks which)"
+            )
         return "\n".join(lines)
