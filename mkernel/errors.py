@@ -8,7 +8,8 @@ class CommTimeout(RuntimeError):
 
     Attributes name the waiter: ``rank`` (who waited), ``peer`` (whose signal it waited for, or -1
     when unknown), ``signal`` (the signal's name and index), ``task`` (the waiter's task id, -1
-    outside a task) and ``role`` ("compute", "comm", "barrier").
+    outside a task), ``role`` ("compute", "comm", "barrier") and ``unit`` (the role's unit, -1 when
+    unknown).
     """
 
     def __init__(
@@ -19,11 +20,14 @@ class CommTimeout(RuntimeError):
         task: int,
         role: str = "",
         detail: str = "",
+        *,
+        unit: int = -1,
     ) -> None:
         self.rank, self.peer, self.signal, self.task, self.role = rank, peer, signal, task, role
+        self.unit = unit
         msg = (
             f"rank {rank} timed out waiting for signal {signal} from peer {peer} "
-            f"(role {role or '?'}, task {task})"
+            f"(role {_unit_name(role, unit) or '?'}, task {task})"
         )
         super().__init__(msg + (f": {detail}" if detail else ""))
 
@@ -32,26 +36,50 @@ class DeadlockError(CommTimeout):
     """The interpreter found no runnable agent: every unfinished agent waits on a signal.
 
     On a GPU the same plan would run into the deadline, hence a subclass of CommTimeout. ``waiters``
-    lists every blocked (rank, role, task, peer, signal).
+    lists every blocked (rank, role, task, peer, signal), optionally followed by the role's unit.
     """
 
-    def __init__(self, waiters: list[tuple[int, str, int, int, str]]) -> None:
+    def __init__(self, waiters: list[tuple]) -> None:
         self.waiters = waiters
-        rank, role, task, peer, signal = waiters[0]
+        rank, role, task, peer, signal, *unit = waiters[0]
         listing = "; ".join(
-            f"rank {r} {ro} task {t} waits {s} from peer {p}" for r, ro, t, p, s in waiters
+            f"rank {w[0]} {_unit_name(w[1], w[5] if len(w) > 5 else -1)} task {w[2]} waits {w[4]} "
+            f"from peer {w[3]}"
+            for w in waiters
         )
-        super().__init__(rank, peer, signal, task, role, f"deadlock, no agent can run: {listing}")
+        super().__init__(
+            rank,
+            peer,
+            signal,
+            task,
+            role,
+            f"deadlock, no agent can run: {listing}",
+            unit=unit[0] if unit else -1,
+        )
 
 
 class PlanError(RuntimeError):
-    """The interpreter caught a plan or program bug; names rank, task and the data or signal."""
+    """The interpreter caught a plan or program bug; names rank, role, unit, task and the data or
+    signal, e.g. ``race: rank 2 comm0 task 1, read of ...``. ``other`` is the (rank, role, unit,
+    task) of the other party (the earlier access of a race), or None."""
 
-    def __init__(self, kind: str, rank: int, task: int, what: str, detail: str = "") -> None:
+    def __init__(
+        self,
+        kind: str,
+        rank: int,
+        task: int,
+        what: str,
+        detail: str = "",
+        *,
+        role: str = "",
+        unit: int = -1,
+        other: tuple[int, str, int, int] | None = None,
+    ) -> None:
         self.kind, self.rank, self.task, self.what = kind, rank, task, what
-        super().__init__(
-            f"{kind}: rank {rank}, task {task}, {what}" + (f": {detail}" if detail else "")
-        )
+        self.role, self.unit, self.other = role, unit, other
+        who = f"rank {rank}" + (f" {_unit_name(role, unit)}" if role else "")
+        who += f" task {task}" if task >= 0 else ""  # -1: outside any task
+        super().__init__(f"{kind}: {who}, {what}" + (f": {detail}" if detail else ""))
 
 
 class RaceError(PlanError):
@@ -60,3 +88,8 @@ class RaceError(PlanError):
 
 class TileWriteError(PlanError):
     """An output tile was written twice, or never."""
+
+
+def _unit_name(role: str, unit: int) -> str:
+    """``comm0`` for role "comm" unit 0; the bare role when the unit is unknown (-1)."""
+    return f"{role}{unit}" if role and unit >= 0 else role
