@@ -5,12 +5,28 @@ its tasks in plan order. Agents yield at every primitive (see ``twins.py``); the
 next agent to resume with a seeded random policy, so tests explore interleavings.
 
 Ordering is tracked with vector clocks, as the PTX memory model's release/acquire pairs would order
-it: a release stores the agent's clock in the signal, an acquire that reads it joins that clock.
-Every data access is logged per (buffer, rank) with its rectangle; an access that overlaps an
-earlier conflicting access by another agent not ordered before it is a race (RaceError). Concurrent
-reduce-adds do not conflict with each other. A blocked agent past its deadline raises CommTimeout;
-no runnable agent at all raises DeadlockError (a CommTimeout, since on a GPU it would run into the
-deadline).
+it: a release stores the agent's clock in the signal, an acquire that reads it joins that clock; a
+relaxed store or add publishes no clock (a relaxed add keeps the releases already in the signal, as
+a release sequence does). Every data access is logged per (buffer, rank) with its rectangle and
+proxy; an access that overlaps a conflicting access by another agent that is not ordered before it
+is a race (RaceError), whichever of the two came first. Concurrent reduce-adds do not conflict with
+each other. What the GPU adds to that:
+
+- bulk (TMA) copies land late: ``tile_send_bulk`` / ``reduce_add_bulk`` only queue a write; it is
+  written and logged at the agent's ``bulk_wait_all`` (or its end), with the agent's clock then, so
+  a release between issue and wait does not order it;
+- proxies: TMA loads read through the async proxy, which sees a generic-proxy write only if the
+  reader ran ``fence_proxy_async`` after acquiring it: such a read is checked with the agent's clock
+  as of its last proxy fence (``proxy_clock``);
+- calls in stream order: agents of call c+1 on a rank start when every agent of call c on that rank
+  is done, from the clock of that call's *kernel end* (a virtual agent per (call, rank) whose clock
+  joins those agents' final clocks). The kernel end reads every output declared with
+  ``expect_outputs`` (the run then checks each tile was written exactly once in that call); the
+  access log outlives the call, so a write that the kernel end does not see, or a next call's
+  write racing this call's read, is a race too.
+
+A blocked agent past its deadline raises CommTimeout; no runnable agent at all raises DeadlockError
+(a CommTimeout, since on a GPU it would run into the deadline).
 """
 
 from __future__ import annotations
@@ -57,6 +73,10 @@ class SigRef:
         return f"{self.pad}[{self.rank}]{list(self.index)}"
 
 
+KERNEL_END = "kernel end"  # the role of the virtual agent that ends a call on a rank
+KINDS = {"r": "read", "w": "write", "add": "reduce-add"}
+
+
 @dataclass
 class _Access:
     rect: Rect
@@ -64,10 +84,26 @@ class _Access:
     time: int
     kind: str  # "r", "w", "add"
     task: int
+    proxy: str = "generic"  # "generic" (ld / st / red) or "async" (TMA)
+
+
+@dataclass
+class _Bulk:
+    """A bulk copy issued, not landed; its source is captured at issue (smem may be reused)."""
+
+    buf: str
+    rank: int
+    rect: Rect
+    value: torch.Tensor
+    kind: str  # "w" or "add"
 
 
 def _overlap(a: Rect, b: Rect) -> bool:
     return a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+
+
+def _join(a: list[int], b: list[int]) -> list[int]:
+    return [max(x, y) for x, y in zip(a, b, strict=True)]
 
 
 @dataclass
@@ -76,17 +112,28 @@ class Agent:
     rank: int
     role: str
     unit: int
+    call: int = 0
     gen: Iterator[Any] | None = None
     clock: list[int] = field(default_factory=list)
+    # the clock as of the last fence_proxy_async (or the kernel start): what TMA reads may see
+    proxy_clock: list[int] = field(default_factory=list)
     task: int = -1
     blocked: Wait | None = None
     blocked_since: int = 0
     wake_at: int = 0
+    started: bool = False  # the previous call on this rank is over (stream order)
     done: bool = False
+    pending: list[_Bulk] = field(default_factory=list)  # bulk copies issued, not landed
 
     @property
     def name(self) -> str:
-        return f"{self.role}{self.unit}"
+        return f"{self.role}{self.unit}" if self.unit >= 0 else self.role
+
+    def describe(self, task: int) -> str:
+        if self.role == KERNEL_END:
+            return f"the kernel end of rank {self.rank} call {self.call}"
+        later = f" call {self.call}" if self.call else ""
+        return f"rank {self.rank} {self.name} task {task}{later}"
 
 
 Program = Callable[["Ctx", int], Generator[Any, Any, None]]
@@ -109,19 +156,40 @@ class Machine:
         self.rng = random.Random(seed)
         self.deadline_steps = deadline_steps
         self.agents: list[Agent] = []
+        self.ends: dict[tuple[int, int], Agent] = {}  # (call, rank) -> kernel end, made by run()
         self.sig_clock: dict[SigRef, list[int]] = {}
         self.log: dict[tuple[str, int], list[_Access]] = {}
-        self.outputs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, tile) -> writers
+        # (call, rank, tile) -> writers (rank, task)
+        self.outputs: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        # (call, rank) -> (buffer, tile, rect) the kernel end reads
+        self.expected: dict[tuple[int, int], list[tuple[str, int, Rect]]] = {}
         self.step = 0
         self.timeline = Timeline()
 
     # -- agents ---------------------------------------------------------------------------------
     def add_agent(
-        self, rank: int, role: str, unit: int, tasks: list[int], program: Program
+        self,
+        rank: int,
+        role: str,
+        unit: int,
+        tasks: list[int],
+        program: Program,
+        call: int = 0,
     ) -> None:
-        agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit)
+        """An agent running ``program`` over ``tasks`` (after ``program.prologue``, if any), in call
+        ``call``: calls run in stream order on each rank."""
+        agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit, call=call)
         self.agents.append(agent)
         agent.gen = self._drive(agent, tasks, program)
+
+    def expect_outputs(
+        self, call: int, rank: int, buf: str, rects_by_tile: dict[int, Rect]
+    ) -> None:
+        """At the end of ``call`` on ``rank``, the kernel end reads each rect of ``buf`` on ``rank``
+        (the host will read the output), and each tile must have been written exactly once in that
+        call (``output_store``)."""
+        spec = self.expected.setdefault((call, rank), [])
+        spec += [(buf, tile, rect) for tile, rect in rects_by_tile.items()]
 
     def _drive(self, agent: Agent, tasks: list[int], program: Program) -> Iterator[Any]:
         ctx = Ctx(self, agent)
@@ -136,17 +204,29 @@ class Machine:
         agent.task = -1
 
     def run(self) -> Timeline:
-        for a in self.agents:
+        calls = sorted({a.call for a in self.agents} | {c for c, _ in self.expected})
+        n = len(self.agents)
+        for c in calls:
+            for r in range(self.W):
+                self.ends[(c, r)] = Agent(id=n, rank=r, role=KERNEL_END, unit=-1, call=c)
+                n += 1
+        self._all = self.agents + list(self.ends.values())  # by id, for naming
+        self._calls = calls
+        self._next_call = [0] * self.W  # per rank: index in calls of the call now running
+        for a in self._all:
             # NOTE: an agent's own component starts at 1, so an access made before any release is
             # not ordered before another agent whose clock still holds 0 for it.
-            a.clock = [0] * len(self.agents)
+            a.clock = [0] * n
             a.clock[a.id] = 1
+            a.proxy_clock = [0] * n
+        for r in range(self.W):
+            self._start_call(r, [0] * n)
         live = [a for a in self.agents]
         while live:
             self.step += 1
             runnable = [a for a in live if self._ready(a)]
             if not runnable:
-                sleepers = [a for a in live if a.blocked is None]
+                sleepers = [a for a in live if a.started and a.blocked is None]
                 if sleepers:  # only sleepers: jump the clock to the first wake-up
                     self.step = min(a.wake_at for a in sleepers)
                     continue
@@ -155,10 +235,60 @@ class Machine:
             self._resume(agent)
             if agent.done:
                 live.remove(agent)
+                self._start_call(agent.rank, None)
             self._check_deadlines(live)
+        self._check_expected()
         return self.timeline
 
+    def _start_call(self, rank: int, base: list[int] | None) -> None:
+        """Starts the agents of the next call on ``rank`` from clock ``base`` (None: from the kernel
+        end of the running call, once all its agents are done); a call without agents ends at
+        once."""
+        while self._next_call[rank] < len(self._calls):
+            c = self._calls[self._next_call[rank]]
+            members = [a for a in self.agents if a.rank == rank and a.call == c]
+            if base is None:
+                if not all(a.done for a in members):
+                    return
+                base = self._kernel_end(self.ends[(c, rank)], members)
+                self._next_call[rank] += 1
+                continue
+            for a in members:
+                # NOTE: a kernel boundary orders everything before it for every proxy.
+                a.clock, a.proxy_clock, a.started = _join(a.clock, base), list(base), True
+            if members:
+                return
+            base = None
+
+    def _kernel_end(self, end: Agent, members: list[Agent]) -> list[int]:
+        """All agents of (call, rank) are done: the host may read the outputs now."""
+        prev = self._next_call[end.rank] - 1
+        if prev >= 0:
+            end.clock = _join(end.clock, self.ends[(self._calls[prev], end.rank)].clock)
+        for a in members:
+            end.clock = _join(end.clock, a.clock)
+        for buf, _, rect in self.expected.get((end.call, end.rank), []):
+            self.access(end, buf, end.rank, rect, "r")
+        end.done = True
+        return end.clock
+
+    def _check_expected(self) -> None:
+        # NOTE: after the run, not at the kernel end: a write that lands after the kernel end is
+        # reported as the race it is, not as a tile never written.
+        for (call, rank), spec in self.expected.items():
+            for _, tile, _ in spec:
+                if (call, rank, tile) not in self.outputs:
+                    raise TileWriteError(
+                        "tile never written",
+                        rank,
+                        -1,
+                        f"output tile {tile} of rank {rank} in call {call}",
+                        role=KERNEL_END,
+                    )
+
     def _ready(self, a: Agent) -> bool:
+        if not a.started:
+            return False
         if a.blocked is not None:
             w = a.blocked
             return int(self.pads[w.sig.pad][w.sig.rank][w.sig.index]) == w.value
@@ -174,6 +304,7 @@ class Machine:
         try:
             item = next(a.gen)
         except StopIteration:
+            self.land_bulk(a)  # NOTE: the kernel exit waits for the CTA's bulk copies
             a.done = True
             return
         if isinstance(item, Wait):
@@ -186,75 +317,130 @@ class Machine:
             if a.blocked is not None and self.step - a.blocked_since > self.deadline_steps:
                 if not self._ready(a):
                     w = a.blocked
-                    raise CommTimeout(a.rank, w.peer, str(w.sig), a.task, a.role)
+                    raise CommTimeout(a.rank, w.peer, str(w.sig), a.task, a.role, unit=a.unit)
 
     def _raise_blocked(self, live: list[Agent]) -> None:
-        waiters = [(a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig)) for a in live]
+        waiters = [
+            (a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig), a.unit)
+            for a in live
+            if a.blocked is not None  # the others wait for their previous call to end
+        ]
         raise DeadlockError(sorted(waiters))
 
     # -- ordering -------------------------------------------------------------------------------
     def _acquire(self, a: Agent, sig: SigRef) -> None:
         c = self.sig_clock.get(sig)
         if c is not None:
-            a.clock = [max(x, y) for x, y in zip(a.clock, c, strict=True)]
+            a.clock = _join(a.clock, c)
 
     def release(self, a: Agent, sig: SigRef, accumulate: bool) -> None:
         prev = self.sig_clock.get(sig) if accumulate else None
-        snap = (
-            list(a.clock)
-            if prev is None
-            else [max(x, y) for x, y in zip(a.clock, prev, strict=True)]
-        )
-        self.sig_clock[sig] = snap
+        self.sig_clock[sig] = list(a.clock) if prev is None else _join(a.clock, prev)
         a.clock[a.id] += 1
 
-    def access(self, a: Agent, buf: str, rank: int, rect: Rect, kind: str) -> None:
+    def signal(self, a: Agent, sig: SigRef, op: str, value: int, release: bool) -> int:
+        """Sets (``op`` "set") or adds to (``op`` "add") a signal, with release or relaxed order;
+        returns the old value."""
+        slot = self.pads[sig.pad][sig.rank]
+        old = int(slot[sig.index])
+        if release:
+            self.release(a, sig, accumulate=op == "add")
+        elif op == "set":  # NOTE: a relaxed store ends the release sequence: nothing to acquire
+            self.sig_clock.pop(sig, None)
+        # NOTE: a relaxed add continues the release sequence: an acquirer still gets the earlier
+        # releasers' clocks, never this agent's.
+        slot[sig.index] = value if op == "set" else old + value
+        return old
+
+    def fence_proxy(self, a: Agent) -> None:
+        """fence.proxy.async: what this agent's clock orders becomes visible to its async proxy."""
+        a.proxy_clock = list(a.clock)
+        # NOTE: the agent's own later generic writes are not covered: they need another fence.
+        a.clock[a.id] += 1
+
+    def access(
+        self, a: Agent, buf: str, rank: int, rect: Rect, kind: str, proxy: str = "generic"
+    ) -> None:
         entries = self.log.setdefault((buf, rank), [])
         for e in entries:
-            if e.agent == a.id or (kind == "add" and e.kind == "add"):
+            if (kind == "add" and e.kind == "add") or (kind == "r" and e.kind == "r"):
                 continue
-            if kind == "r" and e.kind == "r":
+            # An async read sees a generic write only through a proxy fence after its ordering,
+            # even the agent's own write.
+            cross = kind == "r" and proxy == "async" and e.proxy == "generic"
+            if (e.agent == a.id and not cross) or not _overlap(e.rect, rect):
                 continue
-            if a.clock[e.agent] < e.time and _overlap(e.rect, rect):
-                other = self.agents[e.agent]
-                raise RaceError(
-                    "race",
-                    a.rank,
-                    a.task,
-                    f"{kind} of {buf}[{rank}] rows {rect[0]}:{rect[0] + rect[1]} cols "
-                    f"{rect[2]}:{rect[2] + rect[3]}",
-                    f"not ordered after the {e.kind} by rank {other.rank} {other.name} task "
-                    f"{e.task} (no completed wait covers it)",
-                )
-        entries.append(_Access(rect, a.id, a.clock[a.id], kind, a.task))
+            clock = a.proxy_clock if cross else a.clock
+            if clock[e.agent] >= e.time:
+                continue
+            other = self._all[e.agent]
+            why = (
+                "through the async proxy: no fence_proxy_async after the wait that orders it"
+                if a.clock[e.agent] >= e.time or e.agent == a.id
+                else "no completed wait covers it"
+            )
+            raise RaceError(
+                "race",
+                a.rank,
+                a.task,
+                f"{KINDS[kind]} of {buf}[{rank}] rows {rect[0]}:{rect[0] + rect[1]} cols "
+                f"{rect[2]}:{rect[2] + rect[3]} in call {a.call}",
+                f"not ordered after the {KINDS[e.kind]} by {other.describe(e.task)} ({why})",
+                role=a.role,
+                unit=a.unit,
+                other=(other.rank, other.role, other.unit, e.task),
+            )
+        entries.append(_Access(rect, a.id, a.clock[a.id], kind, a.task, proxy))
 
+    # -- bulk copies ----------------------------------------------------------------------------
+    def issue_bulk(
+        self, a: Agent, buf: str, rank: int, rect: Rect, value: torch.Tensor, kind: str
+    ) -> None:
+        a.pending.append(_Bulk(buf, rank, rect, value.clone(), kind))
+
+    def land_bulk(self, a: Agent) -> None:
+        """bulk_wait_all: the agent's bulk copies land now, ordered by its clock now."""
+        for b in a.pending:
+            self.access(a, b.buf, b.rank, b.rect, b.kind, proxy="async")
+            r0, nr, c0, nc = b.rect
+            dst = self.buffers[b.buf][b.rank, r0 : r0 + nr, c0 : c0 + nc]
+            if b.kind == "add":
+                dst.add_(b.value.to(dst.dtype))
+            else:
+                dst.copy_(b.value.to(dst.dtype))
+        a.pending.clear()
+
+    # -- outputs --------------------------------------------------------------------------------
     def record_output(self, a: Agent, rank: int, tile: int) -> None:
-        writers = self.outputs.setdefault((rank, tile), [])
+        writers = self.outputs.setdefault((a.call, rank, tile), [])
         writers.append((a.rank, a.task))
         if len(writers) > 1:
             raise TileWriteError(
                 "tile written twice",
                 a.rank,
                 a.task,
-                f"output tile {tile} of rank {rank}",
+                f"output tile {tile} of rank {rank} in call {a.call}",
                 f"writers (rank, task): {writers}",
+                role=a.role,
+                unit=a.unit,
             )
 
-    def check_outputs(self, expected: dict[int, list[int]]) -> None:
-        """Every expected output tile (rank -> tile ids) written exactly once."""
+    def check_outputs(self, expected: dict[int, list[int]], call: int = 0) -> None:
+        """Every expected output tile (rank -> tile ids) written exactly once in ``call``."""
         for rank, tiles in expected.items():
             for t in tiles:
-                if (rank, t) not in self.outputs:
+                if (call, rank, t) not in self.outputs:
                     raise TileWriteError("tile never written", rank, -1, f"output tile {t}")
 
 
 class Ctx:
-    """What a program twin sees: its rank, the machine, and the primitive twins (see twins.py)."""
+    """What a program twin sees: its rank, call, the machine, and the primitive twins (twins.py)."""
 
     def __init__(self, machine: Machine, agent: Agent) -> None:
         self.m = machine
         self.agent = agent
         self.rank = agent.rank
+        self.call = agent.call
         self.W = machine.W
 
     def sig(self, pad: str, rank: int, *index: int) -> SigRef:

@@ -7,9 +7,14 @@ versions live in ``primitives/signal.cuh`` and ``primitives/comm.cuh``.
 Protocol (same as the device):
 - a producer writes data (``tile_send``, ``peer_store``, ``reduce_add``), then raises a signal with
   ``signal_set_release`` / ``signal_add_release``: the release orders every earlier write of that
-  agent before the signal;
+  agent before the signal. ``signal_set_relaxed`` / ``signal_add_relaxed`` / ``fetch_add_relaxed``
+  change the value but order nothing;
+- bulk (TMA) copies ``tile_send_bulk`` / ``reduce_add_bulk`` are only issued: the producer owns
+  their completion and must ``bulk_wait_all`` before the release (a kernel exit also drains them);
 - a consumer ``wait_acquire``s the signal before reading; ``wait_acquire_reset`` also sets it back
   to 0, which is how signal pads reset themselves for the next call;
+- a TMA load (``tile_load_async``) of data written by plain stores reads through the async proxy:
+  the consumer runs ``fence_proxy_async`` between the wait and the load;
 - every wait is bounded by the deadline and names its peer.
 """
 
@@ -38,8 +43,24 @@ def tile_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     return value
 
 
+def tile_load_async(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
+    """TMA load of a tile of ``buf`` on ``rank``: reads through the async proxy, so plain (generic)
+    writes are seen only if this agent ran ``fence_proxy_async`` after the wait that orders them."""
+    ctx.m.access(ctx.agent, buf, rank, rect, "r", proxy="async")
+    value = _view(ctx, buf, rank, rect).clone()
+    yield STEP
+    return value
+
+
+def fence_proxy_async(ctx: Ctx) -> Gen:
+    """fence.proxy.async: generic-proxy writes this agent is ordered after become visible to its
+    async-proxy (TMA) reads."""
+    ctx.m.fence_proxy(ctx.agent)
+    yield STEP
+
+
 def tile_send(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
-    """Copy a tile into ``buf`` on ``peer`` (device: TMA bulk copy, completed before any signal)."""
+    """Copy a tile into ``buf`` on ``peer``, complete when it returns (device: plain stores)."""
     ctx.m.access(ctx.agent, buf, peer, rect, "w")
     dst = _view(ctx, buf, peer, rect)
     dst.copy_(value.to(dst.dtype))
@@ -53,8 +74,8 @@ def peer_store(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -
 
 
 def reduce_add(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
-    """Add a tile into ``buf`` on ``peer`` at the destination (device: TMA reduce-store add or
-    red.global.add); concurrent reduce-adds into the same tile commute."""
+    """Add a tile into ``buf`` on ``peer`` at the destination (device: red.global.add);
+    concurrent reduce-adds into the same tile commute."""
     ctx.m.access(ctx.agent, buf, peer, rect, "add")
     dst = _view(ctx, buf, peer, rect)
     dst.add_(value.to(dst.dtype))
@@ -67,19 +88,61 @@ def output_store(ctx: Ctx, buf: str, rank: int, rect: Rect, value: torch.Tensor,
     yield from tile_send(ctx, buf, rank, rect, value)
 
 
+def tile_send_bulk(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
+    """Issue a TMA bulk copy of a tile into ``buf`` on ``peer``: nothing lands until this agent's
+    ``bulk_wait_all`` (or its end), ordered by what the agent's clock orders then."""
+    ctx.m.issue_bulk(ctx.agent, buf, peer, rect, value, "w")
+    yield STEP
+
+
+def reduce_add_bulk(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
+    """Issue a TMA reduce-add (cp.reduce.async.bulk .add) of a tile into ``buf`` on ``peer``;
+    lands like ``tile_send_bulk``."""
+    ctx.m.issue_bulk(ctx.agent, buf, peer, rect, value, "add")
+    yield STEP
+
+
+def bulk_wait_all(ctx: Ctx) -> Gen:
+    """cp.async.bulk.wait_group 0: every bulk copy this agent issued has landed."""
+    ctx.m.land_bulk(ctx.agent)
+    yield STEP
+
+
+def bulk_wait_read(ctx: Ctx) -> Gen:
+    """cp.async.bulk.wait_group.read 0: the sources may be reused; nothing has landed yet."""
+    yield STEP
+
+
 def signal_set_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.release.sys: every earlier write of this agent is visible to whoever acquires the
     value."""
-    ctx.m.release(ctx.agent, sig, accumulate=False)
-    ctx.m.pads[sig.pad][sig.rank][sig.index] = value
+    ctx.m.signal(ctx.agent, sig, "set", value, release=True)
     yield STEP
 
 
 def signal_add_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """red.release.sys.add: like signal_set_release, for counters raised by several producers."""
-    ctx.m.release(ctx.agent, sig, accumulate=True)
-    ctx.m.pads[sig.pad][sig.rank][sig.index] += value
+    ctx.m.signal(ctx.agent, sig, "add", value, release=True)
     yield STEP
+
+
+def signal_set_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
+    """st.relaxed.sys: sets the value, orders nothing (an acquirer of it gains no ordering)."""
+    ctx.m.signal(ctx.agent, sig, "set", value, release=False)
+    yield STEP
+
+
+def signal_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
+    """red.relaxed.sys.add: adds, orders none of this agent's writes."""
+    ctx.m.signal(ctx.agent, sig, "add", value, release=False)
+    yield STEP
+
+
+def fetch_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
+    """atomicAdd (relaxed): adds in one step and returns the old value (e.g. a work ticket)."""
+    old = ctx.m.signal(ctx.agent, sig, "add", value, release=False)
+    yield STEP
+    return old
 
 
 def wait_acquire(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
@@ -99,9 +162,11 @@ def entry_barrier(ctx: Ctx, pad: str, slot: int) -> Gen:
     peer's previous call may still read it."""
     for i in range(1, ctx.W):
         peer = (ctx.rank + i) % ctx.W
-        # NOTE: the device arrives with a CAS 0 -> 1 (it waits for a previous call's flag to be
-        # consumed); the interpreter runs one call, so the flag is always 0 here.
-        yield from signal_set_release(ctx, SigRef(pad, peer, (slot, ctx.rank)), 1)
+        flag = SigRef(pad, peer, (slot, ctx.rank))
+        # NOTE: the device arrives with a CAS 0 -> 1: my previous call's arrival may not be
+        # consumed yet by the peer's previous call. Only I set this flag, so wait-then-set is a CAS.
+        yield Wait(flag, 0, reset=False, peer=peer)
+        yield from signal_set_release(ctx, flag, 1)
     for i in range(1, ctx.W):
         peer = (ctx.rank + i) % ctx.W
         yield from wait_acquire_reset(ctx, SigRef(pad, ctx.rank, (slot, peer)), 1, peer)
@@ -119,12 +184,12 @@ def delay(ctx: Ctx, steps: int) -> Gen:
 
 
 # The device primitives' own names (primitives/comm.cuh), each the twin above of the same meaning:
-# the interpreter does not model the transfer mechanism, only who writes what, when, and how.
-tile_send_bulk = tile_send
+# the interpreter models who writes what, when, through which proxy, not the transfer mechanism.
 peer_store_v4 = peer_store
 copy_v4_team = peer_store
-reduce_add_bulk_f32 = reduce_add
-reduce_add_bulk_bf16 = reduce_add
+fence_proxy_async_global = fence_proxy_async
+reduce_add_bulk_f32 = reduce_add_bulk
+reduce_add_bulk_bf16 = reduce_add_bulk
 red_add_v2_f32_sys = reduce_add
 red_add_f32_sys = reduce_add
 red_add_v4_f32 = reduce_add
