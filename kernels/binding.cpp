@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
-#include "kernels/fused_launch.h"
+#include "primitives/protocol_gen.h"  // MK_FUSED_OPS: the ops declared in mkernel/ops
 #include "kernels/p2p_launch.h"
 
 namespace py = pybind11;
@@ -11,46 +11,26 @@ namespace py = pybind11;
 void register_gemm(py::module_& m);  // kernels/gemm_binding.cpp: the plain GEMM engine op
 
 namespace mk {
-int launch_gemm_rs(const FusedLaunch&, cudaStream_t);
-int launch_ag_gemm(const FusedLaunch&, cudaStream_t);
-int launch_gemm_ar(const FusedLaunch&, cudaStream_t);
+#define MK_DECLARE_LAUNCH(op) int launch_##op(const long long* record, cudaStream_t);
+MK_FUSED_OPS(MK_DECLARE_LAUNCH)
 int launch_p2p(const P2PLaunch&, cudaStream_t);
 }  // namespace mk
 
-#define FIELD(name) .def_readwrite(#name, &mk::FusedLaunch::name)
+// Every fused op: launch_<op>(record, stream), the record an int64 array's address
+// (mkernel/protocol.py RECORD_FIELDS), the stream a cudaStream_t handle.
+#define MK_BIND_LAUNCH(op)                                                               \
+  m.def(                                                                                 \
+      "launch_" #op,                                                                     \
+      [](uintptr_t record, uintptr_t stream) {                                           \
+        return mk::launch_##op(reinterpret_cast<const long long*>(record),               \
+                               reinterpret_cast<cudaStream_t>(stream));                  \
+      },                                                                                 \
+      py::arg("record"), py::arg("stream"));
 
 PYBIND11_MODULE(_mkernel_ext, m) {
   m.doc() = "mkernel device kernels (launchers over raw pointers)";
   register_gemm(m);
-  py::class_<mk::FusedLaunch>(m, "FusedLaunch")
-      .def(py::init<>()) FIELD(tiles) FIELD(compute_order) FIELD(comm_tasks) FIELD(tc) FIELD(tm)
-          FIELD(compute_units) FIELD(comm_units) FIELD(ctas_per_rank) FIELD(overlap)
-              FIELD(tile_config) FIELD(world_size) FIELD(rank0) FIELD(ranks_here) FIELD(timeout_ns)
-                  FIELD(status) FIELD(barrier_ptrs) FIELD(silent_rank) FIELD(delay_rank)
-                      FIELD(delay_ns) FIELD(a) FIELD(b) FIELD(out) FIELD(a_rank_stride)
-                          FIELD(b_rank_stride) FIELD(out_rank_stride) FIELD(M) FIELD(N) FIELD(K)
-                              FIELD(work_ptrs) FIELD(flag_ptrs) FIELD(flag2_ptrs)
-                                  FIELD(rows_per_rank) FIELD(tiles_per_rank) FIELD(chunk_rows)
-                                      FIELD(backoff_ns) FIELD(timeline) FIELD(timeline_cap)
-                                          FIELD(transfer) FIELD(work_local) FIELD(aux_ptr);
-  m.def(
-      "launch_gemm_rs",
-      [](const mk::FusedLaunch& L, uintptr_t stream) {
-        return mk::launch_gemm_rs(L, reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("launch"), py::arg("stream"));
-  m.def(
-      "launch_ag_gemm",
-      [](const mk::FusedLaunch& L, uintptr_t stream) {
-        return mk::launch_ag_gemm(L, reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("launch"), py::arg("stream"));
-  m.def(
-      "launch_gemm_ar",
-      [](const mk::FusedLaunch& L, uintptr_t stream) {
-        return mk::launch_gemm_ar(L, reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("launch"), py::arg("stream"));
+  MK_FUSED_OPS(MK_BIND_LAUNCH)
   py::class_<mk::P2PLaunch>(m, "P2PLaunch")
       .def(py::init<>())
       .def_readwrite("src", &mk::P2PLaunch::src)

@@ -1,11 +1,11 @@
-// Host side shared by the fused GEMM-family launchers: FusedLaunch -> FusedCommon + engine params,
-// and the launch of persistent_kernel<Op>. Included by each kernels/<op>.cu.
+// Host side shared by the fused launchers: the launch record (an int64 array filled by name in
+// mkernel/ops/common.py, field ids generated into primitives/protocol_gen.h) -> FusedArgs<Op>, and
+// the launch of persistent_kernel<Op> for the tile config the plan chose. Included by each
+// kernels/<op>.cu, whose launcher is one line: `return launch_fused<MyOp>(rec, stream);`.
 #pragma once
 #include <cuda_runtime.h>
 
-#include "kernels/fused_launch.h"
-#include "primitives/comm.cuh"
-#include "primitives/gemm/engine.cuh"
+#include "kernels/layouts_gen.h"
 #include "primitives/host/tensor_map.h"
 #include "templates/persistent.cuh"
 
@@ -14,100 +14,86 @@ namespace mk {
 // Error codes returned to Python (mkernel/ops/common.py turns them into exceptions).
 enum LaunchError : int { kOk = 0, kBadConfig = 1, kTooManyRanks = 2, kCudaError = 3 };
 
-inline FusedCommon make_common(const FusedLaunch& L) {
+template <class T>
+inline const T* rec_ptr(const long long* rec, int field) {
+  return reinterpret_cast<const T*>(rec[field]);
+}
+
+inline RoleTables role_tables(const long long* rec, int first_field) {
+  return RoleTables{rec_ptr<int>(rec, first_field),     rec_ptr<int>(rec, first_field + 1),
+                    rec_ptr<int>(rec, first_field + 2), rec_ptr<int>(rec, first_field + 3),
+                    rec_ptr<int>(rec, first_field + 4), rec_ptr<int>(rec, first_field + 5)};
+}
+
+inline FusedCommon make_common(const long long* rec) {
   FusedCommon c{};
-  c.plan = PlanView{reinterpret_cast<const int*>(L.tiles),
-                    reinterpret_cast<const int*>(L.compute_order),
-                    reinterpret_cast<const int*>(L.comm_tasks),
-                    L.tc,
-                    L.tm,
-                    L.compute_units,
-                    L.comm_units,
-                    L.ctas_per_rank,
-                    L.overlap};
-  c.world = WorldView{L.world_size, L.rank0, L.ranks_here};
-  c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(L.status), L.timeout_ns, L.backoff_ns};
-  c.faults = FaultView{L.silent_rank, L.delay_rank, L.delay_ns};
-  c.barrier = SymPtr<int>{reinterpret_cast<const unsigned long long*>(L.barrier_ptrs)};
-  c.timeline = reinterpret_cast<long long*>(L.timeline);
-  c.timeline_cap = L.timeline_cap;
+  c.role[kRoleCompute] = role_tables(rec, kRecComputeTaskPtr);
+  c.role[kRoleComm] = role_tables(rec, kRecCommTaskPtr);
+  c.tiles = rec_ptr<int>(rec, kRecTiles);
+  c.compute_units = (int)rec[kRecComputeUnits];
+  c.comm_units = (int)rec[kRecCommUnits];
+  c.ctas_per_rank = (int)rec[kRecCtasPerRank];
+  c.overlap = (int)rec[kRecOverlap];
+  c.compute_signals = rec[kRecComputeSignals] != 0;
+  c.world_size = (int)rec[kRecWorldSize];
+  c.rank0 = (int)rec[kRecRank0];
+  c.ranks_here = (int)rec[kRecRanksHere];
+  c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(rec[kRecStatus]), rec[kRecTimeoutNs],
+                      (int)rec[kRecBackoffNs]};
+  c.silent_rank = (int)rec[kRecSilentRank];
+  c.delay_rank = (int)rec[kRecDelayRank];
+  c.delay_ns = rec[kRecDelayNs];
+  for (int p = 0; p < kMaxPads; ++p)
+    c.pads[p] = SymPtr<int>{rec_ptr<unsigned long long>(rec, kRecPad0 + p)};
+  c.timeline = reinterpret_cast<long long*>(rec[kRecTimeline]);
+  c.timeline_cap = (int)rec[kRecTimelineCap];
   return c;
 }
 
-// The compute hooks every fused GEMM op starts from: the unit's tasks as engine tiles, no wait
-// before loads, nothing after stores. An op derives from it and adds dest() and what it needs.
-template <class Args>
-struct ComputeHooksBase {
-  const Args& a;
-  const CtaInfo& cta;
-  const TaskList& tasks;
-  __device__ int num_tasks() const { return tasks.count(); }
-  __device__ Tile tile(int i) const { return load_tile(a.common.plan, tasks[i]); }
-  __device__ gemm::TileTask task(int i) const {
-    const Tile t = tile(i);
-    return gemm::TileTask{t.m0, t.n0, t.rows, t.cols};
-  }
-  __device__ void before_load(int) const {}
-  __device__ void after_store(int) const {}
-  // No signals() here: the engine's default (true) keeps the per-tile completion, so an op that adds
-  // an after_store cannot forget it. An op opts out by returning false where nobody waits.
-};
-
-// Tile configs by id (mkernel/schedule.py TILE_CONFIG_IDS).
-template <template <class> class LaunchWith>
-inline int dispatch_config(int config_id, const FusedLaunch& L, cudaStream_t s) {
-  switch (config_id) {
-    case 0: return LaunchWith<gemm::Engine<gemm::Tile128x256x64>>::run(L, s);
-    case 1: return LaunchWith<gemm::Engine<gemm::Tile128x128x64>>::run(L, s);
-    case 2: return LaunchWith<gemm::Engine<gemm::Tile64x128x64>>::run(L, s);
-    default: return kBadConfig;
-  }
-}
-
 // Engine params (TMA tensor maps) of every rank this launch serves: rank r's A at
-// a_base + r * a_stride ([M, K]), its B at L.b + r * L.b_rank_stride ([K, N]).
+// a_base + r * a_stride ([M, K]), its B at b_base + r * b_stride ([K, N]).
 template <class Engine>
-inline bool fill_engine_params(const FusedLaunch& L, typename Engine::Params* out,
-                               const __nv_bfloat16* a_base, long long a_stride) {
-  for (int r = 0; r < L.ranks_here; ++r) {
-    const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(L.b) + r * L.b_rank_stride;
-    if (host::make_tensor_map_bf16_2d(&out[r].a, a_base + r * a_stride, L.M, L.K, L.K, Engine::BM,
-                                      64, 128) != host::kTensorMapOk ||
-        host::make_tensor_map_bf16_2d(&out[r].b, b, L.K, L.N, L.N, 64, 64, 128) !=
+inline bool fill_engine_params(int ranks_here, typename Engine::Params* out,
+                               const __nv_bfloat16* a_base, long long a_stride,
+                               const __nv_bfloat16* b_base, long long b_stride, int M, int N,
+                               int K) {
+  for (int r = 0; r < ranks_here; ++r) {
+    if (host::make_tensor_map_bf16_2d(&out[r].a, a_base + r * a_stride, M, K, K, Engine::BM, 64,
+                                      128) != host::kTensorMapOk ||
+        host::make_tensor_map_bf16_2d(&out[r].b, b_base + r * b_stride, K, N, N, 64, 64, 128) !=
             host::kTensorMapOk)
       return false;
-    out[r].M = L.M;
-    out[r].N = L.N;
-    out[r].K = L.K;
+    out[r].M = M;
+    out[r].N = N;
+    out[r].K = K;
   }
   return true;
 }
 
-// Tensor maps of the bf16 output of every rank this launch serves, rank r's at
-// L.out + r * L.out_rank_stride, [rows, cols] row-major: the engine stores bf16 tiles through them
-// with TMA (configs with kEpiTma). False when the engine does not use them or one cannot be encoded
-// (misaligned output): the engine then writes through its row-copy passes.
+// Tensor maps of the bf16 output of every rank this launch serves ([rows, cols] row-major): the
+// engine stores full bf16 tiles through them with TMA (configs with kEpiTma). False when the engine
+// does not use them or one cannot be encoded (misaligned output): it then writes by row copies.
 template <class Engine>
-inline bool fill_out_maps(const FusedLaunch& L, CUtensorMap* maps, int rows, int cols) {
+inline bool fill_out_maps(int ranks_here, CUtensorMap* maps, const RankPtr<__nv_bfloat16>& out,
+                          int rows, int cols) {
   if constexpr (!Engine::kTmaStore) {
     return false;
   } else {
-    if (L.out == 0) return false;
-    for (int r = 0; r < L.ranks_here; ++r) {
-      const auto* out = reinterpret_cast<const __nv_bfloat16*>(L.out) + r * L.out_rank_stride;
-      if (host::make_tensor_map_bf16_2d(&maps[r], out, rows, cols, cols, 64, 64, 128) !=
-          host::kTensorMapOk)
+    if (out.base == nullptr) return false;
+    for (int r = 0; r < ranks_here; ++r) {
+      if (host::make_tensor_map_bf16_2d(&maps[r], out.base + r * out.rank_stride, rows, cols, cols,
+                                        64, 64, 128) != host::kTensorMapOk)
         return false;
     }
     return true;
   }
 }
 
-// Dest of a bf16 tile at (row, col) of this rank's output, with the output's tensor map if any.
+// Dest of a bf16 tile at (row, col) of this rank's mapped output ([*, ld]), with its tensor map.
 template <class Args>
 __device__ inline gemm::Dest bf16_out_dest(const Args& a, int local_rank, __nv_bfloat16* ptr,
-                                           int row, int col) {
-  gemm::Dest d{ptr, a.N, gemm::kStoreBF16};
+                                           int ld, int row, int col) {
+  gemm::Dest d{ptr, ld, gemm::kStoreBF16};
   if (a.out_mapped) {
     d.map = &a.out_map[local_rank];
     d.map_col = col;
@@ -117,17 +103,33 @@ __device__ inline gemm::Dest bf16_out_dest(const Args& a, int local_rank, __nv_b
 }
 
 template <class Op>
-inline int launch_persistent(const typename Op::Args& args, const FusedLaunch& L, cudaStream_t s) {
+inline int launch_persistent(const long long* rec, cudaStream_t s) {
   using Engine = typename Op::Engine;
-  if (L.ranks_here > kMaxLocalRanks) return kTooManyRanks;
-  if (L.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;
+  FusedArgs<Op> args{};
+  args.common = make_common(rec);
+  args.layout = Op::Layout::from(rec);
+  const FusedCommon& c = args.common;
+  if (c.ranks_here > kMaxLocalRanks) return kTooManyRanks;
+  if (c.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;
+  if (!Op::prepare(rec, args)) return kBadConfig;
   const int smem = Engine::kSmemBytes + Op::kCommSmemBytes;
   auto kernel = persistent_kernel<Op>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
     return kCudaError;
-  kernel<<<L.ranks_here * L.ctas_per_rank, Engine::kThreads, smem, s>>>(args);
+  kernel<<<c.ranks_here * c.ctas_per_rank, Engine::kThreads, smem, s>>>(args);
   return cudaGetLastError() == cudaSuccess ? kOk : kCudaError;
+}
+
+// The op for the tile config the plan chose (Schedule.tile; ids in primitives/protocol_gen.h).
+template <template <class> class Op>
+inline int launch_fused(const long long* rec, cudaStream_t s) {
+  switch ((int)rec[kRecTileConfig]) {
+    case kTile128x256x64: return launch_persistent<Op<gemm::Engine<gemm::Tile128x256x64>>>(rec, s);
+    case kTile128x128x64: return launch_persistent<Op<gemm::Engine<gemm::Tile128x128x64>>>(rec, s);
+    case kTile64x128x64: return launch_persistent<Op<gemm::Engine<gemm::Tile64x128x64>>>(rec, s);
+    default: return kBadConfig;
+  }
 }
 
 }  // namespace mk

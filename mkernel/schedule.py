@@ -18,7 +18,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-OVERLAPS = ("intra_sm", "inter_sm")
+from .protocol import (
+    OVERLAPS,
+    TILE_CONFIG_IDS,  # noqa: F401 (re-exported: names -> device config ids)
+    OpSpec,
+    RoleTables,
+    Task,
+    check_protocol,
+    encode,
+)
+
 TRANSFERS = ("auto", "stores", "tma")
 
 
@@ -36,8 +45,6 @@ TILE_CONFIGS = {
     "128x128x64": TileConfig("128x128x64", 128, 128, 64),
     "64x128x64": TileConfig("64x128x64", 64, 128, 64),
 }
-# Config ids shared with device code (primitives/gemm/config.cuh, kernels/fused_host.cuh).
-TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1, "64x128x64": 2}
 # Relative throughput of each config at full occupancy (primitives/gemm/config.cuh pick_config).
 _TILE_RATE = {"128x256x64": 1.0, "128x128x64": 0.9, "64x128x64": 0.75}
 
@@ -154,16 +161,19 @@ class Schedule:
 
 @dataclass
 class Plan:
-    """What both backends execute. Tables are int32 CPU tensors; ``to(device)`` copies them once."""
+    """What both backends execute: the op's tasks per role and rank, with their waits and raises
+    (``roles``: int32 CSR tables, mkernel/protocol.py), the tile table, the units per role and the
+    compile-time choices. ``to_device`` copies the tables once."""
 
     op: str
+    spec: OpSpec
     world_size: int
     overlap: str
     tile: TileConfig
     shapes: dict[str, int]
+    sizes: dict[str, int]  # every size the spec's buffers and pads name
     tiles: list[Tile]
-    compute_order: torch.Tensor  # [W, Tc] tile indices, per rank, in compute order
-    comm_tasks: torch.Tensor  # [W, Tm] op-specific comm task ids, per rank, in order
+    roles: dict[str, RoleTables]  # "compute", "comm"
     compute_units: int  # per rank: compute CTAs
     comm_units: int  # per rank: comm CTAs (inter_sm) or comm warps (intra_sm, one per CTA)
     faults: Faults = field(default_factory=Faults)
@@ -176,15 +186,39 @@ class Plan:
             return self.compute_units
         return self.compute_units + self.comm_units
 
+    def _ids(self, role: str) -> torch.Tensor | list[torch.Tensor]:
+        tasks = self.roles[role].tasks
+        rows = [torch.tensor([t.id for t in ts], dtype=torch.int32) for ts in tasks]
+        return torch.stack(rows) if len({len(r) for r in rows}) <= 1 else rows
+
+    @property
+    def compute_order(self) -> torch.Tensor:
+        """[W, T]: each rank's compute task ids (tile indices) in plan order."""
+        return self._ids("compute")
+
+    @property
+    def comm_tasks(self) -> torch.Tensor | list[torch.Tensor]:
+        """[W, Tm]: each rank's comm task ids in plan order (a list when counts differ)."""
+        return self._ids("comm")
+
+    def task_rows(self, role: str, rank: int, unit: int) -> list[int]:
+        """The table rows unit ``unit`` of ``role`` on ``rank`` runs, in order (static round
+        robin: rows u, u + units, ... of the rank's tasks)."""
+        n = self.compute_units if role == "compute" else self.comm_units
+        return list(self.roles[role].rows(rank))[unit::n]
+
     def tasks_of(self, role: str, rank: int, unit: int) -> list[int]:
-        """The tasks that unit ``unit`` of ``role`` on ``rank`` runs, in order (static round
-        robin)."""
-        table, n = (
-            (self.compute_order, self.compute_units)
-            if role == "compute"
-            else (self.comm_tasks, self.comm_units)
-        )
-        return table[rank, unit::n].tolist()
+        """The task ids that unit ``unit`` of ``role`` on ``rank`` runs, in order."""
+        n = self.compute_units if role == "compute" else self.comm_units
+        return [t.id for t in self.roles[role].tasks[rank][unit::n]]
+
+    def task(self, role: str, row: int) -> Task:
+        """The task at table row ``row`` of ``role``."""
+        for ts in self.roles[role].tasks:
+            if row < len(ts):
+                return ts[row]
+            row -= len(ts)
+        raise IndexError(row)
 
     def tile_table(self) -> torch.Tensor:
         """[T, 5] int32: m0, n0, rows, cols, tag per tile."""
@@ -192,11 +226,10 @@ class Plan:
 
     def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self._device_tables:
-            self._device_tables = {
-                "tiles": self.tile_table().to(device),
-                "compute_order": self.compute_order.contiguous().to(device),
-                "comm_tasks": self.comm_tasks.contiguous().to(device),
-            }
+            from .protocol import tables_to
+
+            self._device_tables = tables_to(self.roles, device)
+            self._device_tables["tiles"] = self.tile_table().to(device)
         return self._device_tables
 
 
@@ -242,14 +275,26 @@ def grid_tiles(m0: int, rows: int, n: int, cfg: TileConfig, tag: int, start: int
 
 
 def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], default: list[int]):
-    """The rank's compute order: the user's hook if given (checked to be a permutation)."""
+    """The rank's compute order: the user's hook if given, checked to be a permutation; whatever
+    goes wrong in it is reported as Schedule.tile_order's error, naming the rank."""
     if hook is None:
         return default
-    order = [int(i) for i in hook(rank, list(tiles))]
+    where = f"Schedule.tile_order(rank={rank}, tiles=<{len(tiles)} tiles>)"
+    try:
+        got = hook(rank, list(tiles))
+    except Exception as e:
+        raise ValueError(f"{where} raised {type(e).__name__}: {e}") from e
+    try:
+        order = [int(i) for i in got]
+    except TypeError as e:
+        raise ValueError(
+            f"{where} must return a sequence of tile indices (a permutation of "
+            f"range({len(tiles)})), got {type(got).__name__}"
+        ) from e
     if sorted(order) != list(range(len(tiles))):
         raise ValueError(
-            f"Schedule.tile_order returned an order for rank {rank} that is not a permutation of "
-            f"range({len(tiles)}) (got {len(order)} entries)"
+            f"{where} returned an order that is not a permutation of range({len(tiles)}) "
+            f"(got {len(order)} entries)"
         )
     return order
 
@@ -283,31 +328,49 @@ def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[i
 
 
 def build_plan(
-    op: str,
+    spec: OpSpec,
     schedule: Schedule,
     world: Any,
     tile: TileConfig,
     shapes: dict[str, int],
+    sizes: dict[str, int],
     tiles: list[Tile],
-    orders: list[list[int]],
-    comms: list[list[int]],
-    extra: dict[str, Any],
+    compute: list[list[Task]],
+    comm: list[list[Task]],
+    extra: dict[str, Any] | None = None,
 ) -> Plan:
-    """An op's Plan from its tiles and per-rank tables: ``orders[r]`` (tile indices in compute
-    order) and ``comms[r]`` (comm task ids, equally many per rank; none when W == 1)."""
-    W = world.size
-    compute_units, comm_units = split_units(schedule, world, len(tiles))
+    """An op's Plan from its tiles and per-rank task lists (``compute[r]``, ``comm[r]`` in execution
+    order), after the static protocol check (mkernel/protocol.py check_protocol)."""
+    compute_units, comm_units = split_units(schedule, world, len(compute[0]))
+    sizes = {"W": world.size, **sizes}
+    roles = {"compute": compute, "comm": comm}
+    raisers = {}
+    for ts in roles.values():
+        for r, rank_tasks in enumerate(ts):
+            for t in rank_tasks:
+                for x in t.raises:
+                    raisers[(x.pad, x.rank, x.index)] = r
+    for ts in roles.values():  # each wait names its peer: the rank that raises the signal
+        for rank_tasks in ts:
+            for t in rank_tasks:
+                t.waits = tuple(
+                    w if w.peer >= 0 else w._with_peer(raisers.get((w.pad, w.rank, w.index), -1))
+                    for w in t.waits
+                )
+    tables = {role: encode(spec, sizes, ts) for role, ts in roles.items()}
+    check_protocol(spec, sizes, tables)
     return Plan(
-        op=op,
-        world_size=W,
+        op=spec.name,
+        spec=spec,
+        world_size=world.size,
         overlap=schedule.overlap,
         tile=tile,
         shapes=shapes,
+        sizes=sizes,
         tiles=tiles,
-        compute_order=torch.tensor(orders, dtype=torch.int32).reshape(W, len(tiles)),
-        comm_tasks=torch.tensor(comms, dtype=torch.int32).reshape(W, -1),
+        roles=tables,
         compute_units=compute_units,
         comm_units=comm_units,
         faults=schedule.faults,
-        extra=extra,
+        extra=extra or {},
     )

@@ -18,21 +18,13 @@
 #pragma once
 #include <cstdint>
 
+#include "primitives/protocol_gen.h"  // CommStatus, Role: layouts shared with Python
+
 namespace mk {
-
-// Written by device code, read by the host (pinned, mapped memory). Layout shared with
-// mkernel/ops/common.py.
-struct CommStatus {
-  int error;  // 0: none, 1: a wait passed its deadline
-  int rank, peer, task, role, signal, index;
-  int abort;  // set with `error`: later waits return at once
-};
-
-enum Role : int { kRoleCompute = 0, kRoleComm = 1, kRoleBarrier = 2 };
 
 // Who waits for what: copied into CommStatus when the wait times out.
 struct WaitSite {
-  int rank, peer, task, role, signal, index;
+  int rank, peer, task, role, pad, index;  // pad, index: the flag (named by the op's spec)
 };
 
 struct WaitPolicy {
@@ -100,7 +92,7 @@ __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
     w.status->peer = s.peer;
     w.status->task = s.task;
     w.status->role = s.role;
-    w.status->signal = s.signal;
+    w.status->pad = s.pad;
     w.status->index = s.index;
     __threadfence_system();
   }

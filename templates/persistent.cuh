@@ -1,93 +1,105 @@
-// The persistent-kernel template: one launch, one CTA per SM, roles per CTA or per warp, a task loop
-// over the plan. A fused op supplies an `Op` struct of hooks; the template supplies the rest (role
-// assignment, entry barrier, task loops, register split, injected lateness, the GPU timeline):
+// The persistent-kernel template: one launch, one CTA per SM, roles per CTA or per warp, and a task
+// loop that executes the plan's tables (mkernel/protocol.py). For every task of a unit:
+//
+//   waits (one thread: acquire, reset per policy) -> the op's data movement -> its writes landed
+//   (bulk wait, system fence) -> raises (one thread: release)
+//
+// Waits, resets, raises, injected faults, deadlines and the GPU timeline live here, once; an op only
+// moves data. Its contract, checked at compile time (check_op below):
 //
 //   struct Op {
-//     using Engine = ...;                    // compute engine (primitives/gemm/engine.cuh)
-//     struct Args {                          // the __grid_constant__ kernel parameter
-//       FusedCommon common;
-//       typename Engine::Params engine[kMaxLocalRanks];  // per served rank
-//       ...
-//     };
-//     struct ComputeHooks;                   // engine hooks, built as {{args, cta, tasks}}
-//     static constexpr int kCommSmemBytes;   // intra_sm comm smem, after the engine's (an inter_sm
-//                                            // comm CTA gets all of the CTA's shared memory)
-//     static __device__ void comm_task(const Args&, const CtaInfo&, int task, const Team&,
-//                                      char* smem);   // one comm task, run by the whole team
+//     using Engine = ...;                      // compute engine (primitives/gemm/engine.cuh)
+//     using Layout = spec::<op>::Layout;       // named buffers and scalars (kernels/layouts_gen.h)
+//     static constexpr int kCommSmemBytes;     // intra_sm comm smem, after the engine's
+//     // compute data movement: where the engine's tile goes
+//     static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, const Tile&);
+//     // comm data movement of one task (args: the plan's task arguments), run by the whole team;
+//     // bulk copies are issued by lane 0 (the template drains them before the raises)
+//     static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, const int* args,
+//                                      const Team&, char* smem);
+//     static bool prepare(const long long* rec, FusedArgs<Op>&);  // host: engine params, maps
 //   };
 //
 // Layout of a CTA (Engine::kThreads threads):
 //   inter_sm  CTA slot <  compute_units: compute CTA (warp 0 + consumer warpgroups run the engine)
-//             CTA slot >= compute_units: comm CTA (every thread runs comm_role as one team)
-//   intra_sm  every CTA computes; warp 1 of warpgroup 0 is the communicator warp (comm_role, team of
-//             32 threads); warps 2, 3 idle.
-// Both backends give unit u of a role the tasks u, u + units, u + 2 units, ... of the rank's table.
+//             CTA slot >= compute_units: comm CTA (every thread runs the comm loop as one team)
+//   intra_sm  every CTA computes; warp 1 of warpgroup 0 is the communicator warp (team of 32
+//             threads); warps 2, 3 idle.
+// Unit u of a role takes rows u, u + units, ... of its rank's tasks (both backends).
 // In an emulated world CTAs [r * ctas_per_rank, (r + 1) * ctas_per_rank) serve rank r; all ranks'
 // CTAs are co-resident (grid <= #SMs), so ranks can spin on each other.
 //
 //   rank:    0            1                W-1
 //   CTAs:  [c0 c1 .. cn][c0 c1 .. cn] ... [c0 c1 .. cn]      entry barrier pairs c_i across ranks
 #pragma once
+#include <cuda.h>
+
+#include <type_traits>
+
+#include "primitives/comm.cuh"
+#include "primitives/gemm/engine.cuh"
 #include "primitives/gemm/hooks.cuh"
+#include "primitives/protocol_gen.h"
 #include "primitives/signal.cuh"
 #include "primitives/sym.cuh"
 
 namespace mk {
 
-enum Overlap : int { kIntraSM = 0, kInterSM = 1 };
-constexpr int kMaxLocalRanks = 16;     // ranks one launch can serve (emulated world)
-constexpr int kMaxBarrierSlots = 256;  // entry-barrier flags per rank: [slot, W]
-
-struct PlanView {
-  const int* tiles;          // [T, 5]: m0, n0, rows, cols, tag
-  const int* compute_order;  // [ranks_here, tc]
-  const int* comm_tasks;     // [ranks_here, tm]
-  int tc, tm;
-  int compute_units, comm_units, ctas_per_rank;
-  int overlap;
-};
-
-struct WorldView {
-  int world_size;  // W
-  int rank0;       // first rank served by this launch (emulated: 0, distributed: own rank)
-  int ranks_here;  // ranks served by this launch (emulated: W, distributed: 1)
-};
-
-struct FaultView {
-  int silent_rank;  // never raises its data signals (-1: none)
-  int delay_rank;   // sleeps delay_ns before each communication step (-1: none)
-  long long delay_ns;
+// One role's tables (int32, CSR over ranks then tasks).
+struct RoleTables {
+  const int* task_ptr;   // [W + 1]: rank r's tasks are rows task_ptr[r] .. task_ptr[r + 1]
+  const int* args;       // [rows, kTaskArgs]
+  const int* wait_ptr;   // [rows + 1]
+  const int* waits;      // [*, kWaitFields]
+  const int* raise_ptr;  // [rows + 1]
+  const int* raises;     // [*, kRaiseFields]
 };
 
 struct FusedCommon {
-  PlanView plan;
-  WorldView world;
+  RoleTables role[2];  // kRoleCompute, kRoleComm
+  const int* tiles;    // [T, 5]: m0, n0, rows, cols, tag
+  int compute_units, comm_units, ctas_per_rank, overlap;
+  bool compute_signals;               // some compute task raises: the engine completes each tile
+  int world_size, rank0, ranks_here;  // emulated: rank0 0, ranks_here W; distributed: own rank, 1
   WaitPolicy wait;
-  FaultView faults;
-  SymPtr<int> barrier;  // [kMaxBarrierSlots, W] per rank
+  int silent_rank, delay_rank;  // faults (tests): never raises / sleeps before its raises
+  long long delay_ns;
+  SymPtr<int> pads[kMaxPads];  // pad 0: the entry barrier [kMaxBarrierSlots, W]
   // GPU timeline (optional): globaltimer ns, [ranks_here, ctas_per_rank, role, timeline_cap, 2]
-  // = start, end of each task a unit runs (compute: first load .. signalled; comm: the task).
   long long* timeline;
   int timeline_cap;
 };
 
-__device__ __forceinline__ long long* timeline_slot(const FusedCommon& c, int local_rank, int slot,
-                                                    int role, int i) {
-  if (c.timeline == nullptr || i >= c.timeline_cap) return nullptr;
-  const long long unit = ((long long)local_rank * c.plan.ctas_per_rank + slot) * 2 + role;
-  return c.timeline + (unit * c.timeline_cap + i) * 2;
-}
+template <class Op>
+struct FusedArgs {  // the __grid_constant__ kernel parameter
+  FusedCommon common;
+  typename Op::Engine::Params engine[kMaxLocalRanks];  // per served rank
+  typename Op::Layout layout;
+  CUtensorMap out_map[kMaxLocalRanks];  // bf16 output per served rank (TMA stores), if mapped
+  bool out_mapped;
+};
 
 struct CtaInfo {
   int rank, local_rank, slot;
 };
 
-// The tasks of one unit: row[unit], row[unit + units], ...
+struct Tile {
+  int m0, n0, rows, cols, tag;
+};
+
+__device__ __forceinline__ Tile load_tile(const FusedCommon& c, int id) {
+  const int* t = c.tiles + 5 * id;
+  return Tile{t[0], t[1], t[2], t[3], t[4]};
+}
+
+// The rows of one unit: rows first + unit, first + unit + units, ... below end.
 struct TaskList {
-  const int* row;
-  int unit, units, width;
-  __device__ int count() const { return unit < width ? (width - unit + units - 1) / units : 0; }
-  __device__ int operator[](int i) const { return row[unit + i * units]; }
+  int first, end, unit, units;
+  __device__ int count() const {
+    const int n = end - first;
+    return unit < n ? (n - unit + units - 1) / units : 0;
+  }
+  __device__ int operator[](int i) const { return first + unit + i * units; }
 };
 
 // A group of threads running one comm unit: a warp (intra_sm) or a whole CTA (inter_sm).
@@ -102,50 +114,176 @@ struct Team {
   }
 };
 
-struct Tile {
-  int m0, n0, rows, cols, tag;
-};
+__device__ __forceinline__ long long* timeline_slot(const FusedCommon& c, const CtaInfo& cta,
+                                                    int role, int i) {
+  if (c.timeline == nullptr || i >= c.timeline_cap) return nullptr;
+  const long long unit = ((long long)cta.local_rank * c.ctas_per_rank + cta.slot) * 2 + role;
+  return c.timeline + (unit * c.timeline_cap + i) * 2;
+}
 
-// Engine hooks with the timeline: start when the producer begins task i, end once it is signalled.
-template <class Hooks>
-struct TimedHooks : Hooks {
+// -- the protocol executor: one thread runs a task's waits, another time its raises --------------
+
+__device__ __forceinline__ int task_id(const FusedCommon& c, int role, int row) {
+  return c.role[role].args[row * kTaskArgs];  // args[0] names the task (tile id for compute)
+}
+
+// Every wait of task `row`, then the resets it owns: the single consumer sets the flag back to 0,
+// counted consumers add themselves to the pad's counter and the last one resets flag and counter.
+__device__ inline void run_waits(const FusedCommon& c, int role, int row, int rank) {
+  const RoleTables& t = c.role[role];
+  const int first = t.wait_ptr[row], end = t.wait_ptr[row + 1];
+  if (first == end) return;
+  for (int i = first; i < end; ++i) {
+    const int* w = t.waits + i * kWaitFields;
+    const WaitSite site{rank, w[kWPeer], task_id(c, role, row), role, w[kWPad], w[kWIndex]};
+    const WaitPolicy policy{c.wait.status, c.wait.timeout_ns * w[kWPatience], c.wait.backoff_ns};
+    wait_acquire(c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex], w[kWValue], policy, site);
+  }
+  for (int i = first; i < end; ++i) {
+    const int* w = t.waits + i * kWaitFields;
+    int* flag = c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex];
+    if (w[kWConsumers] == 1) {
+      st_relaxed_sys(flag, 0);
+    } else if (w[kWConsumers] > 1) {
+      // NOTE: every consumer has passed its wait before its add, so the last one may reset.
+      int* count = c.pads[w[kWCounter]].map(w[kWRank]) + w[kWIndex];
+      if (atomicAdd(count, 1) + 1 == w[kWConsumers]) {
+        st_relaxed_sys(flag, 0);
+        st_relaxed_sys(count, 0);
+      }
+    }
+  }
+  fence_proxy_async_global();  // the data is read next, possibly by TMA (the async proxy)
+}
+
+// The raises of task `row`, once its writes are complete and fenced at system scope.
+__device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank) {
+  const RoleTables& t = c.role[role];
+  const int first = t.raise_ptr[row], end = t.raise_ptr[row + 1];
+  if (first == end || rank == c.silent_rank) return;
+  if (rank == c.delay_rank) delay_ns(c.delay_ns);
+  for (int i = first; i < end; ++i) {
+    const int* r = t.raises + i * kRaiseFields;
+    int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
+    if (r[kROp] == kRaiseAdd) {
+      signal_add_release(flag, r[kRValue]);
+    } else {
+      signal_set_release(flag, r[kRValue]);
+    }
+  }
+}
+
+// -- the hook contract ----------------------------------------------------------------------------
+
+template <class Op, class = void>
+struct has_dest : std::false_type {};
+template <class Op>
+struct has_dest<Op, std::void_t<decltype(Op::dest(std::declval<const FusedArgs<Op>&>(),
+                                                  std::declval<const CtaInfo&>(),
+                                                  std::declval<const Tile&>()))>>
+    : std::is_same<decltype(Op::dest(std::declval<const FusedArgs<Op>&>(),
+                                     std::declval<const CtaInfo&>(), std::declval<const Tile&>())),
+                   gemm::Dest> {};
+template <class Op, class = void>
+struct has_comm_move : std::false_type {};
+template <class Op>
+struct has_comm_move<Op, std::void_t<decltype(Op::comm_move(
+                             std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
+                             std::declval<const int*>(), std::declval<const Team&>(),
+                             std::declval<char*>()))>> : std::true_type {};
+template <class Op, class = void>
+struct has_prepare : std::false_type {};
+template <class Op>
+struct has_prepare<Op, std::void_t<decltype(Op::prepare(std::declval<const long long*>(),
+                                                        std::declval<FusedArgs<Op>&>()))>>
+    : std::true_type {};
+
+template <class Op>
+constexpr bool check_op() {
+  static_assert(has_dest<Op>::value,
+                "Op needs `static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, "
+                "const Tile&)`: where the engine writes a compute tile");
+  static_assert(has_comm_move<Op>::value,
+                "Op needs `static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, "
+                "const int* args, const Team&, char* smem)`: the data movement of one comm task");
+  static_assert(has_prepare<Op>::value,
+                "Op needs `static bool prepare(const long long* rec, FusedArgs<Op>&)`: the host "
+                "side that fills the engine's params (and output maps)");
+  static_assert(std::is_integral_v<decltype(Op::kCommSmemBytes)>,
+                "Op needs `static constexpr int kCommSmemBytes` (0 if the comm role needs none)");
+  return true;
+}
+
+// -- the compute role: the engine's hooks, generated from the plan --------------------------------
+
+template <class Op>
+struct PlanHooks {
+  const FusedArgs<Op>& a;
+  const CtaInfo& cta;
+  const TaskList& tasks;
+  __device__ const FusedCommon& c() const { return a.common; }
+  __device__ int num_tasks() const { return tasks.count(); }
+  __device__ Tile tile(int i) const { return load_tile(c(), task_id(c(), kRoleCompute, tasks[i])); }
+  __device__ gemm::TileTask task(int i) const {
+    const Tile t = tile(i);
+    return gemm::TileTask{t.m0, t.n0, t.rows, t.cols};
+  }
   __device__ void stamp(int i, int which) const {
-    long long* e =
-        timeline_slot(this->a.common, this->cta.local_rank, this->cta.slot, kRoleCompute, i);
+    long long* e = timeline_slot(c(), cta, kRoleCompute, i);
     if (e != nullptr) e[which] = (long long)globaltimer_ns();
   }
-  __device__ void before_load(int i) const {
+  __device__ void before_load(int i) const {  // producer lane
     stamp(i, 0);
-    Hooks::before_load(i);
+    run_waits(c(), kRoleCompute, tasks[i], cta.rank);
   }
-  __device__ void after_store(int i) const {
-    Hooks::after_store(i);
+  __device__ gemm::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
+  __device__ void after_store(int i) const {  // one consumer thread, the tile's writes landed
+    run_raises(c(), kRoleCompute, tasks[i], cta.rank);
     stamp(i, 1);
   }
-  __device__ bool signals() const {  // the end stamps come from after_store
-    return this->a.common.timeline != nullptr ||
-           gemm::hooks_signal(static_cast<const Hooks&>(*this));
-  }
+  // Nobody waits for this launch's tiles (and no timeline): skip the per-tile completion.
+  __device__ bool signals() const { return c().compute_signals || c().timeline != nullptr; }
 };
 
-__device__ __forceinline__ Tile load_tile(const PlanView& p, int id) {
-  const int* t = p.tiles + 5 * id;
-  return Tile{t[0], t[1], t[2], t[3], t[4]};
+// -- the comm role: waits, the op's data movement, then raises, per task --------------------------
+
+template <class Op>
+__device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,
+                         const Team& team, char* smem) {
+  const FusedCommon& c = a.common;
+  for (int i = 0; i < tasks.count(); ++i) {
+    const int row = tasks[i];
+    long long* e = team.lane == 0 ? timeline_slot(c, cta, kRoleComm, i) : nullptr;
+    if (e != nullptr) e[0] = (long long)globaltimer_ns();
+    if (team.lane == 0) run_waits(c, kRoleComm, row, cta.rank);
+    team.sync();
+    Op::comm_move(a, cta, c.role[kRoleComm].args + row * kTaskArgs, team, smem);
+    team.sync();  // the team's writes are done before lane 0 fences and raises
+    if (team.lane == 0) {
+      bulk_wait_all();  // lane 0's bulk copies fully landed (not only read)
+      if (c.role[kRoleComm].raise_ptr[row + 1] > c.role[kRoleComm].raise_ptr[row]) {
+        __threadfence_system();
+        run_raises(c, kRoleComm, row, cta.rank);
+      }
+      if (e != nullptr) e[1] = (long long)globaltimer_ns();
+    }
+  }
 }
 
 // CTA `slot` of this rank meets CTA `slot` of every peer. See signal.cuh for the flag protocol.
 __device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta) {
-  const int W = c.world.world_size;
+  const int W = c.world_size;
+  const SymPtr<int>& barrier = c.pads[kBarrierPad];
   for (int i = 1; i < W; ++i) {
     const int peer = (cta.rank + i) % W;
-    int* f = c.barrier.map(peer) + cta.slot * W + cta.rank;
-    const WaitSite site{cta.rank, peer, -1, kRoleBarrier, 0, cta.slot};
+    int* f = barrier.map(peer) + cta.slot * W + cta.rank;
+    const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + cta.rank};
     spin_until(c.wait, site, [&] { return cas_acq_rel_sys(f, 0, 1) == 0; });
   }
   for (int i = 1; i < W; ++i) {
     const int peer = (cta.rank + i) % W;
-    const WaitSite site{cta.rank, peer, -1, kRoleBarrier, 0, cta.slot};
-    wait_acquire_reset(c.barrier.map(cta.rank) + cta.slot * W + peer, 1, c.wait, site);
+    const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + peer};
+    wait_acquire_reset(barrier.map(cta.rank) + cta.slot * W + peer, 1, c.wait, site);
   }
 }
 
@@ -161,49 +299,34 @@ __device__ __forceinline__ void set_max_regs() {
 }
 
 template <class Op>
-__device__ __forceinline__ void run_compute(const typename Op::Args& args, const CtaInfo& cta,
+__device__ __forceinline__ void run_compute(const FusedArgs<Op>& args, const CtaInfo& cta,
                                             const TaskList& tasks, char* smem) {
-  TimedHooks<typename Op::ComputeHooks> hooks{{{args, cta, tasks}}};
+  PlanHooks<Op> hooks{args, cta, tasks};
   Op::Engine::run(args.engine[cta.local_rank], smem, hooks);
-}
-
-// The comm role's task loop: lateness injected before each task, the timeline around it, a team
-// barrier after it (so a task's writes are done before the next task's lane-0 waits or signals).
-template <class Op>
-__device__ void run_comm(const typename Op::Args& args, const CtaInfo& cta, const TaskList& tasks,
-                         const Team& team, char* smem) {
-  const FusedCommon& c = args.common;
-  for (int i = 0; i < tasks.count(); ++i) {
-    long long* e =
-        team.lane == 0 ? timeline_slot(c, cta.local_rank, cta.slot, kRoleComm, i) : nullptr;
-    if (e != nullptr) e[0] = (long long)globaltimer_ns();
-    if (cta.rank == c.faults.delay_rank) delay_ns(c.faults.delay_ns);
-    Op::comm_task(args, cta, tasks[i], team, smem);
-    team.sync();
-    if (e != nullptr) e[1] = (long long)globaltimer_ns();
-  }
 }
 
 template <class Op>
 __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
-    persistent_kernel(const __grid_constant__ typename Op::Args args) {
+    persistent_kernel(const __grid_constant__ FusedArgs<Op> args) {
+  static_assert(check_op<Op>());
   using Engine = typename Op::Engine;
   extern __shared__ __align__(1024) char smem[];
   const FusedCommon& c = args.common;
-  const PlanView& p = c.plan;
   CtaInfo cta;
-  cta.local_rank = blockIdx.x / p.ctas_per_rank;
-  cta.slot = blockIdx.x % p.ctas_per_rank;
-  cta.rank = c.world.rank0 + cta.local_rank;
+  cta.local_rank = blockIdx.x / c.ctas_per_rank;
+  cta.slot = blockIdx.x % c.ctas_per_rank;
+  cta.rank = c.rank0 + cta.local_rank;
   if (threadIdx.x == 0) entry_barrier(c, cta);
   __syncthreads();
 
   const int warp = threadIdx.x / 32;
-  const TaskList compute{p.compute_order + cta.local_rank * p.tc, cta.slot, p.compute_units, p.tc};
+  const int* cptr = c.role[kRoleCompute].task_ptr;
+  const int* mptr = c.role[kRoleComm].task_ptr;
+  const TaskList compute{cptr[cta.rank], cptr[cta.rank + 1], cta.slot, c.compute_units};
   char* comm_smem = smem + Engine::kSmemBytes;
-  if (p.overlap == kInterSM && cta.slot >= p.compute_units) {
-    const TaskList comm{p.comm_tasks + cta.local_rank * p.tm, cta.slot - p.compute_units,
-                        p.comm_units, p.tm};
+  if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
+    const TaskList comm{mptr[cta.rank], mptr[cta.rank + 1], cta.slot - c.compute_units,
+                        c.comm_units};
     // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
     run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
     return;
@@ -212,8 +335,8 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     set_max_regs<Engine::kProducerRegs, false>();
     if (warp == 0) {
       run_compute<Op>(args, cta, compute, smem);
-    } else if (warp == 1 && p.overlap == kIntraSM) {
-      const TaskList comm{p.comm_tasks + cta.local_rank * p.tm, cta.slot, p.comm_units, p.tm};
+    } else if (warp == 1 && c.overlap == kIntraSM) {
+      const TaskList comm{mptr[cta.rank], mptr[cta.rank + 1], cta.slot, c.comm_units};
       run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, comm_smem);
     }
   } else {

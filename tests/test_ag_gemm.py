@@ -69,7 +69,7 @@ def test_tiles_spanning_chunks_and_shards():
     a, b = gemm_inputs(W, ms, n, 16, 5)
     sched = mkernel.Schedule(tile="128x128x64", chunk_rows=cr, seed=3)
     plan = sched.plan("ag_gemm", world, m=W * ms, n=n, k=16)
-    C = plan.extra["chunks"]
+    C = plan.sizes["chunks"]
     assert C == 5
     last = {t.index: ag_mod._chunk_of(t.m0 + t.rows - 1, ms, cr, C) for t in plan.tiles}
     assert max(last[i] - t.tag + 1 for i, t in enumerate(plan.tiles)) == 13
@@ -94,29 +94,27 @@ def test_default_order_is_arrival_order():
         shards = [plan.tiles[i].m0 // ms for i in plan.compute_order[r].tolist()]
         want = [(r + j) % W for j in range(W) for _ in range(len(shards) // W)]
         assert shards == want, f"rank {r} computes shards in order {shards}"
-        assert plan.comm_tasks[r].tolist() == [r * 2, r * 2 + 1]
+        # one push per (own chunk, destination): chunk-major, own copy first
+        pushes = [(g, (r + j) % W) for g in (r * 2, r * 2 + 1) for j in range(W)]
+        assert plan.comm_tasks[r].tolist() == [g * W + p for g, p in pushes]
 
 
 def test_consumer_count_is_what_resets_the_pads(monkeypatch):
-    """The twin models the consumption counter: one consumer too few resets a chunk's flag while a
-    tile still needs it, and the interpreter reports the waiter that can never run."""
-    real = ag_mod.make_plan
+    """Counted consumers are checked before anything runs: one consumer too few would reset a
+    chunk's flag while a tile still needs it, and the plan names the signal."""
+    real = ag_mod.Wait
 
-    def short_by_one(*args, **kw):
-        plan = real(*args, **kw)
-        plan.extra["consumers"][0] -= 1
-        return plan
+    def short_by_one(pad, rank, index, consumers=1, **kw):
+        return real(pad, rank, index, consumers=consumers - (index == (0,)), **kw)
 
-    monkeypatch.setattr(ag_mod, "make_plan", short_by_one)
+    monkeypatch.setattr(ag_mod, "Wait", short_by_one)
     W = 2
     world = mkernel.World.emulated(W)
     sched = mkernel.Schedule(tile="128x128x64", chunk_rows=8)
     a, b = gemm_inputs(W, 16, 256, 8, 1)  # two tile columns: every chunk has 2 consumers
-    with pytest.raises(mkernel.CommTimeout) as e:
+    with pytest.raises(ValueError, match=r"chunk_ready\[chunk=0\]"):
         mkernel.ag_gemm(a, b, world=world, schedule=sched)
-    # The early reset strands a consumer on chunk_ready, or the surplus consumer on the counter.
-    assert e.value.signal.split("[")[0] in ("chunk_ready", "consumed")
-    assert_pads_zero(world)  # a failed call resets the world
+    assert_pads_zero(world)
 
 
 @pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])

@@ -5,17 +5,15 @@ Unfused meaning, per rank r of W (a_r: [M/W, K], b_r: [K, N], bf16)::
     full_a = torch.cat([a_q for q in range(W)])                  # [M, K], all_gather(a)
     out_r = (full_a.float() @ b_r.float()).bfloat16()              # [M, N]
 
-Device protocol (kernels/ag_gemm.cu): each rank's shard is cut into C chunks of ``chunk_rows`` rows.
-The comm role of rank r pushes its own chunks, one after another, into every rank's symmetric
-``gather`` buffer (its own copy first, then r+1, r+2, ...), raising ``chunk_ready[r*C + c]`` on each
-destination right after that destination's copy. Order: chunk-major (chunk c goes to every rank
-before chunk c+1 leaves) so that every rank can start on chunk 0 of every shard as early as
-possible, instead of one peer receiving the whole shard while the others wait.
-The compute role walks the output tiles of [M, N], local shard first, then the shards of r+1,
-r+2, ... (the order in which they arrive); before the engine loads a tile it waits for every chunk
-the tile's rows overlap (a tile can span several chunks and, when M/W is not a multiple of the tile
-height, two shards), then counts itself as a consumer of each chunk; the last consumer of a chunk
-resets both its ready flag and its counter, so every pad is back to zero when the call ends.
+Protocol (the plan's tables below; device data movement in kernels/ag_gemm.cu): each rank's shard
+is cut into C chunks of ``chunk_rows`` rows. Rank r's comm tasks push each own chunk into every
+rank's symmetric ``gather`` buffer, one task per (chunk, destination): own copy first, then r+1,
+r+2, ..., chunk-major (chunk c reaches every rank before chunk c+1 leaves, so every rank starts on
+chunk 0 of every shard early); each task raises ``chunk_ready[chunk=g]`` on its destination. The
+compute role walks the output tiles of [M, N], local shard first, then the shards of r+1, r+2, ...
+(arrival order); before the engine loads a tile it waits for every chunk the tile's rows overlap (a
+tile can span several chunks and, when M/W is not a multiple of the tile height, two shards).
+``chunk_ready`` is a counted pad: every tile over chunk g consumes it, the last one resets it.
 
     W = 2, C = 2 chunks per shard; rows of gather on each rank:
       [ shard 0: c0 c1 | shard 1: c0 c1 ]
@@ -30,11 +28,11 @@ import sys
 import torch
 
 from ..interp import twins
+from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
     Plan,
     Schedule,
-    Tile,
     apply_order,
     build_plan,
     grid_tiles,
@@ -45,7 +43,19 @@ from ..schedule import (
 from ..world import World
 from . import common
 
-CHUNK_READY = 2  # WaitSite::signal id (common.SIGNAL_NAMES)
+bf16 = torch.bfloat16
+SPEC = OpSpec(
+    name="ag_gemm",
+    doc="AllGather + GEMM",
+    buffers=(
+        Buffer("a", "input", bf16, ("ms", "k"), "this rank's shard"),
+        Buffer("b", "input", bf16, ("k", "n")),
+        Buffer("out", "output", bf16, ("m", "n")),
+        Buffer("gather", "symmetric", bf16, ("m", "k"), "the gathered A: the engine's A"),
+    ),
+    pads=(Pad("chunk_ready", ("chunk",), ("chunks_total",), counted=True, doc="chunk g landed"),),
+    scalars=("m", "n", "k", "ms", "chunks", "chunk_rows", "transfer_tma"),
+)
 
 
 def _chunk_of(row: int, ms: int, cr: int, chunks: int) -> int:
@@ -63,39 +73,45 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     C = -(-ms // cr)  # chunks per shard; the last one may be short
     # Tag = the first chunk a tile needs; its last one is the chunk of its last row.
     tiles = [t._replace(tag=_chunk_of(t.m0, ms, cr, C)) for t in grid_tiles(0, m, n, cfg, 0, 0)]
+    needs = [range(t.tag, _chunk_of(t.m0 + t.rows - 1, ms, cr, C) + 1) for t in tiles]
     consumers = [0] * (W * C)
-    shards: list[set[int]] = []
-    for t in tiles:
-        last = _chunk_of(t.m0 + t.rows - 1, ms, cr, C)
-        for g in range(t.tag, last + 1):
+    for chunks in needs:
+        for g in chunks:
             consumers[g] += 1
-        shards.append({g // C for g in range(t.tag, last + 1)})
     grouped = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly
-    orders, comms = [], []
+    compute, comm = [], []
     for r in range(W):
         # Default: arrival order. A tile's place is that of the latest shard it needs, counted from
         # our own (which lands first); ties keep the L2-friendly grouped order.
-        default = sorted(grouped, key=lambda i: max((s - r) % W for s in shards[i]))
-        orders.append(apply_order(schedule.tile_order, r, tiles, default))
-        # W == 1: the engine reads a itself; there is nothing to gather.
-        comms.append([r * C + c for c in range(C)] if W > 1 else [])
+        default = sorted(grouped, key=lambda i: max((g // C - r) % W for g in needs[i]))
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        if W == 1:  # the engine reads a itself: nothing to gather, nothing to wait for
+            compute.append([Task(i, (i,)) for i in order])
+            comm.append([])
+            continue
+        waits = [
+            tuple(Wait("chunk_ready", r, (g,), consumers=consumers[g]) for g in needs[i])
+            for i in range(len(tiles))
+        ]
+        compute.append([Task(i, (i,), waits=waits[i]) for i in order])
+        comm.append(
+            [
+                Task(g * W + p, (g, p), raises=(Raise("chunk_ready", p, (g,)),))
+                for g in range(r * C, (r + 1) * C)
+                for p in ((r + j) % W for j in range(W))
+            ]
+        )
     shapes = {"m": m, "n": n, "k": k}
-    return build_plan(
-        "ag_gemm",
-        schedule,
-        world,
-        cfg,
-        shapes,
-        tiles,
-        orders,
-        comms,
-        {
-            "rows_per_rank": ms,
-            "chunk_rows": cr,
-            "chunks": C,
-            "consumers": torch.tensor(consumers, dtype=torch.int32),  # [W * C] tiles per chunk
-        },
-    )
+    sizes = {
+        **shapes,
+        "ms": ms,
+        "chunks": C,
+        "chunk_rows": cr,
+        "chunks_total": W * C,
+        "transfer_tma": int(schedule.transfer == "tma"),
+    }
+    extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W * C] tiles per chunk
+    return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -144,99 +160,40 @@ def ag_gemm(
     return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
 
 
-def _workspace(world: World, plan: Plan):
-    m, k, chunks = plan.shapes["m"], plan.shapes["k"], world.size * plan.extra["chunks"]
-    gather = world.symmetric(("ag_gemm", "gather"), (m, k), torch.bfloat16)
-    ready = world.symmetric(("ag_gemm", "ready"), (chunks,), torch.int32)
-    consumed = world.symmetric(("ag_gemm", "consumed"), (chunks,), torch.int32)
-    return gather, ready, consumed, common.barrier_pad(world)
+# -- CPU interpreter: data-movement twins of kernels/ag_gemm.cu ----------------------------------
 
 
-# -- GPU ----------------------------------------------------------------------------------------
+def twins_of(plan: Plan):
+    W, ms, k = plan.world_size, plan.sizes["ms"], plan.sizes["k"]
+    cr, C = plan.sizes["chunk_rows"], plan.sizes["chunks"]
+    bulk = plan.sizes["transfer_tma"] and plan.overlap == "inter_sm"
 
-
-def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
-    gather, ready, consumed, barrier = _workspace(world, plan)
-    m, n, k = plan.shapes["m"], plan.shapes["n"], plan.shapes["k"]
-    if "consumers_dev" not in plan.extra:  # copied once: the plan is cached on the world
-        plan.extra["consumers_dev"] = plan.extra["consumers"].to(world.device)
-    L = common.fill_launch(world, plan)
-    common.set_operands(L, world, a, b, out)  # out: [W, M, N], rank stride m * n
-    L.M, L.N, L.K = m, n, k  # the engine's GEMM: gathered A [M, K] @ B [K, N]
-    L.work_ptrs, L.flag_ptrs = gather.peer_ptrs.data_ptr(), ready.peer_ptrs.data_ptr()
-    L.flag2_ptrs, L.barrier_ptrs = consumed.peer_ptrs.data_ptr(), barrier.peer_ptrs.data_ptr()
-    L.work_local = gather.local.data_ptr()  # the engine's A (first served rank; + r*M*K per rank)
-    L.aux_ptr = plan.extra["consumers_dev"].data_ptr()
-    L.rows_per_rank, L.tiles_per_rank = plan.extra["rows_per_rank"], plan.extra["chunks"]
-    L.chunk_rows = plan.extra["chunk_rows"]
-    common.launch_and_check(world, common.extension().launch_ag_gemm, L, common.SIGNAL_NAMES)
-    return out
-
-
-# -- CPU interpreter: program twins mirroring kernels/ag_gemm.cu ---------------------------------
-
-
-def compute_program(plan: Plan):
-    ms, cr, C = plan.extra["rows_per_rank"], plan.extra["chunk_rows"], plan.extra["chunks"]
-    consumers = plan.extra["consumers"].tolist()
-    k = plan.shapes["k"]
-
-    def run(ctx, task):
-        t: Tile = plan.tiles[task]
-        me = ctx.rank
-        if plan.world_size == 1:  # the engine reads a directly: no gather, no waits
-            a = yield from twins.tile_load(ctx, "a", me, (t.m0, t.rows, 0, k))
-            b = yield from twins.tile_load(ctx, "b", me, (0, k, t.n0, t.cols))
-            c = (a.float() @ b.float()).bfloat16()
-            yield from twins.output_store(ctx, "out", me, (t.m0, t.rows, t.n0, t.cols), c, task)
-            return
-        chunks = range(t.tag, _chunk_of(t.m0 + t.rows - 1, ms, cr, C) + 1)
-        # before_load: wait for every chunk the tile's rows overlap.
-        for g in chunks:
-            yield from twins.wait_acquire(ctx, ctx.sig("chunk_ready", me, g), 1, g // C)
-        # Count ourselves as a consumer; the last one resets the chunk's flag and counter. The add
-        # and the read of the old value happen in one step (the device's atomicAdd).
-        for g in chunks:
-            n_now = int(ctx.m.pads["consumed"][me][g]) + 1
-            yield from twins.signal_add_release(ctx, ctx.sig("consumed", me, g))
-            if n_now == consumers[g]:
-                yield from twins.wait_acquire_reset(ctx, ctx.sig("consumed", me, g), n_now, me)
-                yield from twins.wait_acquire_reset(ctx, ctx.sig("chunk_ready", me, g), 1, g // C)
-        a = yield from twins.tile_load(ctx, "gather", me, (t.m0, t.rows, 0, k))
-        b = yield from twins.tile_load(ctx, "b", me, (0, k, t.n0, t.cols))
+    def compute(ctx, task):  # the engine: TMA loads of the gathered A (W == 1: a), bf16 store
+        t = plan.tiles[task.args[0]]
+        src = "a" if W == 1 else "gather"
+        a = yield from twins.tile_load_async(ctx, src, ctx.rank, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         c = (a.float() @ b.float()).bfloat16()
-        yield from twins.output_store(ctx, "out", me, (t.m0, t.rows, t.n0, t.cols), c, task)
+        rect = (t.m0, t.rows, t.n0, t.cols)
+        yield from twins.output_store(ctx, "out", ctx.rank, rect, c, t.index)
 
-    return run
-
-
-def comm_program(plan: Plan):
-    W, ms, k = plan.world_size, plan.extra["rows_per_rank"], plan.shapes["k"]
-    cr, C = plan.extra["chunk_rows"], plan.extra["chunks"]
-    f = plan.faults
-
-    def run(ctx, g):
+    def comm(ctx, task):  # AgGemm::comm_move: own chunk g into rank p's gather buffer
+        g, p = task.args[:2]
         r0 = (g - ctx.rank * C) * cr
         rows = min(cr, ms - r0)
-        if ctx.rank == f.delay_rank:
-            yield from twins.delay(ctx, f.delay_us)
         v = yield from twins.tile_load(ctx, "a", ctx.rank, (r0, rows, 0, k))
-        for j in range(W):  # own copy first, then r+1, r+2, ...
-            p = (ctx.rank + j) % W
-            yield from twins.peer_store(ctx, "gather", p, (ctx.rank * ms + r0, rows, 0, k), v)
-            if ctx.rank != f.silent_rank:
-                yield from twins.signal_set_release(ctx, ctx.sig("chunk_ready", p, g))
+        dst = (ctx.rank * ms + r0, rows, 0, k)
+        if bulk:
+            yield from twins.tile_send_bulk(ctx, "gather", p, dst, v)
+        else:
+            yield from twins.copy_v4_team(ctx, "gather", p, dst, v)
 
-    return run
+    return {"compute": compute, "comm": comm}
 
 
-def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.Tensor:
-    gather, ready, consumed, barrier = _workspace(world, plan)
-    buffers = {"a": a, "b": b, "gather": gather.local, "out": out}
-    pads = {"chunk_ready": ready.local, "consumed": consumed.local, "barrier": barrier.local}
-    programs = compute_program(plan), comm_program(plan)
-    common.run_interpreter(world, plan, pads, buffers, *programs, schedule.seed)
-    return out
+def outputs(plan: Plan, rank: int) -> dict[int, tuple[int, int, int, int]]:
+    """Every tile of [M, N], on every rank."""
+    return {t.index: (t.m0, t.rows, t.n0, t.cols) for t in plan.tiles}
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:

@@ -8,16 +8,24 @@ from typing import Any
 import torch
 
 from ..errors import CommTimeout
-from ..interp.machine import Machine
+from ..protocol import (
+    BARRIER_PAD,
+    MAX_BARRIER_SLOTS,
+    MAX_LOCAL_RANKS,
+    OVERLAPS,
+    RECORD,
+    RECORD_FIELDS,
+    ROLES,
+    STATUS_FIELDS,
+    TILE_CONFIG_IDS,
+    buffer_shape,
+    pad_shape,
+    signal_name,
+)
 from ..schedule import Plan, Schedule
-from ..world import World
+from ..world import SymBuffer, World
 
 ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pairs / quads
-BARRIER_SLOTS = 256  # templates/persistent.cuh kMaxBarrierSlots
-MAX_LOCAL_RANKS = 16  # templates/persistent.cuh kMaxLocalRanks
-ROLE_NAMES = {0: "compute", 1: "comm", 2: "barrier"}
-# Signal ids recorded by device waits (WaitSite::signal), shared by every op.
-SIGNAL_NAMES = {0: "barrier", 1: "tile_flag", 2: "chunk_ready", 3: "tile_ready"}
 
 
 # -- input checks (before anything is launched) -------------------------------------------------
@@ -151,11 +159,6 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
     return plan
 
 
-def barrier_pad(world: World):
-    """The template's entry-barrier flags, [BARRIER_SLOTS, W] int32, shared by every fused op."""
-    return world.symmetric(("fused", "barrier"), (BARRIER_SLOTS, world.size), torch.int32)
-
-
 def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every rank's tensor, for the references: the slices of an emulated world's [W, ...] tensor,
     or an all_gather over a distributed world's group."""
@@ -182,86 +185,70 @@ def run_op(
 ) -> torch.Tensor:
     """The path every fused GEMM op's API takes: check the world, schedule, operands (the op's
     ``shapes``), faults and ``out`` (per-rank shape ``out_shape(shapes, W)``), all before anything
-    runs; then the cached plan on the GPU (the op's ``_run_gpu``) or in the interpreter
-    (``_run_cpu``)."""
+    runs; then the cached plan on the GPU (``run_gpu``, then the op's optional ``after_gpu``) or
+    in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
+    tiles the kernel end reads (``module.outputs(plan, rank)``)."""
     world = check_world(world)
     schedule = check_schedule(schedule)
     s = module.shapes(a, b, world)
     check_faults(schedule, world)
     out = check_out(out, world, out_shape(s, world.size))
     plan = cached_plan(module, schedule, world, **s)
+    operands = {"a": a, "b": b, "out": out}
     if world.on_gpu:
-        return module._run_gpu(world, plan, a, b, out)
-    return module._run_cpu(world, plan, a, b, schedule, out)
+        run_gpu(world, plan, operands)
+        if hasattr(module, "after_gpu"):
+            module.after_gpu(world, plan, out)
+    else:
+        outputs = lambda rank: module.outputs(plan, rank)
+        run_cpu(world, plan, operands, module.twins_of(plan), outputs, schedule.seed)
+    return out
 
 
-# -- the CPU interpreter driver -----------------------------------------------------------------
+# -- workspace: every symmetric buffer and signal pad the spec declares ----------------------------
 
 
-def run_interpreter(
+def barrier_pad(world: World) -> SymBuffer:
+    """The template's entry-barrier flags, [MAX_BARRIER_SLOTS, W] int32, shared by every op."""
+    return world.symmetric(("fused", BARRIER_PAD), (MAX_BARRIER_SLOTS, world.size), torch.int32)
+
+
+def workspace(world: World, plan: Plan) -> dict[str, SymBuffer | None]:
+    """The op's symmetric buffers and pads by name (allocated once per shape, kept on the world;
+    pads reset themselves). A buffer declared ``when="distributed"`` is None in emulated worlds."""
+    spec, sizes = plan.spec, plan.sizes
+    out: dict[str, SymBuffer | None] = {BARRIER_PAD: barrier_pad(world)}
+    for b in spec.buffers:
+        if b.kind == "symmetric":
+            wanted = b.when == "always" or (world.size > 1 and not world.emulated_world)
+            shape = buffer_shape(b, sizes)
+            out[b.name] = world.symmetric((spec.name, b.name), shape, b.dtype) if wanted else None
+    for p in spec.all_pads()[1:]:
+        out[p.name] = world.symmetric((spec.name, p.name), pad_shape(spec, p, sizes), torch.int32)
+    return out
+
+
+def run_cpu(
     world: World,
     plan: Plan,
-    pads: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    compute: Callable,
-    comm: Callable,
+    operands: dict[str, torch.Tensor],
+    moves: dict[str, Callable],
+    outputs: Callable[[int], dict[int, tuple[int, int, int, int]]],
     seed: int,
-    expected_outputs: dict[int, list[int]] | None = None,
-    barrier_pad: str = "barrier",
-) -> Machine:
-    """Runs one call of an op: an agent per compute unit and per comm unit of every rank, each
-    starting with the template's entry barrier (intra_sm: the CTA's barrier, then its comm warp).
-    ``expected_outputs``: the output tiles each rank must have written in full (default: every
-    tile of the plan on every rank)."""
-    from ..interp import twins
+) -> None:
+    """One call in the CPU interpreter: the plan's tables run by the template's twin
+    (mkernel/interp/program.py) with the op's data-movement twins ``moves`` per role;
+    ``outputs(rank)`` gives the output tiles the kernel end reads."""
+    from ..interp.program import run_plan
 
-    steps = max(10_000, int(world.timeout_s * 200_000))
-    m = Machine(world.size, pads, buffers, seed=seed, deadline_steps=steps)
-
-    def cta_prologue(slot: int, publish: bool):
-        def prologue(ctx):
-            yield from twins.entry_barrier(ctx, barrier_pad, slot)
-            if publish:  # intra_sm: the comm warp starts after its CTA's barrier
-                yield from twins.local_event_set(ctx, ctx.sig("cta_ready", ctx.rank, slot))
-
-        return prologue
-
-    def wait_cta(slot: int):
-        def prologue(ctx):
-            yield from twins.wait_acquire_reset(
-                ctx, ctx.sig("cta_ready", ctx.rank, slot), 1, ctx.rank
-            )
-
-        return prologue
-
-    def with_prologue(program: Callable, prologue: Callable) -> Callable:
-        def run(ctx, task):
-            yield from program(ctx, task)
-
-        run.prologue = prologue
-        return run
-
-    pads.setdefault("cta_ready", torch.zeros(world.size, BARRIER_SLOTS, dtype=torch.int32))
-    intra = plan.overlap == "intra_sm"
-    for r in range(world.size):
-        for u in range(plan.compute_units):
-            prologue = cta_prologue(u, publish=intra)
-            m.add_agent(
-                r, "compute", u, plan.tasks_of("compute", r, u), with_prologue(compute, prologue)
-            )
-        for u in range(plan.comm_units):
-            prologue = wait_cta(u) if intra else cta_prologue(plan.compute_units + u, publish=False)
-            m.add_agent(r, "comm", u, plan.tasks_of("comm", r, u), with_prologue(comm, prologue))
+    ws = workspace(world, plan)
+    buffers = {**operands, **{k: v.local for k, v in ws.items() if v is not None}}
     try:
-        m.run()
+        m = run_plan(world, plan, buffers, moves, seed, outputs)
     except CommTimeout:
         world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
         raise
-    if expected_outputs is None:
-        expected_outputs = {r: list(range(len(plan.tiles))) for r in range(world.size)}
-    m.check_outputs(expected_outputs)
     world.last_timeline = m.timeline
-    return m
 
 
 # -- the GPU launch -----------------------------------------------------------------------------
@@ -279,26 +266,28 @@ def extension() -> Any:
 
 
 class _StatusBlock:
-    """CommStatus (primitives/signal.cuh) in pinned, mapped host memory: the kernel records a
-    timeout there; the host reads it after the launch without a device copy."""
-
-    FIELDS = ("error", "rank", "peer", "task", "role", "signal", "index", "abort")
+    """CommStatus (primitives/protocol_gen.h) in pinned, mapped host memory: the kernel records a
+    timeout there; the host reads it after the launch without a device copy. ``plan`` is the plan
+    of the launch it watches (its spec names the signal)."""
 
     def __init__(self) -> None:
-        self.t = torch.zeros(len(self.FIELDS), dtype=torch.int32, pin_memory=True)
+        self.t = torch.zeros(len(STATUS_FIELDS), dtype=torch.int32, pin_memory=True)
+        self.plan: Plan | None = None
 
     def ptr(self) -> int:
         return self.t.data_ptr()
 
-    def raise_if_set(self, signal_names: dict[int, str] | None = None) -> None:
-        v = dict(zip(self.FIELDS, self.t.tolist(), strict=True))
+    def raise_if_set(self) -> None:
+        v = dict(zip(STATUS_FIELDS, self.t.tolist(), strict=True))
         if not v["error"]:
             return
         self.t.zero_()
-        name = (signal_names or SIGNAL_NAMES).get(v["signal"], f"signal{v['signal']}")
-        raise CommTimeout(
-            v["rank"], v["peer"], f"{name}[{v['index']}]", v["task"], ROLE_NAMES.get(v["role"], "?")
-        )
+        if self.plan is not None:
+            name = signal_name(self.plan.spec, v["pad"], v["index"], self.plan.sizes)
+        else:
+            name = f"pad{v['pad']}[{v['index']}]"
+        role = ROLES[v["role"]] if 0 <= v["role"] < len(ROLES) else "?"
+        raise CommTimeout(v["rank"], v["peer"], name, v["task"], role)
 
 
 def status_block(world: World) -> _StatusBlock:
@@ -309,78 +298,81 @@ def status_block(world: World) -> _StatusBlock:
     return blk
 
 
-def fill_launch(world: World, plan: Plan) -> Any:
-    """A FusedLaunch with the plan, world, status and fault fields set; the op fills its
-    operands."""
-    from ..schedule import TILE_CONFIG_IDS
-
-    if world.emulated_world and world.size > MAX_LOCAL_RANKS:
+def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The launch record (mkernel/protocol.py RECORD_FIELDS) of one call."""
+    spec, emulated = plan.spec, world.emulated_world
+    if emulated and world.size > MAX_LOCAL_RANKS:
         raise ValueError(
             f"an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, got {world.size}"
         )
-    ext = extension()
-    L = ext.FusedLaunch()
-    tables = plan.device_tables(world.device)
-    L.tc, L.tm = plan.compute_order.shape[1], plan.comm_tasks.shape[1]
-    # The kernel indexes the per-rank tables by its local rank: in a distributed world (one rank
-    # per launch) point them at this rank's row.
-    row = 0 if world.emulated_world else world.rank
-    L.tiles = tables["tiles"].data_ptr()
-    L.compute_order = tables["compute_order"].data_ptr() + row * L.tc * 4
-    L.comm_tasks = tables["comm_tasks"].data_ptr() + row * L.tm * 4
-    L.compute_units, L.comm_units = plan.compute_units, plan.comm_units
-    L.ctas_per_rank = plan.ctas_per_rank
-    L.overlap = 0 if plan.overlap == "intra_sm" else 1
-    L.tile_config = TILE_CONFIG_IDS[plan.tile.name]
-    L.world_size = world.size
-    L.rank0 = 0 if world.emulated_world else world.rank
-    L.ranks_here = world.size if world.emulated_world else 1
-    L.timeout_ns = int(world.timeout_s * 1e9)
-    L.status = status_block(world).ptr()
+    rec = [0] * len(RECORD_FIELDS)
+
+    def put(name: str, value: int) -> None:
+        rec[RECORD[name]] = int(value)
+
+    for name, t in plan.device_tables(world.device).items():
+        put(name, t.data_ptr())
+    put("compute_units", plan.compute_units)
+    put("comm_units", plan.comm_units)
+    put("ctas_per_rank", plan.ctas_per_rank)
+    put("overlap", OVERLAPS.index(plan.overlap))
+    put("tile_config", TILE_CONFIG_IDS[plan.tile.name])
+    put("compute_signals", plan.roles["compute"].tensors["raises"].shape[0] > 0)
+    put("world_size", world.size)
+    put("rank0", 0 if emulated else world.rank)
+    put("ranks_here", world.size if emulated else 1)
+    put("timeout_ns", int(world.timeout_s * 1e9))
+    put("backoff_ns", plan.extra.get("backoff_ns", 0))
+    put("status", status_block(world).ptr())
     f = plan.faults
-    L.silent_rank = -1 if f.silent_rank is None else f.silent_rank
-    L.delay_rank = -1 if f.delay_rank is None else f.delay_rank
-    L.delay_ns = int(f.delay_us * 1000)
-    L.backoff_ns = plan.extra.get("backoff_ns", 0)
-    L.transfer = 1 if plan.extra.get("transfer") == "tma" else 0
+    put("silent_rank", -1 if f.silent_rank is None else f.silent_rank)
+    put("delay_rank", -1 if f.delay_rank is None else f.delay_rank)
+    put("delay_ns", int(f.delay_us * 1000))
+    ws = workspace(world, plan)
+    for i, p in enumerate(spec.all_pads()):
+        put(f"pad{i}", ws[p.name].peer_ptrs.data_ptr())
+    for i, b in enumerate(spec.buffers):
+        if b.kind == "symmetric":
+            buf = ws[b.name]
+            if buf is not None:
+                put(f"slot{i}", buf.peer_ptrs.data_ptr())
+                put(f"stride{i}", buf.local.data_ptr())
+        else:
+            t = operands[b.name]
+            put(f"slot{i}", t.data_ptr())
+            put(f"stride{i}", t[0].numel() if emulated else 0)
+    for i, name in enumerate(spec.scalars):
+        put(f"scalar{i}", plan.sizes[name])
     world._pending_trace = None
     if plan.extra.get("trace"):
-        ranks_here = L.ranks_here
-        cap = max(1, -(-L.tc // plan.compute_units), -(-L.tm // max(1, plan.comm_units)))
+        ranks_here = world.size if emulated else 1
+        counts = [len(ts) for role in ("compute", "comm") for ts in plan.roles[role].tasks]
+        cap = max(1, -(-max(counts) // min(plan.compute_units, max(1, plan.comm_units))))
         buf = torch.zeros(
             (ranks_here, plan.ctas_per_rank, 2, cap, 2), dtype=torch.int64, device=world.device
         )
-        L.timeline, L.timeline_cap = buf.data_ptr(), cap
+        put("timeline", buf.data_ptr())
+        put("timeline_cap", cap)
         world._pending_trace = (plan, buf)
-    return L
+    return torch.tensor(rec, dtype=torch.int64)
 
 
-def set_operands(L: Any, world: World, a: torch.Tensor, b: torch.Tensor, out=None) -> None:
-    """The FusedLaunch operand fields every op sets the same way: the a and b pointers (and out's,
-    when given) and each one's rank stride, the elements between consecutive ranks' tensors (an
-    emulated world's [W, ...] tensors; 0 in a distributed world, one rank per launch)."""
-    emulated = world.emulated_world
-    L.a, L.b = a.data_ptr(), b.data_ptr()
-    L.a_rank_stride = a[0].numel() if emulated else 0
-    L.b_rank_stride = b[0].numel() if emulated else 0
-    if out is not None:
-        L.out = out.data_ptr()
-        L.out_rank_stride = out[0].numel() if emulated else 0
-
-
-def launch_and_check(world: World, fn: Callable, L: Any, signal_names: dict[int, str]) -> None:
-    """Launches on the current stream. Outside graph capture it waits for the kernel and raises
+def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None:
+    """Launches the op's kernel on the current stream with these operands (by the spec's names).
+    Outside graph capture (and with ``world.sync_checks``) it waits for the kernel and raises
     CommTimeout if a wait timed out (the kernel has exited cleanly by then)."""
     status = status_block(world)
-    raise_timeout(world, status, signal_names)  # a timeout left by an earlier, unchecked launch
+    raise_timeout(world, status)  # a timeout left by an earlier, unchecked launch
+    record = _record(world, plan, operands)
+    status.plan = plan
     stream = torch.cuda.current_stream(world.device)
-    rc = fn(L, stream.cuda_stream)
+    rc = getattr(extension(), f"launch_{plan.op}")(record.data_ptr(), stream.cuda_stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
     trace = getattr(world, "_pending_trace", None)
     if not torch.cuda.is_current_stream_capturing() and (world.sync_checks or trace):
         stream.synchronize()
-        raise_timeout(world, status, signal_names)
+        raise_timeout(world, status)
         if trace is not None:
             world.last_timeline = gpu_timeline(world, *trace)
 
@@ -412,14 +404,12 @@ def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
     return tl
 
 
-def raise_timeout(
-    world: World, status: _StatusBlock, signal_names: dict[int, str] | None = None
-) -> None:
+def raise_timeout(world: World, status: _StatusBlock) -> None:
     # NOTE: a timed-out call leaves flags and accumulators dirty (late producers land after the
     # waiter gave up). An emulated world's kernel has fully exited here, so it is safe to clear
     # them; a distributed world needs world.reset() on every rank.
     try:
-        status.raise_if_set(signal_names)
+        status.raise_if_set()
     except CommTimeout:
         if world.emulated_world:
             world.reset()

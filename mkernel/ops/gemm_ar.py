@@ -4,7 +4,8 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
 
     out_r = sum(a_q.float() @ b_q.float() for q in range(W)).bfloat16()   # [M, N], same on all
 
-Device protocol (kernels/gemm_ar.cu), no multicast: tile t of the [M, N] output is owned by rank
+Protocol (the plan's tables below; device data movement in kernels/gemm_ar.cu), no multicast:
+tile t of the [M, N] output is owned by rank
 t % W. Every rank computes every tile of its partial product (all ranks in the same row-major order,
 so a tile's W contributions arrive close together, while consecutive tiles go to different owners);
 the epilogue reduce-adds the fp32 tile into the owner's accumulator and raises
@@ -30,6 +31,7 @@ import sys
 import torch
 
 from ..interp import twins
+from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
     Plan,
@@ -44,6 +46,31 @@ from ..schedule import (
 from ..world import World
 from . import common
 
+bf16, f32 = torch.bfloat16, torch.float32
+SPEC = OpSpec(
+    name="gemm_ar",
+    doc="GEMM + AllReduce",
+    buffers=(
+        Buffer("a", "input", bf16, ("m", "k_local")),
+        Buffer("b", "input", bf16, ("k_local", "n")),
+        Buffer("out", "output", bf16, ("m", "n"), "the sum, on every rank"),
+        Buffer("acc", "symmetric", f32, ("m", "n"), "fp32 sums; only owned tiles are used"),
+        Buffer(
+            "result",
+            "symmetric",
+            bf16,
+            ("m", "n"),
+            "peers' results (copied into out)",
+            when="distributed",
+        ),
+    ),
+    pads=(
+        Pad("tile_flag", ("tile", "src"), ("tiles", "W"), doc="src's part of tile landed"),
+        Pad("tile_ready", ("tile",), ("tiles",), doc="the reduced tile landed here"),
+    ),
+    scalars=("m", "n", "k_local", "tiles"),
+)
+
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     W = world.size
@@ -52,18 +79,38 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     tiles = [t._replace(tag=t.index % W) for t in grid_tiles(0, m, n, cfg, 0, 0)]  # tag = owner
     T = len(tiles)
     default = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)  # same on every rank
-    orders, comms = [], []
+    compute, comm = [], []
     for r in range(W):
-        orders.append(apply_order(schedule.tile_order, r, tiles, default))
-        # Finalize ids t (owned tiles) first, then "wait tile_ready t" ids T + t for the others.
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        flags = [(Raise("tile_flag", t.tag, (t.index, r)),) if W > 1 else () for t in tiles]
+        compute.append([Task(i, (i,), raises=flags[i]) for i in order])
+        if W == 1:  # the epilogue stores the bf16 tile straight into out: nothing to communicate
+            comm.append([])
+            continue
+        # Finalize ids t (owned tiles) first, then pure waits T + t for the others.
         # NOTE: no cycle. A unit takes every n-th entry of this list, so each unit runs all of its
         # finalizes before any of its waits; a finalize waits only on compute epilogues, which wait
         # on nothing; so every finalize completes, and with them every tile_ready a wait needs.
-        owned = [t for t in range(T) if t % W == r]
-        # W == 1: the epilogue stores the bf16 tile straight into out; nothing to communicate.
-        comms.append(owned + [T + t for t in range(T) if t % W != r] if W > 1 else [])
+        # The waits get twice the deadline, so that a stuck owner's own wait reports first.
+        finalize = [
+            Task(
+                t,
+                (t,),
+                waits=tuple(Wait("tile_flag", r, (t, (r + 1 + j) % W)) for j in range(W)),
+                raises=tuple(Raise("tile_ready", (r + j) % W, (t,)) for j in range(1, W)),
+            )
+            for t in range(T)
+            if t % W == r
+        ]
+        landed = [
+            Task(T + t, (T + t,), waits=(Wait("tile_ready", r, (t,), patience=2),))
+            for t in range(T)
+            if t % W != r
+        ]
+        comm.append(finalize + landed)
     shapes = {"m": m, "n": n, "k": k}
-    return build_plan("gemm_ar", schedule, world, cfg, shapes, tiles, orders, comms, {"tiles": T})
+    sizes = {**shapes, "k_local": k // W, "tiles": T}
+    return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -108,99 +155,46 @@ def gemm_ar(
     return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
 
 
-def _workspace(world: World, plan: Plan):
-    W, m, n, T = world.size, plan.shapes["m"], plan.shapes["n"], plan.extra["tiles"]
-    acc = world.symmetric(("gemm_ar", "acc"), (m, n), torch.float32)  # owned tiles only are used
-    flags = world.symmetric(("gemm_ar", "flags"), (T, W), torch.int32)
-    ready = world.symmetric(("gemm_ar", "ready"), (T,), torch.int32)
-    return acc, flags, ready, common.barrier_pad(world)
-
-
-# -- GPU ----------------------------------------------------------------------------------------
-
-
-def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
-    acc, flags, ready, barrier = _workspace(world, plan)
-    m, n = plan.shapes["m"], plan.shapes["n"]
-    L = common.fill_launch(world, plan)
-    common.set_operands(L, world, a, b)  # out differs by world: set below
-    result = None
-    if world.emulated_world:  # peers' results are slices of one tensor: out + p * M * N
-        L.out, L.out_rank_stride, L.aux_ptr = out.data_ptr(), m * n, 0
-    else:  # peers' results must be symmetric memory: their addresses come from a table
-        result = world.symmetric(("gemm_ar", "result"), (m, n), torch.bfloat16)
-        L.out, L.aux_ptr = result.local.data_ptr(), result.peer_ptrs.data_ptr()
-    L.M, L.N, L.K = m, n, a.shape[-1]
-    L.work_ptrs, L.flag_ptrs = acc.peer_ptrs.data_ptr(), flags.peer_ptrs.data_ptr()
-    L.flag2_ptrs, L.barrier_ptrs = ready.peer_ptrs.data_ptr(), barrier.peer_ptrs.data_ptr()
-    L.tiles_per_rank = plan.extra["tiles"]
-    common.launch_and_check(world, common.extension().launch_gemm_ar, L, common.SIGNAL_NAMES)
+def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
+    """A distributed world's peers wrote the symmetric result buffer: copy it into out."""
+    result = common.workspace(world, plan)["result"]
     if result is not None:
         out.copy_(result.local)
-    return out
 
 
-# -- CPU interpreter: program twins mirroring kernels/gemm_ar.cu ---------------------------------
+# -- CPU interpreter: data-movement twins of kernels/gemm_ar.cu ----------------------------------
 
 
-def compute_program(plan: Plan):
-    k = plan.shapes["k"] // plan.world_size
-    f = plan.faults
+def twins_of(plan: Plan):
+    W, T, k = plan.world_size, plan.sizes["tiles"], plan.sizes["k_local"]
 
-    def run(ctx, task):
-        t = plan.tiles[task]
-        a = yield from twins.tile_load(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
-        b = yield from twins.tile_load(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
+    def compute(ctx, task):  # GemmAR::dest: reduce-add into the owner (W == 1: bf16 into out)
+        t = plan.tiles[task.args[0]]
+        a = yield from twins.tile_load_async(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
+        rect, part = (t.m0, t.rows, t.n0, t.cols), a.float() @ b.float()
+        if W == 1:
+            yield from twins.output_store(ctx, "out", ctx.rank, rect, part, t.index)
+        else:
+            yield from twins.red_add_v2_f32_sys(ctx, "acc", t.tag, rect, part)
+
+    def comm(ctx, task):  # GemmAR::comm_move: finalize into every rank's out; waits move nothing
+        if task.args[0] >= T:
+            return
+        t = plan.tiles[task.args[0]]
         rect = (t.m0, t.rows, t.n0, t.cols)
-        if plan.world_size == 1:
-            yield from twins.output_store(ctx, "out", ctx.rank, rect, a.float() @ b.float(), task)
-            return
-        yield from twins.reduce_add(ctx, "acc", t.tag, rect, a.float() @ b.float())
-        if ctx.rank == f.silent_rank:
-            return
-        if ctx.rank == f.delay_rank:
-            yield from twins.delay(ctx, f.delay_us)
-        yield from twins.signal_set_release(ctx, ctx.sig("tile_flag", t.tag, task, ctx.rank))
-
-    return run
-
-
-def comm_program(plan: Plan):
-    W, T = plan.world_size, plan.extra["tiles"]
-    f = plan.faults
-
-    def run(ctx, task):
-        me = ctx.rank
-        if task >= T:  # wait until the owner's reduced tile has landed in our result
-            t = task - T
-            yield from twins.wait_acquire_reset(ctx, ctx.sig("tile_ready", me, t), 1, t % W)
-            return
-        t = plan.tiles[task]
-        if me == f.delay_rank:
-            yield from twins.delay(ctx, f.delay_us)
-        for j in range(W):
-            src = (me + 1 + j) % W
-            yield from twins.wait_acquire_reset(ctx, ctx.sig("tile_flag", me, task, src), 1, src)
-        rect = (t.m0, t.rows, t.n0, t.cols)
-        v = yield from twins.tile_load(ctx, "acc", me, rect)
+        v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)
         for j in range(W):  # own result first, then r+1, r+2, ...
-            yield from twins.output_store(ctx, "out", (me + j) % W, rect, v.bfloat16(), task)
-        yield from twins.tile_send(ctx, "acc", me, rect, torch.zeros_like(v))
-        if me == f.silent_rank:
-            return
-        for j in range(1, W):
-            yield from twins.signal_set_release(ctx, ctx.sig("tile_ready", (me + j) % W, task))
+            p = (ctx.rank + j) % W
+            yield from twins.output_store(ctx, "out", p, rect, v.bfloat16(), t.index)
+        yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))
 
-    return run
+    return {"compute": compute, "comm": comm}
 
 
-def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.Tensor:
-    acc, flags, ready, barrier = _workspace(world, plan)
-    buffers = {"a": a, "b": b, "acc": acc.local, "out": out}
-    pads = {"tile_flag": flags.local, "tile_ready": ready.local, "barrier": barrier.local}
-    programs = compute_program(plan), comm_program(plan)
-    common.run_interpreter(world, plan, pads, buffers, *programs, schedule.seed)
-    return out
+def outputs(plan: Plan, rank: int) -> dict[int, tuple[int, int, int, int]]:
+    """Every tile of [M, N], on every rank."""
+    return {t.index: (t.m0, t.rows, t.n0, t.cols) for t in plan.tiles}
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:

@@ -5,10 +5,11 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
     full = sum(a_q.float() @ b_q.float() for q in range(W))     # [M, N], fp32
     out_r = full[r * M // W : (r + 1) * M // W].bfloat16()        # [M/W, N]
 
-Device protocol (kernels/gemm_rs.cu): every rank computes every tile of its partial product; the
-epilogue reduce-adds the fp32 tile into the owner's accumulator and raises flag[u][me] on the owner;
-the owner's comm role waits for all W flags of its tile u (consuming them), writes out[u] in bf16
-and zeroes the accumulator tile for the next call.
+Protocol (the plan's tables below; device data movement in kernels/gemm_rs.cu): every rank
+computes every tile of its partial product; the epilogue reduce-adds the fp32 tile into the owner's
+accumulator, then raises ``tile_flag[tile=u, src=me]`` on the owner; the owner's comm task u waits
+for all W flags (consuming them), writes out[u] in bf16 and zeroes the accumulator tile for the
+next call. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import torch
 
 from ..interp import twins
+from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
     Plan,
@@ -32,7 +34,19 @@ from ..schedule import (
 from ..world import World
 from . import common
 
-SIGNALS = {0: "barrier", 1: "tile_flag"}
+bf16, f32 = torch.bfloat16, torch.float32
+SPEC = OpSpec(
+    name="gemm_rs",
+    doc="GEMM + ReduceScatter",
+    buffers=(
+        Buffer("a", "input", bf16, ("m", "k_local")),
+        Buffer("b", "input", bf16, ("k_local", "n")),
+        Buffer("out", "output", bf16, ("rows_per_rank", "n"), "this rank's rows of the sum"),
+        Buffer("acc", "symmetric", f32, ("rows_per_rank", "n"), "fp32 sums of the owned rows"),
+    ),
+    pads=(Pad("tile_flag", ("tile", "src"), ("per_owner", "W"), doc="src's part of tile landed"),),
+    scalars=("n", "k_local", "rows_per_rank"),
+)
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
@@ -45,17 +59,34 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
     per_owner = len(tiles) // W
     block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly within a block
-    orders, comms = [], []
+    compute, comm = [], []
     for r in range(W):
         # Default: every rank walks the owners' blocks in step (tile j of every owner, then j+1), so
         # a tile's W contributions land close together and its owner finalizes it while the GEMM
         # goes on; at each step rank r sends to owner r+1 first, spreading the links' load.
         default = [((r + 1 + i) % W) * per_owner + j for j in block for i in range(W)]
-        orders.append(apply_order(schedule.tile_order, r, tiles, default))
-        comms.append([r * per_owner + j for j in range(per_owner)] if W > 1 else [])
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        flags = [
+            (Raise("tile_flag", t.tag, (t.index - t.tag * per_owner, r)),) if W > 1 else ()
+            for t in tiles
+        ]
+        compute.append([Task(i, (i,), raises=flags[i]) for i in order])
+        owned = range(r * per_owner, (r + 1) * per_owner) if W > 1 else ()
+        comm.append(
+            [
+                Task(
+                    i,
+                    (i,),
+                    waits=tuple(
+                        Wait("tile_flag", r, (i - r * per_owner, (r + 1 + j) % W)) for j in range(W)
+                    ),
+                )
+                for i in owned
+            ]
+        )
     shapes = {"m": m, "n": n, "k": k}
-    extra = {"per_owner": per_owner, "rows_per_rank": ms}
-    return build_plan("gemm_rs", schedule, world, cfg, shapes, tiles, orders, comms, extra)
+    sizes = {**shapes, "k_local": k // W, "rows_per_rank": ms, "per_owner": per_owner}
+    return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -95,97 +126,38 @@ def gemm_rs(
     return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
 
 
-def _workspace(world: World, plan: Plan):
-    W, ms, n = world.size, plan.extra["rows_per_rank"], plan.shapes["n"]
-    acc = world.symmetric(("gemm_rs", "acc"), (ms, n), torch.float32)
-    flags = world.symmetric(("gemm_rs", "flags"), (plan.extra["per_owner"], W), torch.int32)
-    return acc, flags, common.barrier_pad(world)
+# -- CPU interpreter: data-movement twins of kernels/gemm_rs.cu ----------------------------------
 
 
-# -- GPU ----------------------------------------------------------------------------------------
+def twins_of(plan: Plan):
+    W, ms, k = plan.world_size, plan.sizes["rows_per_rank"], plan.sizes["k_local"]
 
-
-def _run_gpu(world: World, plan: Plan, a, b, out: torch.Tensor) -> torch.Tensor:
-    acc, flags, barrier = _workspace(world, plan)
-    ms, n = plan.extra["rows_per_rank"], plan.shapes["n"]
-    L = common.fill_launch(world, plan)
-    common.set_operands(L, world, a, b, out)  # out: [W, M/W, N], rank stride ms * n
-    L.M, L.N, L.K = a.shape[-2], n, a.shape[-1]
-    L.work_ptrs, L.flag_ptrs = acc.peer_ptrs.data_ptr(), flags.peer_ptrs.data_ptr()
-    L.barrier_ptrs = barrier.peer_ptrs.data_ptr()
-    L.rows_per_rank, L.tiles_per_rank = ms, plan.extra["per_owner"]
-    ext = common.extension()
-    common.launch_and_check(world, ext.launch_gemm_rs, L, SIGNALS)
-    return out
-
-
-# -- CPU interpreter: program twins mirroring kernels/gemm_rs.cu ---------------------------------
-
-
-def compute_program(plan: Plan):
-    W, per_owner, ms = plan.world_size, plan.extra["per_owner"], plan.extra["rows_per_rank"]
-    k = plan.shapes["k"] // W
-    f = plan.faults
-
-    def run(ctx, task):
-        t = plan.tiles[task]
-        a = yield from twins.tile_load(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
-        b = yield from twins.tile_load(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
+    def compute(ctx, task):  # GemmRS::dest: the engine's tile, reduce-added into its owner
+        t = plan.tiles[task.args[0]]
+        a = yield from twins.tile_load_async(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         part = a.float() @ b.float()
         rect = (t.m0 - t.tag * ms, t.rows, t.n0, t.cols)
         if W == 1:
-            yield from twins.output_store(ctx, "out", ctx.rank, rect, part, task)
-            return
-        yield from twins.reduce_add(ctx, "acc", t.tag, rect, part)
-        if ctx.rank == f.silent_rank:
-            return
-        if ctx.rank == f.delay_rank:
-            yield from twins.delay(ctx, f.delay_us)
-        u = task - t.tag * per_owner
-        yield from twins.signal_set_release(ctx, ctx.sig("flags", t.tag, u, ctx.rank))
+            yield from twins.output_store(ctx, "out", ctx.rank, rect, part, t.index)
+        else:
+            yield from twins.red_add_v2_f32_sys(ctx, "acc", t.tag, rect, part)
 
-    return run
-
-
-def comm_program(plan: Plan):
-    W, per_owner, ms = plan.world_size, plan.extra["per_owner"], plan.extra["rows_per_rank"]
-    f = plan.faults
-
-    def run(ctx, task):
-        t = plan.tiles[task]
-        u = task - ctx.rank * per_owner
-        if ctx.rank == f.delay_rank:
-            yield from twins.delay(ctx, f.delay_us)
-        for j in range(W):
-            src = (ctx.rank + 1 + j) % W
-            yield from twins.wait_acquire_reset(ctx, ctx.sig("flags", ctx.rank, u, src), 1, src)
+    def comm(ctx, task):  # GemmRS::comm_move: accumulator -> bf16 out, zeroed for the next call
+        t = plan.tiles[task.args[0]]
         rect = (t.m0 - ctx.rank * ms, t.rows, t.n0, t.cols)
         v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)
-        yield from twins.output_store(ctx, "out", ctx.rank, rect, v.bfloat16(), task)
+        yield from twins.output_store(ctx, "out", ctx.rank, rect, v.bfloat16(), t.index)
         yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))
 
-    return run
+    return {"compute": compute, "comm": comm}
 
 
-def _run_cpu(world: World, plan: Plan, a, b, schedule: Schedule, out) -> torch.Tensor:
-    acc, flags, barrier = _workspace(world, plan)
-    buffers = {"a": a, "b": b, "acc": acc.local, "out": out}
-    pads = {"flags": flags.local, "barrier": barrier.local}
-    # Each owner writes its own tiles (W == 1: every tile, run_interpreter's default).
-    expected = None
-    if world.size > 1:
-        expected = {r: plan.comm_tasks[r].tolist() for r in range(world.size)}
-    common.run_interpreter(
-        world,
-        plan,
-        pads,
-        buffers,
-        compute_program(plan),
-        comm_program(plan),
-        schedule.seed,
-        expected,
-    )
-    return out
+def outputs(plan: Plan, rank: int) -> dict[int, tuple[int, int, int, int]]:
+    """The output tiles rank ``rank`` holds when its kernel ends: its rows (every tile at W=1)."""
+    ms = plan.sizes["rows_per_rank"]
+    mine = [t for t in plan.tiles if t.tag == rank or plan.world_size == 1]
+    return {t.index: (t.m0 - t.tag * ms, t.rows, t.n0, t.cols) for t in mine}
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:

@@ -1,14 +1,33 @@
-"""Op name -> module (each module: make_plan, the op function, its reference, its program twins)."""
+"""The fused ops: every module of ``mkernel/ops`` that declares a ``SPEC`` (mkernel/protocol.py) is
+one, named by its module. Its module holds the op's API, plan, data-movement twins and reference;
+its device code is ``kernels/<name>.cu``. Adding an op adds no line here."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 from types import ModuleType
 
 
-def get(op: str) -> ModuleType:
-    from . import ag_gemm, gemm_ar, gemm_rs
+@functools.cache
+def _ops() -> dict[str, ModuleType]:
+    from .. import ops
 
-    ops = {"gemm_rs": gemm_rs, "ag_gemm": ag_gemm, "gemm_ar": gemm_ar}
+    found = {}
+    for info in pkgutil.iter_modules(ops.__path__):
+        module = importlib.import_module(f"{ops.__name__}.{info.name}")
+        if hasattr(module, "SPEC"):
+            found[info.name] = module
+    return dict(sorted(found.items()))
+
+
+def names() -> list[str]:
+    return list(_ops())
+
+
+def get(op: str) -> ModuleType:
+    ops = _ops()
     if op not in ops:
         raise ValueError(f"unknown op {op!r}; known: {sorted(ops)}")
     return ops[op]

@@ -18,6 +18,8 @@
 #pragma once
 #include <cstdint>
 
+#include "primitives/protocol_gen.h"  // tile config ids (mkernel/protocol.py TILE_CONFIG_IDS)
+
 #if defined(__CUDACC__)
 #define MK_HD __host__ __device__
 #else
@@ -84,11 +86,11 @@ struct TileConfig {
 // TMA tensor stores of 64 x 64 boxes through two swizzled 8 KiB buffers when the destination has a
 // tensor map (Dest::map), else as two 128-column passes of row copies. Measured against 3 stages with
 // a one-pass 256-column staging tile (experiment 112, the config before): +0.2% to +4.9% (two runs).
-using Tile128x256x64 = TileConfig<128, 256, 4, 0, 24, 240, 128, kEpiTma>;
+using Tile128x256x64 = TileConfig<128, 256, 4, kTile128x256x64, 24, 240, 128, kEpiTma>;
 // 2 consumer warpgroups, each 64 x 128: more tiles for mid-size problems.
-using Tile128x128x64 = TileConfig<128, 128, 6, 1, 40, 232>;
+using Tile128x128x64 = TileConfig<128, 128, 6, kTile128x128x64, 40, 232>;
 // 1 consumer warpgroup, 64 x 128: small M or few tiles.
-using Tile64x128x64 = TileConfig<64, 128, 8, 2, 40, 232>;
+using Tile64x128x64 = TileConfig<64, 128, 8, kTile64x128x64, 40, 232>;
 
 constexpr int kNumConfigs = 3;
 

@@ -1,0 +1,173 @@
+"""The persistent template's twin: runs a plan's tables in the interpreter.
+
+One generic task program, the same as templates/persistent.cuh executes on the GPU, for every task
+of every unit of every rank::
+
+    waits (acquire; then the resets the task owns)  ->  proxy fence  ->  the op's data movement twin
+    ->  bulk copies landed  ->  raises (release; a silent rank raises nothing, a late one sleeps)
+
+preceded by the entry barrier of the unit's CTA (intra_sm: the comm warp starts once its CTA passed
+it). Only the data movement is the op's (``moves[role](ctx, task)``); the waits and raises come from
+the plan, so what is property-tested here is the protocol the GPU runs. Signals print as the GPU
+names them (``tile_flag[tile=3, src=1]``, mkernel/protocol.py signal_name). The end of each call on
+a rank reads every output tile ``outputs(rank)`` of buffer ``out``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..protocol import BARRIER_PAD, MAX_BARRIER_SLOTS, Task, signal_name
+from . import twins
+from .machine import Machine, SigRef
+
+Rect = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class NamedSig(SigRef):
+    """A flag of a pad (flat index) that prints under the name both backends use."""
+
+    label: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return self.label
+
+
+class PlanSignals:
+    """Flags of a plan's pads, by pad name and flat index, named as on the GPU."""
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+        self.ids = {p.name: i for i, p in enumerate(plan.spec.all_pads())}
+
+    def __call__(self, pad: str, rank: int, flat: int) -> NamedSig:
+        label = signal_name(self.plan.spec, self.ids[pad], flat, self.plan.sizes)
+        return NamedSig(pad, rank, (flat,), label=label)
+
+
+def _flat_index(plan, pad: str, index: tuple[int, ...]) -> int:
+    from ..protocol import _flat
+
+    return _flat(plan.spec, plan.sizes, pad, index)[1]
+
+
+def run_waits(ctx, plan, sig: PlanSignals, task: Task):
+    """The template's run_waits: every wait, then the resets this task owns."""
+    flats = [_flat_index(plan, w.pad, w.index) for w in task.waits]
+    for w, flat in zip(task.waits, flats, strict=True):
+        yield from twins.wait_acquire(ctx, sig(w.pad, w.rank, flat), w.value, w.peer)
+    for w, flat in zip(task.waits, flats, strict=True):
+        if w.consumers == 1:
+            yield from twins.signal_set_relaxed(ctx, sig(w.pad, w.rank, flat), 0)
+        elif w.consumers > 1:
+            counter = sig(w.pad + "_count", w.rank, flat)
+            old = yield from twins.fetch_add_relaxed(ctx, counter, 1)
+            if old + 1 == w.consumers:
+                yield from twins.signal_set_relaxed(ctx, sig(w.pad, w.rank, flat), 0)
+                yield from twins.signal_set_relaxed(ctx, counter, 0)
+    if task.waits:
+        yield from twins.fence_proxy_async(ctx)
+
+
+def run_raises(ctx, plan, sig: PlanSignals, task: Task):
+    """The template's run_raises, after the task's writes have landed."""
+    f = plan.faults
+    if not task.raises or ctx.rank == f.silent_rank:
+        return
+    if ctx.rank == f.delay_rank:
+        yield from twins.delay(ctx, f.delay_us)
+    for r in task.raises:
+        flag = sig(r.pad, r.rank, _flat_index(plan, r.pad, r.index))
+        if r.op == "add":
+            yield from twins.signal_add_release(ctx, flag, r.value)
+        else:
+            yield from twins.signal_set_release(ctx, flag, r.value)
+
+
+def entry_barrier(ctx, sig: PlanSignals, slot: int):
+    """CTA ``slot`` meets CTA ``slot`` of every peer: arrive by setting barrier[slot, me] on the
+    peer once the previous call's arrival there was consumed (the device's CAS 0 -> 1), then wait
+    for every peer's arrival on our own pad and consume it."""
+    W = ctx.W
+    for i in range(1, W):
+        peer = (ctx.rank + i) % W
+        flag = sig(BARRIER_PAD, peer, slot * W + ctx.rank)
+        yield from twins.wait_acquire(ctx, flag, 0, peer)
+        yield from twins.signal_set_release(ctx, flag, 1)
+    for i in range(1, W):
+        peer = (ctx.rank + i) % W
+        flag = sig(BARRIER_PAD, ctx.rank, slot * W + peer)
+        yield from twins.wait_acquire_reset(ctx, flag, 1, peer)
+
+
+def run_plan(
+    world,
+    plan,
+    buffers: dict[str, torch.Tensor],
+    moves: dict[str, Callable],
+    seed: int,
+    outputs: Callable[[int], dict[int, Rect]],
+    calls: int = 1,
+) -> Machine:
+    """Runs ``calls`` calls of ``plan`` back to back on one machine state (the second call's agents
+    of a rank start when its first call's have finished, as kernels on one stream). ``buffers``:
+    every data buffer and pad by name ([W, ...] tensors; pads are reset by the protocol itself)."""
+    W = world.size
+    pad_names = [p.name for p in plan.spec.all_pads()]
+    pads = {name: buffers[name].view(W, -1) for name in pad_names}
+    pads["cta_ready"] = torch.zeros(W, MAX_BARRIER_SLOTS, dtype=torch.int32)  # inside a CTA
+    data = {k: v for k, v in buffers.items() if k not in pads}
+    steps = max(10_000, int(world.timeout_s * 200_000))
+    m = Machine(W, pads, data, seed=seed, deadline_steps=steps)
+    sig = PlanSignals(plan)
+    by_id = {
+        (role, r, t.id): t
+        for role, tables in plan.roles.items()
+        for r, ts in enumerate(tables.tasks)
+        for t in ts
+    }
+
+    def program(role: str, prologue: Callable) -> Callable:
+        def run(ctx, task_id: int):
+            task = by_id[(role, ctx.rank, task_id)]
+            yield from run_waits(ctx, plan, sig, task)
+            yield from moves[role](ctx, task)
+            yield from twins.bulk_wait_all(ctx)
+            yield from run_raises(ctx, plan, sig, task)
+
+        run.prologue = prologue
+        return run
+
+    def cta(slot: int, publish: bool) -> Callable:
+        def prologue(ctx):
+            yield from entry_barrier(ctx, sig, slot)
+            if publish:  # intra_sm: the comm warp starts after its CTA's barrier
+                yield from twins.local_event_set(ctx, SigRef("cta_ready", ctx.rank, (slot,)))
+
+        return prologue
+
+    def comm_warp(slot: int) -> Callable:
+        def prologue(ctx):
+            ready = SigRef("cta_ready", ctx.rank, (slot,))
+            yield from twins.wait_acquire_reset(ctx, ready, 1, ctx.rank)
+
+        return prologue
+
+    intra = plan.overlap == "intra_sm"
+    for call in range(calls):
+        for r in range(W):
+            for u in range(plan.compute_units):
+                run = program("compute", cta(u, publish=intra))
+                m.add_agent(r, "compute", u, plan.tasks_of("compute", r, u), run, call=call)
+            for u in range(plan.comm_units):
+                pro = comm_warp(u) if intra else cta(plan.compute_units + u, publish=False)
+                m.add_agent(
+                    r, "comm", u, plan.tasks_of("comm", r, u), program("comm", pro), call=call
+                )
+            m.expect_outputs(call, r, "out", outputs(r))
+    m.run()
+    return m
