@@ -106,11 +106,8 @@ struct TaskList {
 struct Team {
   int lane, size;
   __device__ void sync() const {
-    if (size == 32) {
-      __syncwarp();
-    } else {
-      asm volatile("bar.sync 2, %0;" ::"r"(size) : "memory");
-    }
+    __syncwarp();  // lane 0 may come from a wait alone: bar.sync needs a converged warp
+    if (size != 32) asm volatile("bar.sync 2, %0;" ::"r"(size) : "memory");
   }
 };
 
@@ -317,6 +314,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   cta.slot = blockIdx.x % c.ctas_per_rank;
   cta.rank = c.rank0 + cta.local_rank;
   if (threadIdx.x == 0) entry_barrier(c, cta);
+  __syncwarp();  // converge warp 0 before the CTA barrier
   __syncthreads();
 
   const int warp = threadIdx.x / 32;

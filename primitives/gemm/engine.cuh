@@ -91,6 +91,7 @@ struct Engine {
     uint64_t* empty = full + STAGES;                                       // [STAGES]
     if constexpr (CLUSTER == 1) {
       if (threadIdx.x == 0) init_barriers(smem);
+      __syncwarp();  // NOTE: bar.sync needs a converged warp (synccheck: "divergent threads")
       named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
     }
     if (threadIdx.x < 128) {
