@@ -15,6 +15,16 @@
 
 namespace mk {
 
+// Own chunk g of rank src: its first row in the shard and in the gathered A, and its row count
+// (the last chunk of a shard may be short). Host-tested against the twin (tests/test_codegen.py).
+struct ChunkSpan {
+  int shard_row, gather_row, rows;
+};
+MK_HD inline ChunkSpan chunk_span(int g, int src, int chunks, int chunk_rows, int ms) {
+  const int r0 = (g - src * chunks) * chunk_rows;
+  return ChunkSpan{r0, src * ms + r0, ms - r0 < chunk_rows ? ms - r0 : chunk_rows};
+}
+
 template <class EngineT>
 struct AgGemm {
   using Engine = EngineT;
@@ -33,10 +43,11 @@ struct AgGemm {
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char* smem) {
     const Layout& l = a.layout;
-    const int g = args[0], p = args[1];
-    const int r0 = (g - cta.rank * l.chunks) * l.chunk_rows, rows = min(l.chunk_rows, l.ms - r0);
-    const __nv_bfloat16* src = l.a.at(cta.local_rank) + (long long)r0 * l.k;
-    __nv_bfloat16* dst = l.gather.map(p) + ((long long)cta.rank * l.ms + r0) * l.k;
+    const int p = args[1];
+    const ChunkSpan c = chunk_span(args[0], cta.rank, l.chunks, l.chunk_rows, l.ms);
+    const __nv_bfloat16* src = l.a.at(cta.local_rank) + (long long)c.shard_row * l.k;
+    __nv_bfloat16* dst = l.gather.map(p) + (long long)c.gather_row * l.k;
+    const int rows = c.rows;
     if (l.transfer_tma && a.common.overlap == kInterSM) {  // intra_sm has no smem to stage
       push_bulk(team, smem, src, dst, (long long)rows * l.k * 2);
     } else {

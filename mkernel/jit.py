@@ -76,18 +76,24 @@ class ExtensionSpec:
     root: str | None = None  # None: mkernel._paths.source_root()
 
 
+def _fused_op_sources() -> tuple[str, ...]:
+    """kernels/<op>.cu of every fused op (mkernel/ops/registry.py: the modules with a SPEC)."""
+    from mkernel.ops import registry
+
+    return tuple(f"kernels/{name}.cu" for name in registry.names())
+
+
 EXTENSION = ExtensionSpec(
     name="_mkernel_ext",
-    # NOTE: listed, not globbed: a kernel joins the extension when its launcher is bound in
-    # kernels/binding.cpp, and a half-written kernel elsewhere in kernels/ cannot break the build.
+    # NOTE: listed, not globbed: a fused op's kernel joins the extension when its Python module
+    # declares a SPEC (the binding binds every op of MK_FUSED_OPS, generated from the same list),
+    # and a half-written kernel elsewhere in kernels/ cannot break the build.
     sources=(
         "kernels/binding.cpp",
         "kernels/gemm.cu",
         "kernels/gemm_binding.cpp",
-        "kernels/gemm_rs.cu",
-        "kernels/ag_gemm.cu",
-        "kernels/gemm_ar.cu",
         "kernels/p2p.cu",
+        *_fused_op_sources(),
     ),
     headers=(
         "primitives/**/*.cuh",
@@ -405,8 +411,10 @@ def _try_load(spec: ExtensionSpec, folder: Path) -> ModuleType | None:
 def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleType:
     """Return the built extension for ``spec``, building it on a cache miss.
 
-    Raises BuildError on a compile error, or on a miss when ``MKERNEL_NO_BUILD=1``.
+    Raises BuildError on a compile error, on a miss when ``MKERNEL_NO_BUILD=1``, or when the
+    generated headers (``python -m mkernel.codegen``) no longer match the Python declarations.
     """
+    _check_generated(spec)
     key = cache_key(spec)
     with _LOCK:
         if key in _LOADED:
@@ -427,6 +435,20 @@ def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleTyp
                 )
         _LOADED[key] = module
         return module
+
+
+def _check_generated(spec: ExtensionSpec) -> None:
+    """The device code reads constants and op layouts from headers generated from the Python side:
+    building against stale ones would launch kernels that disagree with their plans."""
+    if spec.name != EXTENSION.name:
+        return
+    from mkernel import codegen
+
+    stale = codegen.stale(_root(spec))
+    if stale:
+        raise BuildError(
+            f"generated headers are stale ({', '.join(stale)}): run python -m mkernel.codegen"
+        )
 
 
 # ----------------------------------------------------------------------------- compile check

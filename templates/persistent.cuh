@@ -5,7 +5,7 @@
 //   (bulk wait, system fence) -> raises (one thread: release)
 //
 // Waits, resets, raises, injected faults, deadlines and the GPU timeline live here, once; an op only
-// moves data. Its contract, checked at compile time (check_op below):
+// moves data. Its contract, checked at compile time (OpContract below):
 //
 //   struct Op {
 //     using Engine = ...;                      // compute engine (primitives/gemm/engine.cuh)
@@ -196,20 +196,20 @@ struct has_prepare<Op, std::void_t<decltype(Op::prepare(std::declval<const long 
     : std::true_type {};
 
 template <class Op>
-constexpr bool check_op() {
+struct OpContract {
   static_assert(has_dest<Op>::value,
-                "Op needs `static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, "
-                "const Tile&)`: where the engine writes a compute tile");
+                "Op needs 'static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, "
+                "const Tile&)': where the engine writes a compute tile");
   static_assert(has_comm_move<Op>::value,
-                "Op needs `static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, "
-                "const int* args, const Team&, char* smem)`: the data movement of one comm task");
+                "Op needs 'static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, "
+                "const int* args, const Team&, char* smem)': the data movement of one comm task");
   static_assert(has_prepare<Op>::value,
-                "Op needs `static bool prepare(const long long* rec, FusedArgs<Op>&)`: the host "
+                "Op needs 'static bool prepare(const long long* rec, FusedArgs<Op>&)': the host "
                 "side that fills the engine's params (and output maps)");
   static_assert(std::is_integral_v<decltype(Op::kCommSmemBytes)>,
-                "Op needs `static constexpr int kCommSmemBytes` (0 if the comm role needs none)");
-  return true;
-}
+                "Op needs 'static constexpr int kCommSmemBytes' (0 if the comm role needs none)");
+  static constexpr bool ok = true;
+};
 
 // -- the compute role: the engine's hooks, generated from the plan --------------------------------
 
@@ -305,7 +305,7 @@ __device__ __forceinline__ void run_compute(const FusedArgs<Op>& args, const Cta
 template <class Op>
 __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     persistent_kernel(const __grid_constant__ FusedArgs<Op> args) {
-  static_assert(check_op<Op>());
+  static_assert(OpContract<Op>::ok);
   using Engine = typename Op::Engine;
   extern __shared__ __align__(1024) char smem[];
   const FusedCommon& c = args.common;

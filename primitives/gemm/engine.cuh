@@ -91,8 +91,9 @@ struct Engine {
     uint64_t* empty = full + STAGES;                                       // [STAGES]
     if constexpr (CLUSTER == 1) {
       if (threadIdx.x == 0) init_barriers(smem);
-      __syncwarp();  // NOTE: bar.sync needs a converged warp (synccheck: "divergent threads")
-      named_barrier_sync(kBarInit, 32 + 128 * CONSUMERS);
+      __syncwarp();
+      // NOTE: the producer warp and the consumers come from different role branches of the caller.
+      named_barrier_sync_unaligned(kBarInit, 32 + 128 * CONSUMERS);
     }
     if (threadIdx.x < 128) {
       if (threadIdx.x == 0) producer(p, smem, hooks, full, empty);

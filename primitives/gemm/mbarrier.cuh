@@ -82,4 +82,11 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// The unaligned form, for a barrier whose participants reach it from different static code paths
+// (role branches of a warp-specialised kernel each inline their own copy). bar.sync promises that
+// every participant executes the same instruction; synccheck reports "divergent threads" otherwise.
+__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int count) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 }  // namespace mk::gemm
