@@ -42,6 +42,31 @@ struct Layout {
 };
 }  // namespace ag_gemm
 
+// all_gather: AllGather, no compute
+namespace all_gather {
+enum Pad : int { kPadBarrier = 0, kPadLanded = 1 };
+struct Layout {
+  RankPtr<const __nv_bfloat16> x;  // [rows, cols] input: this rank's rows
+  RankPtr<__nv_bfloat16> out;  // [all_rows, cols] output: every rank's rows
+  SymPtr<__nv_bfloat16> result;  // [all_rows, cols] symmetric: peers write here
+  __nv_bfloat16* result_local;
+  int rows;
+  int cols;
+  int chunk_rows;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.x = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.result = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot2])};
+    l.result_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride2]);
+    l.rows = (int)rec[kRecScalar0];
+    l.cols = (int)rec[kRecScalar1];
+    l.chunk_rows = (int)rec[kRecScalar2];
+    return l;
+  }
+};
+}  // namespace all_gather
+
 // gemm_ar: GEMM + AllReduce
 namespace gemm_ar {
 enum Pad : int { kPadBarrier = 0, kPadTileFlag = 1, kPadTileReady = 2 };

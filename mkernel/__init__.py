@@ -1,13 +1,14 @@
 """mkernel: multi-GPU kernels that fuse communication with computation.
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
-(``gemm_rs``, ``ag_gemm``, ``gemm_ar``), their unfused references (``mkernel.reference``),
-``CommTimeout`` and the CPU interpreter's errors.
+(``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes), their unfused
+references (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
 from . import reference
 from .errors import CommTimeout, DeadlockError, PlanError, RaceError, TileWriteError
 from .ops.ag_gemm import ag_gemm
+from .ops.all_gather import all_gather
 from .ops.gemm_ar import gemm_ar
 from .ops.gemm_rs import gemm_rs
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
@@ -23,6 +24,7 @@ __all__ = [
     "gemm_rs",
     "ag_gemm",
     "gemm_ar",
+    "all_gather",
     "reference",
     "CommTimeout",
     "DeadlockError",

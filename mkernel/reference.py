@@ -1,10 +1,10 @@
 """Unfused references of every op, in the ops' own conventions (emulated: leading rank dimension;
-distributed: local tensors, gathered with torch.distributed). fp32 math, bf16 results."""
+distributed: local tensors, gathered with torch.distributed). fp32 math, bf16 results. Each is the
+``reference`` of its op's module (mkernel/ops/<op>.py), collected here by name."""
 
 from __future__ import annotations
 
-from .ops.ag_gemm import reference as ag_gemm
-from .ops.gemm_ar import reference as gemm_ar
-from .ops.gemm_rs import reference as gemm_rs
+from .ops import registry
 
-__all__ = ["gemm_rs", "ag_gemm", "gemm_ar"]
+__all__ = registry.names()
+globals().update({name: registry.get(name).reference for name in __all__})

@@ -298,6 +298,7 @@ __device__ __forceinline__ void set_max_regs() {
 template <class Op>
 __device__ __forceinline__ void run_compute(const FusedArgs<Op>& args, const CtaInfo& cta,
                                             const TaskList& tasks, char* smem) {
+  if (tasks.count() == 0) return;  // CTA-uniform: nothing to compute (e.g. a comm-only op)
   PlanHooks<Op> hooks{args, cta, tasks};
   Op::Engine::run(args.engine[cta.local_rank], smem, hooks);
 }

@@ -157,7 +157,7 @@ def ag_gemm(
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
     out_shape = lambda s, W: (s["m"], s["n"])  # per rank
-    return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
+    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
 
 
 # -- CPU interpreter: data-movement twins of kernels/ag_gemm.cu ----------------------------------

@@ -176,25 +176,25 @@ def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
 
 def run_op(
     module: Any,
-    a: Any,
-    b: Any,
+    inputs: dict[str, Any],
     world: Any,
     schedule: Any,
     out: Any,
     out_shape: Callable[[dict[str, int], int], tuple[int, ...]],
 ) -> torch.Tensor:
-    """The path every fused GEMM op's API takes: check the world, schedule, operands (the op's
-    ``shapes``), faults and ``out`` (per-rank shape ``out_shape(shapes, W)``), all before anything
+    """The path every fused op's API takes: check the world, schedule, operands (the op's
+    ``shapes(*inputs, world)``, named as its SPEC's input buffers), faults and ``out`` (per-rank
+    shape ``out_shape(shapes, W)``), all before anything
     runs; then the cached plan on the GPU (``run_gpu``, then the op's optional ``after_gpu``) or
     in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
     tiles the kernel end reads (``module.outputs(plan, rank)``)."""
     world = check_world(world)
     schedule = check_schedule(schedule)
-    s = module.shapes(a, b, world)
+    s = module.shapes(*inputs.values(), world)
     check_faults(schedule, world)
     out = check_out(out, world, out_shape(s, world.size))
     plan = cached_plan(module, schedule, world, **s)
-    operands = {"a": a, "b": b, "out": out}
+    operands = {**inputs, "out": out}
     if world.on_gpu:
         run_gpu(world, plan, operands)
         if hasattr(module, "after_gpu"):

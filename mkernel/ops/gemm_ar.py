@@ -152,7 +152,7 @@ def gemm_ar(
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
     out_shape = lambda s, W: (s["m"], s["n"])  # per rank
-    return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
+    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
 
 
 def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:

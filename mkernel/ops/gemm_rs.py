@@ -123,7 +123,7 @@ def gemm_rs(
     deadline.
     """
     out_shape = lambda s, W: (s["m"] // W, s["n"])  # per rank
-    return common.run_op(sys.modules[__name__], a, b, world, schedule, out, out_shape)
+    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
 
 
 # -- CPU interpreter: data-movement twins of kernels/gemm_rs.cu ----------------------------------

@@ -24,12 +24,14 @@ def main() -> int:
         for overlap in ("intra_sm", "inter_sm"):
             sched = mkernel.Schedule(overlap=overlap, sms=4, tile="128x128x64")
             for op in registry.names():
-                rows = 72 if op == "ag_gemm" else 72 * W  # per-rank rows of a
+                rows = 72 if op in ("ag_gemm", "all_gather") else 72 * W  # per-rank rows of a
                 a = torch.randn(W, rows, 40, generator=g).bfloat16().cuda()
                 b = torch.randn(W, 40, 136, generator=g).bfloat16().cuda()
-                out = getattr(mkernel, op)(a, b, world, sched)
+                args = (a,) if op == "all_gather" else (a, b)
+                out = getattr(mkernel, op)(*args, world, sched)
                 torch.cuda.synchronize()
-                assert_close_bf16(out, getattr(mkernel.reference, op)(a, b, world), f"{op} W={W}")
+                ref = getattr(mkernel.reference, op)(*args, world)
+                assert_close_bf16(out, ref, f"{op} W={W}")
                 print(f"ok {op} W={W} {overlap}", flush=True)
     return 0
 

@@ -1,0 +1,43 @@
+// AllGather (standalone): out[r] = cat over ranks q of x_q, on every rank r. The op of
+// tutorials/03_author_a_fused_op.py; protocol and picture in mkernel/ops/all_gather.py.
+//
+// The plan's comm tasks carry (kind, chunk, dest): a push copies own chunk `chunk` into rank dest's
+// result with 16-byte stores (the template then raises landed[me][chunk] there); a wait task moves
+// nothing (its wait is the task). There is no compute: the engine never runs.
+#include "kernels/fused_host.cuh"
+
+namespace mk {
+
+template <class EngineT>
+struct AllGather {
+  using Engine = EngineT;  // unused: the plan has no compute tasks
+  using Layout = spec::all_gather::Layout;
+  using Args = FusedArgs<AllGather>;
+  static constexpr int kCommSmemBytes = 0;
+  static constexpr int kPush = 0;
+
+  static __device__ gemm::Dest dest(const Args&, const CtaInfo&, const Tile&) {
+    return gemm::Dest{nullptr, 0, gemm::kStoreBF16};  // never called: no compute tasks
+  }
+
+  static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
+                                   const Team& team, char*) {
+    if (args[0] != kPush) return;
+    const Layout& l = a.layout;
+    const int chunk = args[1], dest = args[2];
+    const int r0 = chunk * l.chunk_rows, rows = min(l.chunk_rows, l.rows - r0);
+    const __nv_bfloat16* src = l.x.at(cta.local_rank) + (long long)r0 * l.cols;
+    __nv_bfloat16* result = l.result.ptrs != nullptr ? l.result.map(dest) : l.out.at(dest);
+    __nv_bfloat16* dst = result + ((long long)cta.rank * l.rows + r0) * l.cols;
+    copy_v4_team(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
+                 (long long)rows * l.cols / 8, team.lane, team.size);
+  }
+
+  static bool prepare(const long long*, Args&) { return true; }  // no engine params, no maps
+};
+
+int launch_all_gather(const long long* rec, cudaStream_t s) {
+  return launch_fused<AllGather>(rec, s);
+}
+
+}  // namespace mk
