@@ -30,7 +30,7 @@ def test_timeout_names_agree(op, overlap):
         with pytest.raises(mkernel.CommTimeout) as e:
             getattr(mkernel, op)(a.to(device), b.to(device), world, sched)
         v = e.value
-        assert v.peer == 1 and v.rank != 1, str(v)
+        assert v.peer == 1, str(v)  # the waiter may be rank 1 itself (its own flag never rises)
         seen[device] = (v.signal.split("[")[0], v.role.rstrip("0123456789"))
         assert_pads_zero(world)
     assert seen["cpu"] == seen["cuda"] == (EXPECTED[op], seen["cpu"][1]), seen
