@@ -140,21 +140,24 @@ class Schedule:
             raise TypeError("Schedule.tile_order must be a callable fn(rank, tiles) -> order")
 
     def plan(self, op: str, world: Any, *operands: Any, **shapes: int) -> Plan:
-        """The plan ``op`` ("gemm_rs", "ag_gemm", "gemm_ar") runs over ``world`` with this schedule:
-        give the op's operands (``plan("gemm_rs", world, a, b)``, checked as the op checks them) or
-        its global GEMM sizes (``plan("gemm_rs", world, m=..., n=..., k=...)``). It is the very
-        plan object a call with the same schedule and shapes executes (cached on the world)."""
+        """The plan ``op`` (a registered op: "gemm_rs", "ag_gemm", "gemm_ar", "all_gather", ...)
+        runs over ``world`` with this schedule: give the op's operands (``plan("gemm_rs", world,
+        a, b)``, checked as the op checks them) or its sizes by name (the GEMM ops: ``m=, n=,
+        k=`` global sizes; all_gather: ``rows=, cols=``). It is the very plan object a call with
+        the same schedule and shapes executes (cached on the world)."""
+        import inspect
+
         from .ops import common, registry
 
         module = registry.get(op)
+        names = sorted(set(inspect.signature(module.make_plan).parameters) - {"schedule", "world"})
+        want = ", ".join(f"{n}=" for n in names)
         if operands:
             if shapes:
-                raise TypeError("Schedule.plan takes the operands or m=, n=, k=, not both")
+                raise TypeError(f"Schedule.plan takes the operands or {want} not both")
             shapes = module.shapes(*operands, world)
-        if sorted(shapes) != ["k", "m", "n"]:
-            raise TypeError(
-                f"Schedule.plan needs the operands or m=, n=, k= (got {sorted(shapes)})"
-            )
+        if sorted(shapes) != names:
+            raise TypeError(f"Schedule.plan needs the operands or {want} (got {sorted(shapes)})")
         common.check_world(world)
         return common.cached_plan(module, self, world, **shapes)
 

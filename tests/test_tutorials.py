@@ -24,6 +24,14 @@ EXPECT = {
         "rank 0 computes tiles [7, 6, 5, 4, 3, 2, 1, 0]",
         "legend: row",
     ],
+    "03_author_a_fused_op.py": [
+        "struct Layout {",
+        "intra_sm: exact on every rank",
+        "inter_sm: exact on every rank",
+        "property: exact, pads reset",
+        "refused before running: all_gather: landed[src=0, chunk=0] on rank 0 is raised but nobody",
+        "caught while running: RaceError",
+    ],
 }
 
 
