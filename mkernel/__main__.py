@@ -43,8 +43,8 @@ def demo(ranks: int = 4, device: str | None = None) -> int:
             f"{dt * 1e3:8.1f} ms  {'OK' if good else 'FAILED'}"
         )
         if device == "cpu" and world.last_timeline is not None:
-            print("  timeline (interpreter steps; digits are task ids):")
-            for line in world.last_timeline.ascii(60).splitlines()[: 2 * 5]:
+            print("  timeline of whole ranks (interpreter steps; legend first):")
+            for line in world.last_timeline.ascii(60, max_rows=10).splitlines():
                 print("   ", line)
     print("demo", "passed" if ok else "FAILED")
     return 0 if ok else 1

@@ -95,13 +95,7 @@ for overlap in ("intra_sm", "inter_sm"):
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
     print(f"\n{overlap}: relative error {err:.1e}; timeline of ranks 0 and 1 (digits: task ids)")
-    print(
-        "\n".join(
-            line
-            for line in world.last_timeline.ascii(64).splitlines()
-            if line[:3] in ("r0 ", "r1 ")
-        )
-    )
+    print(world.last_timeline.ascii(64, ranks=[0, 1]))
     world.last_timeline.save_chrome(f"/tmp/mkernel_tutorial01_{overlap}.json")  # ui.perfetto.dev
 
 # %% [markdown]
