@@ -47,6 +47,9 @@ inline FusedCommon make_common(const long long* rec) {
     c.pads[p] = SymPtr<int>{rec_ptr<unsigned long long>(rec, kRecPad0 + p)};
   c.timeline = reinterpret_cast<long long*>(rec[kRecTimeline]);
   c.timeline_cap = (int)rec[kRecTimelineCap];
+  c.timeline_stride[0] = rec[kRecTimelineStrideRank];
+  c.timeline_stride[1] = rec[kRecTimelineStrideSlot];
+  c.timeline_stride[2] = rec[kRecTimelineStrideRole];
   return c;
 }
 

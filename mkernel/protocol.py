@@ -70,8 +70,11 @@ RECORD_FIELDS = (
     "silent_rank",
     "delay_rank",
     "delay_ns",
-    "timeline",
-    "timeline_cap",
+    "timeline",  # int64 (start, end) pairs, or 0; the host's tensor sets the layout by its strides:
+    "timeline_cap",  # tasks recorded per unit
+    "timeline_stride_rank",  # elements between local ranks,
+    "timeline_stride_slot",  # CTA slots,
+    "timeline_stride_role",  # roles (compute, comm); consecutive tasks are 2 apart
     *(f"pad{i}" for i in range(MAX_PADS)),  # [W] address table of each pad (0: the barrier)
     *(f"slot{i}" for i in range(MAX_SLOTS)),  # buffer base (operand) or [W] table (symmetric)
     *(f"stride{i}" for i in range(MAX_SLOTS)),  # operand: elements between ranks (emulated)

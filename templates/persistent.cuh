@@ -65,9 +65,12 @@ struct FusedCommon {
   int silent_rank, delay_rank;  // faults (tests): never raises / sleeps before its raises
   long long delay_ns;
   SymPtr<int> pads[kMaxPads];  // pad 0: the entry barrier [kMaxBarrierSlots, W]
-  // GPU timeline (optional): globaltimer ns, [ranks_here, ctas_per_rank, role, timeline_cap, 2]
+  // GPU timeline (optional): globaltimer ns (start, end) of task i of a unit at
+  // timeline + local_rank * stride[0] + slot * stride[1] + role * stride[2] + 2 * i (the host's
+  // tensor decides the layout: its strides come in the launch record).
   long long* timeline;
   int timeline_cap;
+  long long timeline_stride[3];
 };
 
 template <class Op>
@@ -114,8 +117,8 @@ struct Team {
 __device__ __forceinline__ long long* timeline_slot(const FusedCommon& c, const CtaInfo& cta,
                                                     int role, int i) {
   if (c.timeline == nullptr || i >= c.timeline_cap) return nullptr;
-  const long long unit = ((long long)cta.local_rank * c.ctas_per_rank + cta.slot) * 2 + role;
-  return c.timeline + (unit * c.timeline_cap + i) * 2;
+  return c.timeline + cta.local_rank * c.timeline_stride[0] + cta.slot * c.timeline_stride[1] +
+         role * c.timeline_stride[2] + 2LL * i;
 }
 
 // -- the protocol executor: one thread runs a task's waits, another time its raises --------------

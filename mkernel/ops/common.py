@@ -353,6 +353,8 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> torc
         )
         put("timeline", buf.data_ptr())
         put("timeline_cap", cap)
+        for dim, name in enumerate(("rank", "slot", "role")):
+            put(f"timeline_stride_{name}", buf.stride(dim))
         world._pending_trace = (plan, buf)
     return torch.tensor(rec, dtype=torch.int64)
 
