@@ -1,4 +1,4 @@
-"""compute-sanitizer's memcheck, racecheck and synccheck over every fused op in small emulated worlds
+"""compute-sanitizer memcheck, racecheck and synccheck over every fused op in small emulated worlds
 (tests/gpu/sanitize_ops.py: W 2 and 3, both overlaps): each must report 0 errors. A warp that
 reaches bar.sync unconverged passes every other test and hangs one day; synccheck finds it."""
 
