@@ -39,7 +39,7 @@ inline FusedCommon make_common(const long long* rec) {
   c.rank0 = (int)rec[kRecRank0];
   c.ranks_here = (int)rec[kRecRanksHere];
   c.wait = WaitPolicy{reinterpret_cast<CommStatus*>(rec[kRecStatus]), rec[kRecTimeoutNs],
-                      (int)rec[kRecBackoffNs]};
+                      (int)rec[kRecBackoffNs], (int)rec[kRecLaunch]};
   c.silent_rank = (int)rec[kRecSilentRank];
   c.delay_rank = (int)rec[kRecDelayRank];
   c.delay_ns = rec[kRecDelayNs];
@@ -117,9 +117,16 @@ inline int launch_persistent(const long long* rec, cudaStream_t s) {
   if (!Op::prepare(rec, args)) return kBadConfig;
   const int smem = Engine::kSmemBytes + Op::kCommSmemBytes;
   auto kernel = persistent_kernel<Op>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    return kCudaError;
+  // NOTE: the attribute is set once per device (host time per call matters for small calls).
+  static bool attribute_set[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return kCudaError;
+  if (!attribute_set[device]) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess)
+      return kCudaError;
+    attribute_set[device] = true;
+  }
   kernel<<<c.ranks_here * c.ctas_per_rank, Engine::kThreads, smem, s>>>(args);
   return cudaGetLastError() == cudaSuccess ? kOk : kCudaError;
 }

@@ -39,7 +39,7 @@ TASK_ARGS = 4  # int32 arguments per task
 ROLES = ("compute", "comm", "barrier")  # WaitSite::role ids
 OVERLAPS = ("intra_sm", "inter_sm")
 TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1, "64x128x64": 2}
-STATUS_FIELDS = ("error", "rank", "peer", "task", "role", "pad", "index", "abort")
+STATUS_FIELDS = ("error", "rank", "peer", "task", "role", "pad", "index", "abort", "launch")
 WAIT_FIELDS = ("pad", "rank", "index", "value", "consumers", "counter", "patience", "peer")
 RAISE_FIELDS = ("pad", "rank", "index", "value", "op")
 RAISE_OPS = ("set", "add")  # st.release.sys / red.release.sys.add
@@ -67,6 +67,7 @@ RECORD_FIELDS = (
     "timeout_ns",
     "backoff_ns",
     "status",
+    "launch",  # the launch's id: a timeout records it, the host names the flag by its plan
     "silent_rank",
     "delay_rank",
     "delay_ns",

@@ -58,9 +58,12 @@ class World:
     rank: int = 0  # this process's rank (distributed); 0 in an emulated world
     group: Any = None
     timeout_s: float = 5.0
-    # After each GPU launch, wait for it and raise CommTimeout at once (off: a timeout is raised by
-    # the next call or by ``check()``; benchmarks turn it off to keep launches queued).
-    sync_checks: bool = True
+    # Calls are asynchronous: a GPU call enqueues its kernel and returns; a timed-out wait is raised
+    # by the next call on this world, by ``check()``, and reported by the watchdog within a second
+    # (``on_timeout(exc)`` if set, else a RuntimeWarning). True: each call waits for its kernel and
+    # raises at once (debugging; costs a host synchronize per call).
+    sync_checks: bool = False
+    on_timeout: Any = field(default=None, repr=False)
     last_timeline: Any = field(default=None, repr=False)
     _buffers: dict[tuple, SymBuffer] = field(default_factory=dict, repr=False)
     _plans: dict[tuple, Any] = field(default_factory=dict, repr=False)
@@ -116,10 +119,10 @@ class World:
     def check(self) -> None:
         """Waits for this world's launches and raises CommTimeout if a wait timed out."""
         if self.on_gpu:
-            from .ops.common import raise_timeout, status_block
+            from .ops.gpu import raise_timeout
 
             torch.cuda.current_stream(self.device).synchronize()
-            raise_timeout(self, status_block(self))
+            raise_timeout(self)
 
     def reset(self) -> None:
         """Zeroes every workspace and signal pad of this world. Needed only after a CommTimeout in

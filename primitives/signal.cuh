@@ -31,6 +31,7 @@ struct WaitPolicy {
   CommStatus* status;  // may be null (then waits never time out: tests must not do that)
   long long timeout_ns;
   int backoff_ns;  // longest __nanosleep between polls (0: spin)
+  int launch;      // the launch's id, recorded with a timeout (the host names the flag by it)
 };
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -94,6 +95,7 @@ __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
     w.status->role = s.role;
     w.status->pad = s.pad;
     w.status->index = s.index;
+    w.status->launch = w.launch;
     __threadfence_system();
   }
   st_release_sys(&w.status->abort, 1);

@@ -136,7 +136,8 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
   for (int i = first; i < end; ++i) {
     const int* w = t.waits + i * kWaitFields;
     const WaitSite site{rank, w[kWPeer], task_id(c, role, row), role, w[kWPad], w[kWIndex]};
-    const WaitPolicy policy{c.wait.status, c.wait.timeout_ns * w[kWPatience], c.wait.backoff_ns};
+    const WaitPolicy policy{c.wait.status, c.wait.timeout_ns * w[kWPatience], c.wait.backoff_ns,
+                            c.wait.launch};
     wait_acquire(c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex], w[kWValue], policy, site);
   }
   for (int i = first; i < end; ++i) {

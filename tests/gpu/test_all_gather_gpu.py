@@ -68,6 +68,7 @@ def test_all_gather_silent_rank_times_out_naming_the_signal():
         sched = mkernel.Schedule(faults=mkernel.Faults(silent_rank=1))
         with pytest.raises(mkernel.CommTimeout) as e:
             mkernel.all_gather(x.to(device), world, sched)
+            world.check()  # GPU calls are asynchronous
         assert e.value.peer == 1  # (the silent rank may be the waiter: its own copy never lands)
         names[device] = e.value.signal.split("[")[0], "src=1" in e.value.signal
         out = mkernel.all_gather(x.to(device), world)  # the world is clean again

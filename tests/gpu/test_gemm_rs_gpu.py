@@ -84,8 +84,9 @@ def test_silent_rank_times_out_and_gpu_stays_usable(overlap):
     a, b = _inputs(W, 4 * 128, 256, 64, 3)
     bad = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=2))
     t0 = time.perf_counter()
+    mkernel.gemm_rs(a, b, world=world, schedule=bad)  # asynchronous: enqueued, returns
     with pytest.raises(mkernel.CommTimeout) as e:
-        mkernel.gemm_rs(a, b, world=world, schedule=bad)
+        world.check()
     assert time.perf_counter() - t0 < 10
     assert e.value.peer == 2  # the silent rank raises nothing, not even its own flags
     assert "tile_flag" in e.value.signal

@@ -29,6 +29,7 @@ def test_timeout_names_agree(op, overlap):
         sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
         with pytest.raises(mkernel.CommTimeout) as e:
             getattr(mkernel, op)(a.to(device), b.to(device), world, sched)
+            world.check()  # GPU calls are asynchronous
         v = e.value
         assert v.peer == 1, str(v)  # the waiter may be rank 1 itself (its own flag never rises)
         seen[device] = (v.signal.split("[")[0], v.role.rstrip("0123456789"))

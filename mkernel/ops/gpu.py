@@ -1,0 +1,288 @@
+"""The GPU launch of every fused op: the launch record, the status block, asynchronous error
+reporting and the watchdog.
+
+A call enqueues its kernel and returns (like NCCL and PyTorch's ops): no host synchronize. A wait
+that times out in the kernel fills the world's status block (pinned, mapped host memory) with the
+launch id, rank, peer, task, role and flag; the kernel then exits cleanly. The error is raised as
+``CommTimeout`` by the next call on that world, by ``world.check()``, or at once by the call itself
+when ``world.sync_checks`` is set. A watchdog thread polls the status blocks of the worlds with work
+in flight and reports a timeout within ``WATCHDOG_PERIOD_S`` (a RuntimeWarning, and the world's
+``on_timeout`` callback when set), so a program that never calls again still learns of it.
+
+Host cost per call is kept near one ``torch.matmul``: the record's fields that depend only on the
+plan are filled once per plan; a call copies that template and sets its operands' addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import warnings
+import weakref
+from array import array
+from typing import Any
+
+import torch
+
+from ..errors import CommTimeout
+from ..protocol import (
+    MAX_LOCAL_RANKS,
+    OVERLAPS,
+    RECORD,
+    RECORD_FIELDS,
+    ROLES,
+    STATUS_FIELDS,
+    TILE_CONFIG_IDS,
+    signal_name,
+)
+from ..schedule import Plan
+from ..world import World
+
+WATCHDOG_PERIOD_S = 0.1
+_LAUNCH_HISTORY = 1024  # launch ids remembered per world, to name the flag of a late-read timeout
+_EXT: Any = None
+
+
+def extension() -> Any:
+    global _EXT
+    if _EXT is None:
+        from .. import jit
+
+        _EXT = jit.load()
+    return _EXT
+
+
+class StatusBlock:
+    """CommStatus (primitives/protocol_gen.h) in pinned, mapped host memory, plus the plans of the
+    world's recent launches by id (the kernel records the id of the launch that timed out)."""
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(len(STATUS_FIELDS), dtype=torch.int32, pin_memory=True)
+        self._error = ctypes.c_int32.from_address(self.t.data_ptr())  # read without torch
+        self.plans: dict[int, Plan] = {}
+        self.next_id = 1
+        self.reported = False  # the watchdog has warned about the current error
+
+    def ptr(self) -> int:
+        return self.t.data_ptr()
+
+    def launched(self, plan: Plan) -> int:
+        lid = self.next_id
+        self.next_id += 1
+        self.plans[lid] = plan
+        self.plans.pop(lid - _LAUNCH_HISTORY, None)
+        return lid
+
+    @property
+    def error(self) -> bool:
+        return self._error.value != 0
+
+    def timeout(self) -> CommTimeout:
+        """The recorded timeout, as the exception both backends raise (names the flag by the
+        op's SPEC, as the interpreter does)."""
+        v = dict(zip(STATUS_FIELDS, self.t.tolist(), strict=True))
+        plan = self.plans.get(v["launch"])
+        if plan is not None:
+            name = signal_name(plan.spec, v["pad"], v["index"], plan.sizes)
+        else:
+            name = f"pad{v['pad']}[{v['index']}]"
+        role = ROLES[v["role"]] if 0 <= v["role"] < len(ROLES) else "?"
+        return CommTimeout(v["rank"], v["peer"], name, v["task"], role)
+
+
+def status_block(world: World) -> StatusBlock:
+    blk = getattr(world, "_status", None)
+    if blk is None:
+        blk = StatusBlock()
+        world._status = blk
+    return blk
+
+
+def raise_timeout(world: World, status: StatusBlock | None = None) -> None:
+    """Raises the world's recorded timeout, if any, once its kernels have ended.
+    NOTE: a timed-out call leaves flags and accumulators dirty (late producers land after the
+    waiter gave up). Once the world's work has drained it is safe to clear an emulated world's
+    workspaces; a distributed world needs world.reset() on every rank."""
+    status = status or status_block(world)
+    if not status.error:
+        return
+    torch.cuda.synchronize(world.device)  # every wait has returned (abort): the kernel ends
+    exc = status.timeout()
+    status.t.zero_()
+    status.reported = False
+    if world.emulated_world:
+        world.reset()
+    raise exc
+
+
+# -- the watchdog ---------------------------------------------------------------------------------
+
+_watched: weakref.WeakSet[World] = weakref.WeakSet()
+_watchdog: threading.Thread | None = None
+_watch_lock = threading.Lock()
+
+
+def _watch_loop() -> None:
+    while True:
+        time.sleep(WATCHDOG_PERIOD_S)
+        for world in list(_watched):
+            status = getattr(world, "_status", None)
+            if status is None or not status.error or status.reported:
+                continue
+            status.reported = True
+            exc = status.timeout()
+            callback = getattr(world, "on_timeout", None)
+            if callback is not None:
+                callback(exc)
+            else:
+                warnings.warn(
+                    f"mkernel watchdog: {exc} (raised by the next call on this world or by "
+                    "world.check())",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+
+
+def watch(world: World) -> None:
+    """Adds ``world`` to the watchdog's list (starting the thread on first use)."""
+    global _watchdog
+    if world in _watched:
+        return
+    with _watch_lock:
+        _watched.add(world)
+        if _watchdog is None:
+            _watchdog = threading.Thread(target=_watch_loop, name="mkernel-watchdog", daemon=True)
+            _watchdog.start()
+
+
+# -- the launch record ----------------------------------------------------------------------------
+
+
+def _plan_record(world: World, plan: Plan) -> array:
+    """The record fields that depend on the plan and the world only (cached on the plan)."""
+    cached = plan.extra.get("_record")
+    if cached is not None:
+        return cached
+    from .common import workspace
+
+    spec, emulated = plan.spec, world.emulated_world
+    if emulated and world.size > MAX_LOCAL_RANKS:
+        raise ValueError(
+            f"an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, got {world.size}"
+        )
+    rec = array("q", bytes(8 * len(RECORD_FIELDS)))
+
+    def put(name: str, value: int) -> None:
+        rec[RECORD[name]] = int(value)
+
+    for name, t in plan.device_tables(world.device).items():
+        put(name, t.data_ptr())
+    put("compute_units", plan.compute_units)
+    put("comm_units", plan.comm_units)
+    put("ctas_per_rank", plan.ctas_per_rank)
+    put("overlap", OVERLAPS.index(plan.overlap))
+    put("tile_config", TILE_CONFIG_IDS[plan.tile.name])
+    put("compute_signals", plan.roles["compute"].tensors["raises"].shape[0] > 0)
+    put("world_size", world.size)
+    put("rank0", 0 if emulated else world.rank)
+    put("ranks_here", world.size if emulated else 1)
+    put("timeout_ns", int(world.timeout_s * 1e9))
+    put("backoff_ns", plan.extra.get("backoff_ns", 0))
+    put("status", status_block(world).ptr())
+    f = plan.faults
+    put("silent_rank", -1 if f.silent_rank is None else f.silent_rank)
+    put("delay_rank", -1 if f.delay_rank is None else f.delay_rank)
+    put("delay_ns", int(f.delay_us * 1000))
+    ws = workspace(world, plan)
+    for i, p in enumerate(spec.all_pads()):
+        put(f"pad{i}", ws[p.name].peer_ptrs.data_ptr())
+    operands = []
+    for i, b in enumerate(spec.buffers):
+        if b.kind == "symmetric":
+            buf = ws[b.name]
+            if buf is not None:
+                put(f"slot{i}", buf.peer_ptrs.data_ptr())
+                put(f"stride{i}", buf.local.data_ptr())
+        else:
+            operands.append((b.name, RECORD[f"slot{i}"], RECORD[f"stride{i}"]))
+    for i, name in enumerate(spec.scalars):
+        put(f"scalar{i}", plan.sizes[name])
+    plan.extra["_record"] = rec
+    plan.extra["_operand_slots"] = operands
+    plan.extra["_workspace"] = ws  # keeps the buffers the record points at alive
+    return rec
+
+
+def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
+    """The launch record (mkernel/protocol.py RECORD_FIELDS) of one call."""
+    rec = array("q", _plan_record(world, plan))
+    emulated = world.emulated_world
+    for name, slot, stride in plan.extra["_operand_slots"]:
+        t = operands[name]
+        rec[slot] = t.data_ptr()
+        rec[stride] = t[0].numel() if emulated else 0
+    rec[RECORD["launch"]] = launch
+    world._pending_trace = None
+    if plan.extra.get("trace"):
+        ranks_here = world.size if emulated else 1
+        counts = [len(ts) for role in ("compute", "comm") for ts in plan.roles[role].tasks]
+        cap = max(1, -(-max(counts) // min(plan.compute_units, max(1, plan.comm_units))))
+        buf = torch.zeros(
+            (ranks_here, plan.ctas_per_rank, 2, cap, 2), dtype=torch.int64, device=world.device
+        )
+        rec[RECORD["timeline"]] = buf.data_ptr()
+        rec[RECORD["timeline_cap"]] = cap
+        for dim, name in enumerate(("rank", "slot", "role")):
+            rec[RECORD[f"timeline_stride_{name}"]] = buf.stride(dim)
+        world._pending_trace = (plan, buf)
+    return rec
+
+
+def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None:
+    """Enqueues the op's kernel on the current stream with these operands (by the spec's names)
+    and returns. A timeout left by an earlier launch on this world is raised first. With
+    ``world.sync_checks`` (or a trace) it waits for the kernel and raises its timeout at once.
+    Inside CUDA-graph capture nothing waits."""
+    status = status_block(world)
+    if status.error:
+        raise_timeout(world, status)
+    watch(world)
+    rec = _record(world, plan, operands, status.launched(plan))
+    stream = torch.cuda.current_stream(world.device)
+    rc = getattr(extension(), f"launch_{plan.op}")(rec.buffer_info()[0], stream.cuda_stream)
+    if rc != 0:
+        raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
+    trace = world._pending_trace
+    if (world.sync_checks or trace) and not torch.cuda.is_current_stream_capturing():
+        stream.synchronize()
+        raise_timeout(world, status)
+        if trace is not None:
+            world.last_timeline = gpu_timeline(world, *trace)
+
+
+def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
+    """The timeline the kernel recorded (Schedule(trace=True)): ns since the first task began."""
+    from ..interp.trace import Timeline
+
+    ev = buf.cpu()
+    tl = Timeline(unit_of_time="ns")
+    valid = ev[..., 0] > 0
+    t0 = int(ev[..., 0][valid].min()) if valid.any() else 0
+    ranks = range(world.size) if world.emulated_world else [world.rank]
+    for lr, rank in enumerate(ranks):
+        for slot in range(plan.ctas_per_rank):
+            for role_id, role in enumerate(("compute", "comm")):
+                if role == "compute":
+                    unit = slot if slot < plan.compute_units else None
+                elif plan.overlap == "intra_sm":
+                    unit = slot
+                else:
+                    unit = slot - plan.compute_units if slot >= plan.compute_units else None
+                if unit is None:
+                    continue
+                for i, task in enumerate(plan.tasks_of(role, rank, unit)[: ev.shape[3]]):
+                    start, end = (int(x) for x in ev[lr, slot, role_id, i])
+                    if start > 0 and end >= start:
+                        tl.add(rank, f"{role}{unit}", task, start - t0, end - t0)
+    return tl
