@@ -221,7 +221,7 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch:
     for name, slot, stride in plan.extra["_operand_slots"]:
         t = operands[name]
         rec[slot] = t.data_ptr()
-        rec[stride] = t[0].numel() if emulated else 0
+        rec[stride] = t.stride(0) if emulated else 0  # contiguous [W, ...]: one rank's elements
     rec[RECORD["launch"]] = launch
     world._pending_trace = None
     if plan.extra.get("trace"):
@@ -239,6 +239,15 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch:
     return rec
 
 
+def _current_stream(world: World) -> int:
+    """The current stream's handle on the world's device (torch's raw accessor when it has one: a
+    fraction of a microsecond instead of building a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(world.device.index)
+    return torch.cuda.current_stream(world.device).cuda_stream
+
+
 def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None:
     """Enqueues the op's kernel on the current stream with these operands (by the spec's names)
     and returns. A timeout left by an earlier launch on this world is raised first. With
@@ -249,13 +258,15 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
-    stream = torch.cuda.current_stream(world.device)
-    rc = getattr(extension(), f"launch_{plan.op}")(rec.buffer_info()[0], stream.cuda_stream)
+    launch = plan.extra.get("_launch")
+    if launch is None:
+        launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.op}")
+    rc = launch(rec.buffer_info()[0], _current_stream(world))
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
     trace = world._pending_trace
     if (world.sync_checks or trace) and not torch.cuda.is_current_stream_capturing():
-        stream.synchronize()
+        torch.cuda.current_stream(world.device).synchronize()
         raise_timeout(world, status)
         if trace is not None:
             world.last_timeline = gpu_timeline(world, *trace)

@@ -17,6 +17,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <cstdint>
+#include <cstring>
 
 namespace mk::host {
 
@@ -81,6 +82,24 @@ inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t r
   if (box_rows < 1 || box_rows > 256 || box_cols < 1 || box_cols > 256) return kTensorMapBadBox;
   if (swizzle_bytes != 0 && box_cols * 2 > (uint32_t)swizzle_bytes) return kTensorMapBadBox;
   if (((box_cols * 2) & 15) != 0) return kTensorMapBadBox;
+  // NOTE: a call's operands are often the tensors of an earlier call (loops, the caching
+  // allocator): the encoded map is a pure function of these inputs, so a small per-thread cache
+  // saves the driver call (host time per launch matters for small calls).
+  struct Entry {
+    const void* ptr;
+    uint64_t rows, cols, pitch;
+    uint32_t box_rows, box_cols;
+    int swizzle;
+    CUtensorMap map;
+  };
+  thread_local Entry cache[64] = {};
+  const uintptr_t h = (reinterpret_cast<uintptr_t>(ptr) >> 4) ^ (rows * 31 + cols) ^ box_rows;
+  Entry& e = cache[(h ^ (h >> 6) ^ (h >> 12)) & 63];
+  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.pitch == row_pitch_elems &&
+      e.box_rows == box_rows && e.box_cols == box_cols && e.swizzle == swizzle_bytes) {
+    std::memcpy(map, &e.map, sizeof(CUtensorMap));
+    return kTensorMapOk;
+  }
   PFN_cuTensorMapEncodeTiled_v12000 encode = get_encode_tiled();
   if (encode == nullptr) return kTensorMapNoDriverEntryPoint;
   cuuint64_t dims[2] = {cols, rows};
@@ -90,7 +109,10 @@ inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t r
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? kTensorMapOk : kTensorMapEncodeFailed;
+  if (r != CUDA_SUCCESS) return kTensorMapEncodeFailed;
+  e = Entry{ptr, rows, cols, row_pitch_elems, box_rows, box_cols, swizzle_bytes, {}};
+  std::memcpy(&e.map, map, sizeof(CUtensorMap));
+  return kTensorMapOk;
 }
 
 }  // namespace mk::host

@@ -137,7 +137,7 @@ def test_silent_rank_times_out_and_gpu_stays_usable(op, overlap):
     t0 = time.perf_counter()
     _run(op, a, b, world, schedule=bad)  # asynchronous: enqueued, returns
     with pytest.raises(mkernel.CommTimeout) as e:
-        _run(op, a, b, world, schedule=mkernel.Schedule(overlap=overlap))  # the next call raises
+        world.check()
     assert time.perf_counter() - t0 < 10
     assert e.value.peer == 2
     assert ("chunk_ready" if op == "ag_gemm" else "tile_flag") in e.value.signal

@@ -37,6 +37,18 @@ def test_call_returns_before_its_kernel_ends():
     assert_pads_zero(world)
 
 
+def test_next_call_raises_an_earlier_timeout():
+    world = mkernel.World.emulated(2, device="cuda", timeout_s=0.2)
+    a, b, bad = _silent(world)
+    mkernel.gemm_rs(a, b, world=world, schedule=bad)
+    torch.cuda.synchronize()  # the failed kernel has ended (its status is recorded)
+    with pytest.raises(mkernel.CommTimeout) as e:
+        mkernel.gemm_rs(a, b, world=world)  # the next call on this world raises it
+    assert e.value.signal.startswith("tile_flag[")
+    out = mkernel.gemm_rs(a, b, world=world)  # and the world is clean again
+    assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), "after timeout")
+
+
 def test_sync_checks_raise_at_the_call():
     world = mkernel.World.emulated(2, device="cuda", timeout_s=0.2)
     world.sync_checks = True
@@ -52,8 +64,9 @@ def test_watchdog_reports_within_a_second():
     seen: list[mkernel.CommTimeout] = []
     fired = threading.Event()
     world.on_timeout = lambda exc: (seen.append(exc), fired.set())
-    a, b, bad = _silent(world)
-    mkernel.ag_gemm(a[:, :128], b, world=world, schedule=bad)
+    _, b, bad = _silent(world)
+    a = torch.randn(2, 128, 64, device="cuda").bfloat16()  # shards [M/W, K]
+    mkernel.ag_gemm(a, b, world=world, schedule=bad)
     t0 = time.perf_counter()
     assert fired.wait(timeout=5.0), "the watchdog never reported the timeout"
     # deadline 0.2 s + at most one watchdog period after it
