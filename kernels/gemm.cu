@@ -201,14 +201,6 @@ const char* gemm_status_string(int s) {
 
 int gemm_last_grid() { return g_last_grid; }
 
-int gemm_pick_config(int M, int N, int K, int num_sms) {
-  return mk::gemm::pick_config(M, N, K, num_sms);
-}
-
-int gemm_tile_order(int M, int N, int config, int num_sms, int32_t* out, int capacity) {
-  return mk::gemm::make_tile_order(M, N, config, num_sms, out, capacity);
-}
-
 int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
   if (a.M < 1 || a.N < 1 || a.K < 1) return kGemmBadShape;
   if (a.N % 8 != 0 || a.K % 8 != 0) return kGemmBadAlignment;
@@ -219,8 +211,8 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
   if (a.ldc != 0 && a.ldc < a.N) return kGemmBadLdc;
   const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
   if (num_sms < 1) return kGemmLaunchFailed;
-  const int cfg = a.config >= 0 ? a.config : mk::gemm::pick_config(a.M, a.N, a.K, num_sms);
-  switch (cfg) {
+  // NOTE: no heuristic here: the caller (mkernel.schedule.pick_tile) picks the config.
+  switch (a.config) {
     case Tile128x256x64::kId: return launch<Tile128x256x64>(a, stream, num_sms);
     case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
     case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);

@@ -3,13 +3,14 @@
 //
 // Python view:
 //   args = GemmArgs(); args.a = A.data_ptr(); args.b = B.data_ptr(); args.c = C.data_ptr()
-//   args.M, args.N, args.K = M, N, K; args.config = gemm_pick_config(M, N, K, sms)
+//   cfg = mkernel.schedule.pick_tile(M, N, K, sms)      # the heuristic lives in Python only
+//   order = grouped_order(-(-M // cfg.bm), -(-N // cfg.bn), cfg, sms)   # as a device int32 tensor
+//   args.M, args.N, args.K = M, N, K; args.config = TILE_CONFIG_IDS[cfg.name]
+//   args.tile_order = order.data_ptr()                  # 0: row-major order
 //   status = launch_gemm(args, torch.cuda.current_stream().cuda_stream)   # 0 = ok
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "../primitives/gemm/config.cuh"
 #include "gemm_args.h"
@@ -47,20 +48,6 @@ void register_gemm(py::module_& m) {
       py::arg("args"), py::arg("stream"),
       "C = A @ B on the given CUDA stream handle; returns a GemmStatus (0 = ok).");
   m.def("gemm_status_string", &gemm_status_string, py::arg("status"));
-  m.def("gemm_pick_config", &gemm_pick_config, py::arg("M"), py::arg("N"), py::arg("K"),
-        py::arg("num_sms"), "Config id the heuristic picks for an M x N x K GEMM.");
-  m.def(
-      "gemm_tile_order",
-      [](int M, int N, int config, int num_sms) {
-        const int n = gemm_tile_order(M, N, config, num_sms, nullptr, 0);
-        if (n < 0) throw py::value_error("gemm_tile_order: unknown config");
-        std::vector<int32_t> v(n);
-        gemm_tile_order(M, N, config, num_sms, v.data(), n);
-        return v;
-      },
-      py::arg("M"), py::arg("N"), py::arg("config"), py::arg("num_sms"),
-      "Grouped (L2-friendly) order of units (a tile, or CLUSTER vertically adjacent tiles):\n"
-      "ids um * tiles_n + tn.");
   m.def(
       "gemm_config_info",
       [](int id) {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
@@ -45,8 +46,10 @@ TILE_CONFIGS = {
     "128x128x64": TileConfig("128x128x64", 128, 128, 64),
     "64x128x64": TileConfig("64x128x64", 64, 128, 64),
 }
-# Relative throughput of each config at full occupancy (primitives/gemm/config.cuh pick_config).
-_TILE_RATE = {"128x256x64": 1.0, "128x128x64": 0.9, "64x128x64": 0.75}
+# Relative throughput per SM of each config at full occupancy (128x256 reads the least shared
+# memory per FLOP). NOTE: estimates, not fitted; see docs/gemm_engine.md. Exact fractions, so that
+# equal predicted times tie exactly and pick_tile's tie rule holds.
+_TILE_RATE = {"128x256x64": Fraction(1), "128x128x64": Fraction(9, 10), "64x128x64": Fraction(3, 4)}
 
 
 class Tile(NamedTuple):
@@ -240,28 +243,54 @@ class Plan:
 
 
 def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
-    """The config with the least predicted time: waves of tiles over ``sms`` SMs, each wave costing
-    the tile's area over the config's rate (the same rule as the device's pick_config)."""
+    """The config with the least predicted time for an m x n x k GEMM on ``sms`` SMs: persistent
+    CTAs run ceil(tiles / sms) waves, each as long as one tile, and a BM x BN tile takes
+    BM * BN / rate, where the rate (_TILE_RATE) is the config's relative efficiency per SM. Ties go
+    to the first config of TILE_CONFIGS (the lowest device id). The one heuristic of the package:
+    the fused ops' plans and the plain GEMM op (mkernel/bench/gemm.py) both call it."""
     del k
 
-    def cost(c: TileConfig) -> float:
+    def cost(c: TileConfig) -> Fraction:
         tiles = -(-m // c.bm) * -(-n // c.bn)
         return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
 
-    return min(TILE_CONFIGS.values(), key=cost)
+    return min(TILE_CONFIGS.values(), key=cost)  # min keeps the first of equal costs
 
 
-def grouped_order(tiles_m: int, tiles_n: int, cfg: TileConfig, sms: int) -> list[int]:
-    """Row-major tile ids of a tiles_m x tiles_n grid in L2-friendly order: down a group of
-    ~sqrt(sms * BN / BM) tile rows, then across the columns, snaking between groups, so the tiles in
-    flight cover a near-square block of C and share A rows and B columns in L2."""
-    g = 1
-    while (g + 1) * (g + 1) * cfg.bm <= sms * cfg.bn:
-        g += 1
-    g = min(g, tiles_m)
+def grouped_order(
+    tiles_m: int,
+    tiles_n: int,
+    cfg: TileConfig,
+    sms: int,
+    *,
+    cluster: int = 1,
+    group: int | None = None,
+) -> list[int]:
+    """Unit ids of a tiles_m x tiles_n tile grid in L2-friendly order.
+
+    A unit is ``cluster`` vertically adjacent tiles (one tile when cluster = 1): unit id
+    ``um * tiles_n + tn`` over ceil(tiles_m / cluster) unit-rows, and unit um covers tile rows
+    um * cluster ... um * cluster + cluster - 1 (those below the grid are empty). Units go down a
+    group of g unit-rows, then to the next column, so the ~sms tiles in flight cover a near-square
+    block of C and share A rows and B columns in L2; columns snake (alternate direction per group)
+    so that consecutive groups start on B columns still in L2. g ~ sqrt(slots * BN / (BM *
+    cluster)) with slots = sms // cluster, or ``group`` when given (the dev harness's experiments).
+
+    The plain GEMM op takes this order as its ``tile_order`` (kernels/gemm_args.h); the fused ops'
+    plans use it with cluster = 1."""
+    if not isinstance(cluster, int) or cluster < 1:
+        raise ValueError(f"cluster must be a positive int, got {cluster!r}")
+    if group is not None and (not isinstance(group, int) or group < 1):
+        raise ValueError(f"group must be a positive int or None, got {group!r}")
+    units_m = -(-tiles_m // cluster)
+    if group is None:
+        unit_bm, slots = cfg.bm * cluster, max(1, sms // cluster)
+        group = 1
+        while (group + 1) * (group + 1) * unit_bm <= slots * cfg.bn:
+            group += 1
     order = []
-    for grp, m_base in enumerate(range(0, tiles_m, g)):
-        rows = min(g, tiles_m - m_base)
+    for grp, m_base in enumerate(range(0, units_m, group)):
+        rows = min(group, units_m - m_base)
         cols = range(tiles_n - 1, -1, -1) if grp % 2 else range(tiles_n)
         order += [(m_base + i) * tiles_n + j for j in cols for i in range(rows)]
     return order

@@ -1,50 +1,34 @@
-"""Host-side logic of the GEMM engine (primitives/gemm/config.cuh), compiled with the host compiler:
-the tile order covers every tile exactly once for every config (cluster configs: every cluster unit,
-whose CLUSTER tiles are the rows um * CLUSTER + r), the heuristic's picks, config facts."""
+"""Host-side facts of the GEMM engine's compiled configs (primitives/gemm/config.cuh config_info),
+compiled with the host compiler: within the sm_90 shared-memory limit, the cluster experiment's
+CLUSTER, unknown ids, and the same tile shapes as Python's TILE_CONFIGS under TILE_CONFIG_IDS (the
+heuristic and the tile order that pick among them are Python's: tests/test_tile_heuristics.py)."""
 
 from __future__ import annotations
 
-import random
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from mkernel.bench.gemm import SHAPES  # the six target shapes of the benchmark
+from mkernel.schedule import TILE_CONFIG_IDS, TILE_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")
 
 DRIVER = r"""
 #include <cstdio>
-#include <vector>
 #include "primitives/gemm/config.cuh"
 using namespace mk::gemm;
-// stdin: lines "order M N config sms" or "pick M N K sms" or "info config"
+// stdin: config ids; stdout per id: "id bm bn bk stages smem_bytes cluster"
 int main() {
-  char cmd[16];
-  while (std::scanf("%15s", cmd) == 1) {
-    if (cmd[0] == 'o') {
-      int M, N, c, s;
-      std::scanf("%d %d %d %d", &M, &N, &c, &s);
-      int n = make_tile_order(M, N, c, s, nullptr, 0);
-      std::vector<int32_t> v(n > 0 ? n : 0);
-      if (n > 0) make_tile_order(M, N, c, s, v.data(), n);
-      std::printf("%d", n);
-      for (int x : v) std::printf(" %d", x);
-      std::printf("\n");
-    } else if (cmd[0] == 'p') {
-      int M, N, K, s;
-      std::scanf("%d %d %d %d", &M, &N, &K, &s);
-      std::printf("%d\n", pick_config(M, N, K, s));
-    } else {
-      int c;
-      std::scanf("%d", &c);
-      ConfigInfo i = config_info(c);
-      std::printf("%d %d %d %d %d %d\n", i.id, i.bm, i.bn, i.stages, i.smem_bytes, i.cluster);
-    }
+  int c;
+  while (std::scanf("%d", &c) == 1) {
+    ConfigInfo i = config_info(c);
+    std::printf("%d %d %d %d %d %d %d\n", i.id, i.bm, i.bn, i.bk, i.stages, i.smem_bytes,
+                i.cluster);
   }
+  std::printf("num_configs %d\n", kNumConfigs);
 }
 """
 
@@ -72,53 +56,37 @@ def driver(tmp_path_factory: pytest.TempPathFactory):
         check=True,
     )
 
-    def run(lines: list[str]) -> list[str]:
+    def run(ids: list[int]) -> tuple[dict[int, list[int]], int]:
         p = subprocess.run(
-            [str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True
+            [str(exe)],
+            input="\n".join(map(str, ids)) + "\n",
+            capture_output=True,
+            text=True,
+            check=True,
         )
-        return p.stdout.splitlines()
+        *rows, last = p.stdout.splitlines()
+        info = {i: list(map(int, row.split())) for i, row in zip(ids, rows, strict=True)}
+        return info, int(last.split()[1])
 
     return run
 
 
-def test_order_covers_every_tile_once(driver) -> None:
-    rng = random.Random(7)
-    cases = [
-        (
-            rng.randint(1, 5000),
-            8 * rng.randint(1, 1200),
-            rng.choice(CONFIGS),
-            rng.choice([1, 2, 3, 7, 66, 132]),
-        )
-        for _ in range(150)
-    ]
-    cases += [(8192, 8192, 0, 132), (4096, 28672, 0, 132), (300, 520, 103, 132), (1, 8, 103, 1)]
-    infos = {c: list(map(int, driver([f"info {c}"])[0].split())) for c in CONFIGS}
-    outs = driver([f"order {m} {n} {c} {s}" for m, n, c, s in cases])
-    for (m, n, c, s), line in zip(cases, outs, strict=True):
-        _, bm, bn, _, _, cl = infos[c]
-        vals = list(map(int, line.split()))
-        count, order = vals[0], vals[1:]
-        tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-        units_m = -(-tiles_m // cl)
-        assert count == units_m * tiles_n == len(order), (m, n, c, s)
-        assert sorted(order) == list(range(count)), f"not a permutation: {(m, n, c, s)}"
-        covered = sorted(
-            (um * cl + r) * tiles_n + u % tiles_n
-            for u in order
-            for um in [u // tiles_n]
-            for r in range(cl)
-            if um * cl + r < tiles_m
-        )
-        assert covered == list(range(tiles_m * tiles_n)), f"tiles missed or doubled: {(m, n, c, s)}"
+def test_config_facts(driver) -> None:
+    info, num_configs = driver([*CONFIGS, 5, -1])
+    for c in CONFIGS:
+        assert info[c][0] == c
+        assert info[c][5] <= 232448, f"config {c} over the sm_90 shared-memory limit"
+    assert info[0][1:5] == [128, 256, 64, 4] and info[0][6] == 1
+    assert info[103][6] == 2  # two CTAs per cluster along M
+    assert info[5][0] == -1 and info[-1][0] == -1  # unknown ids
+    assert num_configs == len(TILE_CONFIGS)
 
 
-def test_heuristic_and_config_facts(driver) -> None:
-    picks = driver([f"pick {m} {n} {k} 132" for m, n, k in SHAPES])
-    assert picks == ["0"] * len(SHAPES)  # the measured workhorse on every target shape
-    assert driver(["pick 128 1024 1024 132"]) == ["2"]  # few tiles: the small config uses more SMs
-    info = [list(map(int, line.split())) for line in driver([f"info {c}" for c in (*CONFIGS, 5)])]
-    for row in info[:-1]:
-        assert row[4] <= 232448, f"config {row[0]} over the sm_90 shared-memory limit"
-    assert info[0][1:4] == [128, 256, 4] and info[3][5] == 2
-    assert info[-1][0] == -1  # unknown id
+def test_python_tile_configs_are_the_compiled_ones(driver) -> None:
+    """pick_tile picks among TILE_CONFIGS and the launcher runs TILE_CONFIG_IDS[name]: the two
+    must describe the same tiles, all single-CTA (grouped_order's cluster = 1)."""
+    info, _ = driver(list(TILE_CONFIG_IDS.values()))
+    for name, i in TILE_CONFIG_IDS.items():
+        c = TILE_CONFIGS[name]
+        assert info[i][1:4] == [c.bm, c.bn, c.bk], name
+        assert info[i][6] == 1, name

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from common import env_info, launch, load_module, tile_order
+from common import env_info, launch, load_module, pick_config, tile_order
 
 SHAPES = [
     (8192, 8192, 8192),
@@ -26,18 +26,6 @@ SHAPES = [
     (8192, 1024, 8192),
 ]
 SETS, WARM, ROUNDS, PER = 4, 5, 6, 20
-
-
-def grouped_order(M, N, bm, bn, g):
-    """Python twin of mk::gemm::make_tile_order with an explicit group size (experiments)."""
-    tm, tn = -(-M // bm), -(-N // bn)
-    out = []
-    for grp, mb in enumerate(range(0, tm, g)):
-        rows = min(g, tm - mb)
-        for jn in range(tn):
-            n = tn - 1 - jn if grp & 1 else jn
-            out += [(mb + i) * tn + n for i in range(rows)]
-    return out
 
 
 def time_interleaved(fns, rounds=ROUNDS, per=PER):
@@ -89,7 +77,7 @@ def main():
             )
             for _ in range(SETS)
         ]
-        cfg = mk.gemm_pick_config(M, N, K, sms)
+        cfg = pick_config(M, N, K, sms)
 
         def ours(config, order):
             return lambda i: launch(
@@ -109,9 +97,8 @@ def main():
         if "--experiments" in sys.argv:
             for c in (103, 104, 110, 112):
                 fns[f"cfg{c}"] = ours(c, tile_order(mk, M, N, c, sms))
-            for g in (4, 8):
-                o = torch.tensor(grouped_order(M, N, 128, 256, g), dtype=torch.int32, device="cuda")
-                fns[f"g{g}"] = ours(cfg, o)
+            for g in (4, 8):  # explicit group sizes, the picked config's grid
+                fns[f"g{g}"] = ours(cfg, tile_order(mk, M, N, cfg, sms, group=g))
         t = time_interleaved(fns)
         tf = lambda ms: flop / (ms * 1e-3) / 1e12  # noqa: E731
         rec = {

@@ -10,14 +10,14 @@ import sys
 import torch
 
 from bench_gemm import SHAPES
-from common import launch, load_module, tile_order
+from common import launch, load_module, pick_config, tile_order
 
 mk = load_module(sys.argv[1])
 for m, n, k in SHAPES:
     a = torch.randn(m, k, device="cuda").bfloat16()
     b = torch.randn(k, n, device="cuda").bfloat16()
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    cfg = mk.gemm_pick_config(m, n, k, 132)
+    cfg = pick_config(m, n, k, 132)
     launch(mk, a, b, c, m, n, k, config=cfg, order=tile_order(mk, m, n, cfg, 132))
     torch.matmul(a, b, out=c)
     torch.cuda.synchronize()

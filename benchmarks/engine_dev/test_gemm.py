@@ -15,7 +15,16 @@ import time
 import torch
 
 from bench_gemm import SHAPES
-from common import KINDS, error_bound, launch, load_module, status_of, tile_order
+from common import (
+    KINDS,
+    error_bound,
+    launch,
+    load_module,
+    num_units,
+    pick_config,
+    status_of,
+    tile_order,
+)
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -44,14 +53,13 @@ def check_case(
         else:
             buf = torch.randn(M + guard, ldc, device="cuda", dtype=torch.float32)
         before = buf.clone()
-        # NOTE: the launcher picks with num_sms = grid when grid > 0; the tile order must be built
-        # for the config that runs, so resolve it here and pass it explicitly when an order is given.
-        cfg = config if config >= 0 else mk.gemm_pick_config(M, N, K, grid if grid > 0 else sms)
+        # NOTE: config -1 means the heuristic, which is Python's (mkernel.schedule.pick_tile; the
+        # launcher has none): resolve it here with the SMs the launch gets (grid when > 0).
+        cfg = config if config >= 0 else pick_config(M, N, K, grid if grid > 0 else sms)
         if order == "grouped":
             ordt = tile_order(mk, M, N, cfg, sms)
         elif order == "random":
-            n = len(mk.gemm_tile_order(M, N, cfg, sms))
-            ordt = torch.randperm(n, device="cuda").to(torch.int32)
+            ordt = torch.randperm(num_units(mk, M, N, cfg), device="cuda").to(torch.int32)
         else:
             ordt = None
         launch(
@@ -62,7 +70,7 @@ def check_case(
             M,
             N,
             K,
-            config=config if ordt is None else cfg,
+            config=cfg,
             kind=kind,
             order=ordt,
             ldc=ldc if ldc_pad else 0,
@@ -185,7 +193,7 @@ def main():
         outs = []
         for order in ("grouped", "random", None, "grouped"):
             C = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            n = len(mk.gemm_tile_order(M, N, cfg, sms))
+            n = num_units(mk, M, N, cfg)
             o = (
                 tile_order(mk, M, N, cfg, sms)
                 if order == "grouped"
@@ -210,6 +218,7 @@ def main():
         ((8, 12, 8), {}, 2),
         ((8, 8, 12), {}, 2),
         ((8, 8, 8), {"config": 7}, 4),
+        ((8, 8, 8), {"config": -1}, 4),  # no heuristic in the launcher: the caller picks
         ((8, 8, 8), {"kind": 4}, 5),
         ((8, 16, 8), {"ldc": 8}, 6),
         ((8, 8, 8), {"ptrs": (0, 256, 256)}, 3),

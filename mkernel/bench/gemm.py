@@ -13,6 +13,7 @@ import torch
 
 import mkernel
 
+from .. import schedule
 from ..ops.common import extension
 from .timing import interleaved_ms, rotation, save, table
 
@@ -48,8 +49,10 @@ def _measure(ext, world, sms: int, m: int, n: int, k: int) -> dict:
     a = [torch.randn(1, m, k, device="cuda").bfloat16() for _ in range(sets)]
     b = [torch.randn(1, k, n, device="cuda").bfloat16() for _ in range(sets)]
     c = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-    cfg = ext.gemm_pick_config(m, n, k, sms)
-    order = torch.tensor(ext.gemm_tile_order(m, n, cfg, sms), dtype=torch.int32, device="cuda")
+    tile = schedule.pick_tile(m, n, k, sms)  # the fused ops' heuristic and order, the same code
+    cfg = schedule.TILE_CONFIG_IDS[tile.name]
+    order = schedule.grouped_order(-(-m // tile.bm), -(-n // tile.bn), tile, sms)
+    order = torch.tensor(order, dtype=torch.int32, device="cuda")
     # Correctness of both ours against cuBLAS on set 0 before timing.
     ref = torch.matmul(a[0][0].float(), b[0][0].float())
     engine_gemm(ext, a[0][0], b[0][0], c[0], order, cfg)

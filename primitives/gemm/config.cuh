@@ -1,5 +1,7 @@
-// config.cuh: named tile configurations of the GEMM engine, the shared-memory map they imply, the
-// config heuristic and the host-side tile order (L2-friendly grouped rasterisation).
+// config.cuh: named tile configurations of the GEMM engine, the shared-memory map they imply, and
+// config_info, the facts of each compiled config by id. The config heuristic and the tile order
+// (L2-friendly grouped rasterisation) live once, in Python: mkernel/schedule.py pick_tile and
+// grouped_order; the caller passes the config id and the order it built (kernels/gemm_args.h).
 //
 // A config is a struct of named constants; the engine takes it as its only template argument.
 //   BM x BN x BK   tile of C computed per task, k-slice per pipeline stage (BK = 64: one 128-byte
@@ -95,7 +97,7 @@ using Tile64x128x64 = TileConfig<64, 128, 8, kTile64x128x64, 40, 232>;
 constexpr int kNumConfigs = 3;
 
 #ifdef MK_GEMM_EXPERIMENTS
-// Dev-harness variants (ids >= 100), never picked by the heuristic.
+// Dev-harness variants (ids >= 100), never picked by the heuristic (mkernel.schedule.pick_tile).
 using ExpSkipEpi = TileConfig<128, 256, 4, 102, 24, 240, 128, kEpiSkip>;  // timing only
 // Two CTAs per cluster (a 256 x 256 block of C), each loading half of B for both (a third less L2
 // traffic): measured no faster than config 0 on H200 (the GPU is power-bound, not L2-bound).
@@ -132,64 +134,6 @@ MK_HD inline ConfigInfo config_info(int id) {
 #endif
     default: return {-1, 0, 0, 0, 0, 0, 0, 0, 0};
   }
-}
-
-// Heuristic: persistent CTAs run ceil(tiles / SMs) waves, each as long as one tile, and a tile of
-// BM x BN takes BM*BN / rate time, where `rate` is the config's relative efficiency per SM (128x256
-// reads the least shared memory per FLOP). A cluster config would run clusters of CLUSTER tiles on
-// num_sms / CLUSTER slots. Pick the config with the smallest predicted time.
-// NOTE: rates are estimates, not fitted; see docs/gemm_engine.md.
-MK_HD inline int pick_config(int M, int N, int K, int num_sms) {
-  (void)K;
-  const float rate[kNumConfigs] = {1.0f, 0.90f, 0.75f};
-  int best = 0;
-  float best_cost = 0.f;
-  for (int id = 0; id < kNumConfigs; ++id) {
-    ConfigInfo c = config_info(id);
-    if (c.cluster > num_sms) continue;
-    const long units =
-        (long)((M + c.bm * c.cluster - 1) / (c.bm * c.cluster)) * ((N + c.bn - 1) / c.bn);
-    const long slots = num_sms / c.cluster;
-    const long waves = (units + slots - 1) / slots;
-    const float cost = (float)waves * (float)(c.bm * c.bn) / rate[id];
-    if (id == 0 || cost < best_cost) {
-      best = id;
-      best_cost = cost;
-    }
-  }
-  return best;
-}
-
-// Host: unit ids in grouped order. The unit is a cluster tile: CLUSTER vertically adjacent tiles
-// (one tile when CLUSTER = 1), id = um * tiles_n + tn over ceil(tiles_m / CLUSTER) unit-rows.
-// Units go down a group of `group_m` unit-rows, then to the next tile-column, so the ~num_sms tiles
-// in flight cover a near-square block of C and share A rows / B columns in L2. Columns snake
-// (alternate direction per group) so that consecutive groups start on B columns still in L2.
-inline int tile_order_group_m(int tiles_m, int bm, int bn, int num_sms) {
-  int g = 1;
-  while ((g + 1) * (g + 1) * bm <= num_sms * bn) ++g;  // g ~ sqrt(num_sms * bn / bm)
-  return g < tiles_m ? g : tiles_m;
-}
-
-inline int make_tile_order(int M, int N, int config_id, int num_sms, int32_t* out, int capacity) {
-  ConfigInfo c = config_info(config_id);
-  if (c.id < 0) return -1;
-  const int ubm = c.bm * c.cluster;  // rows of one unit
-  const int units_m = (M + ubm - 1) / ubm, tiles_n = (N + c.bn - 1) / c.bn;
-  const int total = units_m * tiles_n;
-  if (out == nullptr) return total;
-  if (capacity < total) return -1;
-  const int g =
-      tile_order_group_m(units_m, ubm, c.bn, num_sms / c.cluster > 0 ? num_sms / c.cluster : 1);
-  int k = 0;
-  for (int m_base = 0, grp = 0; m_base < units_m; m_base += g, ++grp) {
-    const int rows = (units_m - m_base) < g ? (units_m - m_base) : g;
-    for (int jn = 0; jn < tiles_n; ++jn) {
-      const int tn = (grp & 1) ? (tiles_n - 1 - jn) : jn;
-      for (int im = 0; im < rows; ++im) out[k++] = (m_base + im) * tiles_n + tn;
-    }
-  }
-  return total;
 }
 
 }  // namespace mk::gemm
