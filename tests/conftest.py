@@ -1,5 +1,19 @@
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis profiles. "ci" (loaded when the CI environment variable is set, as CI services and
+# tools/mutate.py do): examples derived from each test's own name, no example database, so a run is
+# reproducible and a failure prints the blob that replays it. "dev" (otherwise): random examples,
+# remembered failures in .hypothesis/. Neither has a deadline: an interpreter run takes what it
+# takes. HYPOTHESIS_PROFILE picks one by name.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -83,3 +83,31 @@ def assert_rejects_layout_and_world(op, a, b, a4, b4, world) -> None:
     for not_a_world in ("2 ranks", 2, None):
         with pytest.raises(TypeError, match="world must be an mkernel.World"):
             op(a, b, world=not_a_world)
+
+
+U_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits): round to nearest is within this
+U_FP32 = 2.0**-24
+
+
+def assert_close_exact(
+    out: torch.Tensor, exact: torch.Tensor, mag: torch.Tensor, terms: int, what: str = ""
+) -> None:
+    """``out`` (bf16) is the bf16 rounding of an fp32 computation of ``exact`` (fp64, computed by
+    the test): fp32 sums of at most ``terms`` products and partial sums, in any order, are within
+    ``terms * 2^-24 * mag`` of the exact value (``mag``: the same sums over absolute values), and
+    the final rounding to bf16 adds at most 2^-8 of the magnitude. Elementwise, no NaN (poison)."""
+    assert out.shape == exact.shape, f"{what}: shape {tuple(out.shape)}, want {tuple(exact.shape)}"
+    assert out.dtype == torch.bfloat16, f"{what}: dtype {out.dtype}, want bfloat16"
+    o = out.double()
+    assert not torch.isnan(o).any(), f"{what}: NaN in the result (an unwritten tile)"
+    acc = (terms + 2) * U_FP32 * 1.01 * mag
+    tol = U_BF16 * exact.abs() + (1 + U_BF16) * acc
+    err = (o - exact).abs()
+    bad = err > tol
+    if bad.any():
+        i = tuple(int(x) for x in bad.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements off the fp64 value; first at "
+            f"{list(i)}: got {o[i].item():.6g}, exact {exact[i].item():.6g}, "
+            f"tol {tol[i].item():.3g}"
+        )

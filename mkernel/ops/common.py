@@ -30,9 +30,12 @@ def check_world(world: Any) -> World:
     return world
 
 
+_DEFAULT_SCHEDULE = Schedule()  # never handed out: calls without a schedule share it (host time)
+
+
 def check_schedule(schedule: Any) -> Schedule:
     if schedule is None:
-        return Schedule()
+        return _DEFAULT_SCHEDULE
     if not isinstance(schedule, Schedule):
         raise TypeError(
             f"schedule must be an mkernel.Schedule or None, got {type(schedule).__name__}"
@@ -43,16 +46,16 @@ def check_schedule(schedule: Any) -> Schedule:
 def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tuple[int, ...]:
     """Checks a per-rank operand and returns its per-rank shape. ``form`` names the expected
     shape."""
-    lead = f"[W={world.size}, {form[1:]}" if world.emulated_world else form
+    emulated = world.emulated_world
+    lead = f"[W={world.size}, {form[1:]}" if emulated else form
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
     if t.dtype != torch.bfloat16:
         raise TypeError(f"{name} must be torch.bfloat16 (fp32 accumulation inside), got {t.dtype}")
-    if t.device != world.device and not (
-        t.device.type == world.device.type == "cuda" and t.device.index == world.device.index
-    ):
-        raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
-    want = ndim + (1 if world.emulated_world else 0)
+    dev, wdev = t.device, world.device
+    if dev != wdev and not (dev.type == wdev.type == "cuda" and dev.index == wdev.index):
+        raise ValueError(f"{name} is on {dev}, but the world's device is {wdev}")
+    want = ndim + (1 if emulated else 0)
     if t.dim() != want:
         raise ValueError(f"{name} must have shape {lead} ({want} dims), got {tuple(t.shape)}")
     if world.emulated_world and t.shape[0] != world.size:
