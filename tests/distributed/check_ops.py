@@ -23,12 +23,14 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mkernel  # noqa: E402
+from mkernel.schedule import TILE_CONFIG_IDS, pick_tile  # noqa: E402
 from tests.helpers import assert_close_bf16  # noqa: E402
 
 SHAPES = {  # op -> (global m, n, k), per-rank shards derived below
     "gemm_rs": lambda W: (W * 512, 1024, W * 256),
     "ag_gemm": lambda W: (W * 256, 1024, 512),
     "gemm_ar": lambda W: (640, 1024, W * 256),
+    "all_gather": lambda W: (W * 200, 1032, 0),  # rows per rank not a tile multiple
 }
 
 
@@ -36,6 +38,10 @@ def inputs(op: str, W: int, rank: int, seed: int):
     """All ranks' inputs in the emulated convention (leading rank dim) and rank's own shards."""
     m, n, k = SHAPES[op](W)
     g = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if op == "all_gather":  # one operand: b is None
+        x = torch.randn(W, m // W, n, generator=g).bfloat16()
+        return x, None, x[rank].to(dev).contiguous(), None
     if op == "ag_gemm":
         a = torch.randn(W, m // W, k, generator=g)
         b = torch.randn(1, k, n, generator=g).expand(W, k, n)
@@ -43,13 +49,19 @@ def inputs(op: str, W: int, rank: int, seed: int):
         a = torch.randn(W, m, k // W, generator=g)
         b = torch.randn(W, k // W, n, generator=g)
     a, b = a.bfloat16(), b.bfloat16().contiguous()
-    dev = torch.device("cuda", torch.cuda.current_device())
     return a, b, a[rank].to(dev).contiguous(), b[rank].to(dev).contiguous()
 
 
 def reference(op: str, a, b, W: int, rank: int) -> torch.Tensor:
     emu = mkernel.World.emulated(W)
-    return getattr(mkernel.reference, op)(a, b, world=emu)[rank]
+    operands = (a,) if b is None else (a, b)
+    return getattr(mkernel.reference, op)(*operands, world=emu)[rank]
+
+
+def call(fn, a, b, world, schedule):
+    """An op with one operand (all_gather) or two."""
+    operands = (a,) if b is None else (a, b)
+    return fn(*operands, world=world, schedule=schedule)
 
 
 PEER_CHECKS = ("bf16 store into a peer", "fp32 TMA + atomic reduce-add into rank 0")
@@ -82,6 +94,10 @@ def check_engine_peer_epilogue(world, W: int, rank: int) -> list[tuple[str, bool
         args = ext.GemmArgs()
         args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), c_ptr
         args.M, args.N, args.K, args.out_kind = m, n, k, kind
+        # The launcher has no heuristic: the caller picks the config (the package's one rule).
+        args.config = TILE_CONFIG_IDS[
+            pick_tile(m, n, k, torch.cuda.get_device_properties(dev).multi_processor_count).name
+        ]
         st = ext.launch_gemm(args, stream)
         if st:
             return dict.fromkeys(PEER_CHECKS, (False, f"launch: {ext.gemm_status_string(st)}"))
@@ -103,7 +119,7 @@ def check_engine_peer_epilogue(world, W: int, rank: int) -> list[tuple[str, bool
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="gemm_rs")
+    p.add_argument("--ops", default="gemm_rs,ag_gemm,gemm_ar,all_gather")
     p.add_argument("--loop", type=int, default=100)
     p.add_argument("--sms", type=int, default=None, help="SMs per rank (processes sharing a GPU)")
     p.add_argument("--device", type=int, default=None, help="GPU index (default: local rank)")
@@ -140,7 +156,7 @@ def main() -> int:
             a, b, la, lb = inputs(op, W, rank, seed=1)
             ref = reference(op, a, b, W, rank)
             try:
-                out = fn(la, lb, world=world, schedule=sched)
+                out = call(fn, la, lb, world, sched)
                 assert_close_bf16(out.cpu(), ref, op)
                 report(f"{op} {overlap} correct", True)
             except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
@@ -149,7 +165,7 @@ def main() -> int:
             world.sync_checks = False
             t0 = time.perf_counter()
             for _ in range(args.loop):
-                out = fn(la, lb, world=world, schedule=sched)
+                out = call(fn, la, lb, world, sched)
             try:
                 world.check()
                 assert_close_bf16(out.cpu(), ref, op)
@@ -162,7 +178,7 @@ def main() -> int:
                 overlap=overlap, sms=args.sms, faults=mkernel.Faults(delay_rank=W - 1, delay_us=300)
             )
             try:
-                out = fn(la, lb, world=world, schedule=late)
+                out = call(fn, la, lb, world, late)
                 assert_close_bf16(out.cpu(), ref, op)
                 report(f"{op} {overlap} straggler rank {W - 1}", True)
             except Exception as e:  # noqa: BLE001
