@@ -3,21 +3,21 @@
 //
 // The plan's comm tasks carry (kind, chunk, dest): a push copies own chunk `chunk` into rank dest's
 // result with 16-byte stores (the template then raises landed[me][chunk] there); a wait task moves
-// nothing (its wait is the task). There is no compute: the engine never runs.
+// nothing (its wait is the task). There is no compute: the op runs on the comm-only engine
+// (templates/no_compute.cuh), whose CTAs hold no GEMM registers or shared memory.
 #include "kernels/fused_host.cuh"
 
 namespace mk {
 
-template <class EngineT>
 struct AllGather {
-  using Engine = EngineT;  // unused: the plan has no compute tasks
+  using Engine = NoCompute<384>;  // 384 threads: the same comm team as a GEMM engine's CTA
   using Layout = spec::all_gather::Layout;
   using Args = FusedArgs<AllGather>;
   static constexpr int kCommSmemBytes = 0;
   static constexpr int kPush = 0;
 
-  static __device__ gemm::Dest dest(const Args&, const CtaInfo&, const Tile&) {
-    return gemm::Dest{nullptr, 0, gemm::kStoreBF16};  // never called: no compute tasks
+  static __device__ Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
+    return {};  // never called: no compute tasks
   }
 
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
@@ -37,7 +37,7 @@ struct AllGather {
 };
 
 int launch_all_gather(const long long* rec, cudaStream_t s) {
-  return launch_fused<AllGather>(rec, s);
+  return launch_persistent<AllGather>(rec, s);  // one engine: no tile config to dispatch on
 }
 
 }  // namespace mk

@@ -19,16 +19,17 @@ inline const T* rec_ptr(const long long* rec, int field) {
   return reinterpret_cast<const T*>(rec[field]);
 }
 
-inline RoleTables role_tables(const long long* rec, int first_field) {
-  return RoleTables{rec_ptr<int>(rec, first_field),     rec_ptr<int>(rec, first_field + 1),
-                    rec_ptr<int>(rec, first_field + 2), rec_ptr<int>(rec, first_field + 3),
-                    rec_ptr<int>(rec, first_field + 4), rec_ptr<int>(rec, first_field + 5)};
+// A role's tables and, for a device-filled role, its per-rank capacity (record fields cap_field..).
+inline RoleTables role_tables(const long long* rec, int first_field, int cap_field) {
+  auto table = [&](int i) { return reinterpret_cast<int*>(rec[first_field + i]); };
+  return RoleTables{table(0), table(1), table(2), table(3), table(4), table(5),
+                    {(int)rec[cap_field], (int)rec[cap_field + 1], (int)rec[cap_field + 2]}};
 }
 
 inline FusedCommon make_common(const long long* rec) {
   FusedCommon c{};
-  c.role[kRoleCompute] = role_tables(rec, kRecComputeTaskPtr);
-  c.role[kRoleComm] = role_tables(rec, kRecCommTaskPtr);
+  c.role[kRoleCompute] = role_tables(rec, kRecComputeTaskSpan, kRecComputeCapRows);
+  c.role[kRoleComm] = role_tables(rec, kRecCommTaskSpan, kRecCommCapRows);
   c.tiles = rec_ptr<int>(rec, kRecTiles);
   c.compute_units = (int)rec[kRecComputeUnits];
   c.comm_units = (int)rec[kRecCommUnits];

@@ -92,13 +92,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using E = Engine<Cfg>;
   GemmHooks<Cfg> hooks{p};
   if constexpr (Cfg::CLUSTER > 1) E::cluster_begin(smem);
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<E::kProducerRegs>();
-    if (threadIdx.x < 32) E::run(p.engine, smem, hooks);
-  } else {
-    setmaxnreg_inc<E::kConsumerRegs>();
-    E::run(p.engine, smem, hooks);
-  }
+  E::run_cta(p.engine, smem, hooks, [] {});  // a plain GEMM: the spare warp idles
   if constexpr (Cfg::CLUSTER > 1) E::cluster_end();
 }
 

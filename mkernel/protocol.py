@@ -13,8 +13,11 @@ so the protocol the CPU interpreter property-tests is the protocol the GPU runs.
 the same tables and a generated header (``templates/protocol_gen.h``, ``python -m mkernel.codegen``)
 that holds every constant and per-op layout shared with this file; a test checks that it is current.
 
-Tables (int32, CSR per role): ``task_ptr [W+1]`` rows of each rank; ``args [n, TASK_ARGS]``;
-``wait_ptr [n+1]`` / ``waits [*, WAIT_FIELDS]``; ``raise_ptr [n+1]`` / ``raises [*, RAISE_FIELDS]``.
+Tables (int32, per role): ``task_span [W, 2]`` (first, end) rows of each rank; ``args [n,
+TASK_ARGS]``; ``wait_span [n, 2]`` / ``waits [*, WAIT_FIELDS]``; ``raise_span [n, 2]`` / ``raises [*,
+RAISE_FIELDS]``. Spans rather than CSR offsets, so that a role filled on the device (``Capacity``:
+a plan whose task counts only the kernel knows, such as MoE routing) can give each rank a region of
+fixed capacity and leave the unused rest of it as a gap.
 Reset policy of a wait (``consumers``): 0 leaves the signal as it is (another wait resets it), 1 the
 single consumer sets it back to 0, n > 1 each consumer counts itself on the pad's counter and the
 n-th resets signal and counter. ``check_protocol`` verifies statically that every waited value is
@@ -43,17 +46,17 @@ STATUS_FIELDS = ("error", "rank", "peer", "task", "role", "pad", "index", "abort
 WAIT_FIELDS = ("pad", "rank", "index", "value", "consumers", "counter", "patience", "peer")
 RAISE_FIELDS = ("pad", "rank", "index", "value", "op")
 RAISE_OPS = ("set", "add")  # st.release.sys / red.release.sys.add
+TABLES = ("task_span", "args", "wait_span", "waits", "raise_span", "raises")
+CAPACITY_FIELDS = ("rows", "waits", "raises")
 BARRIER_PAD = "barrier"  # pad id 0 of every op: the template's entry barrier [slot, peer]
 
 # The launch record: one int64 array per launch, filled by name here and read by the generated
 # constants on the device side (no hand-kept field order, no per-field binding).
 RECORD_FIELDS = (
-    # plan tables (device addresses), per role: task_ptr, args, wait_ptr, waits, raise_ptr, raises
-    *(
-        f"{role}_{t}"
-        for role in ROLES[:2]
-        for t in ("task_ptr", "args", "wait_ptr", "waits", "raise_ptr", "raises")
-    ),
+    # plan tables (device addresses), per role: task_span, args, wait_span, waits, raise_span, raises
+    *(f"{role}_{t}" for role in ROLES[:2] for t in TABLES),
+    # per-rank capacity (rows, waits, raises) of a device-filled role (Capacity), 0 if host-built
+    *(f"{role}_cap_{f}" for role in ROLES[:2] for f in CAPACITY_FIELDS),
     "tiles",  # [T, 5] int32 tile table (m0, n0, rows, cols, tag), or 0
     "compute_units",
     "comm_units",
@@ -238,10 +241,11 @@ class Task:
 
 @dataclass
 class RoleTables:
-    """A role's tasks, per rank in execution order, and their int32 CSR tables."""
+    """A role's tasks, per rank in execution order, and their int32 tables."""
 
-    tasks: list[list[Task]]  # [W][i]
+    tasks: list[list[Task]]  # [W][i]; a device-filled role: empty (the kernel's layout fills it)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    capacity: Capacity | None = None  # set: filled on the device, rank r in region r
 
     def rows(self, rank: int) -> range:
         start = sum(len(t) for t in self.tasks[:rank])
@@ -261,12 +265,14 @@ def _flat(spec: OpSpec, sizes: dict[str, int], pad: str, index: tuple[int, ...])
 
 def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]]) -> RoleTables:
     """The int32 tables of one role (``tasks[rank]`` in execution order)."""
-    task_ptr, args, wait_ptr, waits, raise_ptr, raises = [0], [], [0], [], [0], []
+    task_span, args, wait_span, waits, raise_span, raises = [], [], [], [], [], []
     for rank_tasks in tasks:
+        first = len(args)
         for t in rank_tasks:
             if len(t.args) > TASK_ARGS:
                 raise ValueError(f"{spec.name}: task {t.id} has more than {TASK_ARGS} args")
             args.append(list(t.args) + [0] * (TASK_ARGS - len(t.args)))
+            w0, r0 = len(waits), len(raises)
             for w in t.waits:
                 pid, flat = _flat(spec, sizes, w.pad, w.index)
                 counter = spec.pad_id(w.pad + "_count") if w.consumers > 1 else -1
@@ -274,22 +280,55 @@ def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]]) -> Role
             for r in t.raises:
                 pid, flat = _flat(spec, sizes, r.pad, r.index)
                 raises.append([pid, r.rank, flat, r.value, RAISE_OPS.index(r.op)])
-            wait_ptr.append(len(waits))
-            raise_ptr.append(len(raises))
-        task_ptr.append(len(args))
+            wait_span.append([w0, len(waits)])
+            raise_span.append([r0, len(raises)])
+        task_span.append([first, len(args)])
 
     def t32(rows: list, width: int) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, width)
 
     tensors = {
-        "task_ptr": torch.tensor(task_ptr, dtype=torch.int32),
+        "task_span": t32(task_span, 2),
         "args": t32(args, TASK_ARGS),
-        "wait_ptr": torch.tensor(wait_ptr, dtype=torch.int32),
+        "wait_span": t32(wait_span, 2),
         "waits": t32(waits, len(WAIT_FIELDS)),
-        "raise_ptr": torch.tensor(raise_ptr, dtype=torch.int32),
+        "raise_span": t32(raise_span, 2),
         "raises": t32(raises, len(RAISE_FIELDS)),
     }
     return RoleTables(tasks=tasks, tensors=tensors)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Per-rank room of a role whose tables the kernel fills in its layout phase (the op's device
+    ``layout`` and its interpreter twin): at most ``rows`` tasks, ``waits`` waits and ``raises``
+    raises per rank. The plan knows only these bounds; the tasks come from data on the device."""
+
+    rows: int
+    waits: int
+    raises: int
+
+    def __post_init__(self) -> None:
+        for name in CAPACITY_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"Capacity.{name} must be an int >= 0, got {v!r}")
+
+
+def empty_tables(world_size: int, cap: Capacity) -> RoleTables:
+    """The tables of a device-filled role before its layout phase: rank r owns rows [r * rows,
+    (r + 1) * rows) (and waits, raises likewise) and has no task yet (task_span [r] = (first,
+    first)). The kernel appends to them; the host never reads them back."""
+    W = world_size
+    tensors = {
+        "task_span": torch.tensor([[r * cap.rows] * 2 for r in range(W)], dtype=torch.int32),
+        "args": torch.zeros(W * cap.rows, TASK_ARGS, dtype=torch.int32),
+        "wait_span": torch.zeros(W * cap.rows, 2, dtype=torch.int32),
+        "waits": torch.zeros(W * cap.waits, len(WAIT_FIELDS), dtype=torch.int32),
+        "raise_span": torch.zeros(W * cap.rows, 2, dtype=torch.int32),
+        "raises": torch.zeros(W * cap.raises, len(RAISE_FIELDS), dtype=torch.int32),
+    }
+    return RoleTables(tasks=[[] for _ in range(W)], tensors=tensors, capacity=cap)
 
 
 def check_protocol(spec: OpSpec, sizes: dict[str, int], roles: dict[str, RoleTables]) -> None:

@@ -22,10 +22,12 @@ import torch
 from .protocol import (
     OVERLAPS,
     TILE_CONFIG_IDS,  # noqa: F401 (re-exported: names -> device config ids)
+    Capacity,
     OpSpec,
     RoleTables,
     Task,
     check_protocol,
+    empty_tables,
     encode,
 )
 
@@ -226,6 +228,11 @@ class Plan:
             row -= len(ts)
         raise IndexError(row)
 
+    def capacity(self, role: str) -> list[int]:
+        """Per-rank (rows, waits, raises) room of a device-filled role; zeros for a host one."""
+        cap = self.roles[role].capacity
+        return [cap.rows, cap.waits, cap.raises] if cap else [0, 0, 0]
+
     def tile_table(self) -> torch.Tensor:
         """[T, 5] int32: m0, n0, rows, cols, tag per tile."""
         return torch.tensor([t[1:] for t in self.tiles], dtype=torch.int32).reshape(-1, 5)
@@ -236,6 +243,7 @@ class Plan:
 
             self._device_tables = tables_to(self.roles, device)
             self._device_tables["tiles"] = self.tile_table().to(device)
+
         return self._device_tables
 
 
@@ -367,15 +375,28 @@ def build_plan(
     shapes: dict[str, int],
     sizes: dict[str, int],
     tiles: list[Tile],
-    compute: list[list[Task]],
-    comm: list[list[Task]],
+    compute: list[list[Task]] | Capacity,
+    comm: list[list[Task]] | Capacity,
     extra: dict[str, Any] | None = None,
 ) -> Plan:
     """An op's Plan from its tiles and per-rank task lists (``compute[r]``, ``comm[r]`` in execution
-    order), after the static protocol check (mkernel/protocol.py check_protocol)."""
-    compute_units, comm_units = split_units(schedule, world, len(compute[0]))
+    order), after the static protocol check (mkernel/protocol.py check_protocol).
+
+    A role given as a ``Capacity`` is filled by the kernel's layout phase (the op's ``layout`` on
+    the device, its twin in the interpreter) from data only the device has: the plan holds empty
+    tables of that room per rank, and the static check is left to the interpreter's run (it sees
+    the tasks the layout makes)."""
+    n_compute = compute.rows if isinstance(compute, Capacity) else len(compute[0])
+    compute_units, comm_units = split_units(schedule, world, n_compute)
     sizes = {"W": world.size, **sizes}
-    roles = {"compute": compute, "comm": comm}
+    device_filled = {
+        role: empty_tables(world.size, ts)
+        for role, ts in (("compute", compute), ("comm", comm))
+        if isinstance(ts, Capacity)
+    }
+    roles = {
+        role: ts for role, ts in (("compute", compute), ("comm", comm)) if role not in device_filled
+    }
     raisers = {}
     for ts in roles.values():
         for r, rank_tasks in enumerate(ts):
@@ -390,7 +411,9 @@ def build_plan(
                     for w in t.waits
                 )
     tables = {role: encode(spec, sizes, ts) for role, ts in roles.items()}
-    check_protocol(spec, sizes, tables)
+    if not device_filled:
+        check_protocol(spec, sizes, tables)
+    tables = {role: device_filled.get(role) or tables[role] for role in ("compute", "comm")}
     return Plan(
         op=spec.name,
         spec=spec,

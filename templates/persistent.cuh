@@ -8,11 +8,11 @@
 // moves data. Its contract, checked at compile time (OpContract below):
 //
 //   struct Op {
-//     using Engine = ...;                      // compute engine (primitives/gemm/engine.cuh)
+//     using Engine = ...;                      // compute engine (templates/engine_contract.cuh)
 //     using Layout = spec::<op>::Layout;       // named buffers and scalars (kernels/layouts_gen.h)
 //     static constexpr int kCommSmemBytes;     // intra_sm comm smem, after the engine's
 //     // compute data movement: where the engine's tile goes
-//     static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, const Tile&);
+//     static __device__ Engine::Dest dest(const FusedArgs<Op>&, const CtaInfo&, const Tile&);
 //     // comm data movement of one task (args: the plan's task arguments), run by the whole team;
 //     // bulk copies are issued by lane 0 (the template drains them before the raises)
 //     static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, const int* args,
@@ -21,10 +21,11 @@
 //   };
 //
 // Layout of a CTA (Engine::kThreads threads):
-//   inter_sm  CTA slot <  compute_units: compute CTA (warp 0 + consumer warpgroups run the engine)
+//   inter_sm  CTA slot <  compute_units: compute CTA (the engine's warps)
 //             CTA slot >= compute_units: comm CTA (every thread runs the comm loop as one team)
-//   intra_sm  every CTA computes; warp 1 of warpgroup 0 is the communicator warp (team of 32
-//             threads); warps 2, 3 idle.
+//   intra_sm  every CTA computes; the engine's spare warp (Engine::kSpareWarp) is the communicator
+//             (a team of 32 threads).
+// A CTA with no compute tasks skips the engine (its spare warp still communicates).
 // Unit u of a role takes rows u, u + units, ... of its rank's tasks (both backends).
 // In an emulated world CTAs [r * ctas_per_rank, (r + 1) * ctas_per_rank) serve rank r; all ranks'
 // CTAs are co-resident (grid <= #SMs), so ranks can spin on each other.
@@ -39,20 +40,25 @@
 #include "primitives/comm.cuh"
 #include "primitives/gemm/engine.cuh"
 #include "primitives/gemm/hooks.cuh"
+#include "templates/engine_contract.cuh"
+#include "templates/layout_phase.cuh"
+#include "templates/no_compute.cuh"
 #include "primitives/protocol_gen.h"
 #include "primitives/signal.cuh"
 #include "primitives/sym.cuh"
 
 namespace mk {
 
-// One role's tables (int32, CSR over ranks then tasks).
+// One role's tables (int32; spans are (first, end) pairs). Not const: a device-filled role's
+// tables are written by the layout phase (templates/layout_phase.cuh) before any CTA reads them.
 struct RoleTables {
-  const int* task_ptr;   // [W + 1]: rank r's tasks are rows task_ptr[r] .. task_ptr[r + 1]
-  const int* args;       // [rows, kTaskArgs]
-  const int* wait_ptr;   // [rows + 1]
-  const int* waits;      // [*, kWaitFields]
-  const int* raise_ptr;  // [rows + 1]
-  const int* raises;     // [*, kRaiseFields]
+  int* task_span;   // [W, 2]: rank r's tasks are rows task_span[2r] .. task_span[2r + 1]
+  int* args;        // [rows, kTaskArgs]
+  int* wait_span;   // [rows, 2]
+  int* waits;       // [*, kWaitFields]
+  int* raise_span;  // [rows, 2]
+  int* raises;      // [*, kRaiseFields]
+  int cap[3];       // per-rank capacity (rows, waits, raises) of a device-filled role, else 0
 };
 
 struct FusedCommon {
@@ -131,7 +137,7 @@ __device__ __forceinline__ int task_id(const FusedCommon& c, int role, int row) 
 // counted consumers add themselves to the pad's counter and the last one resets flag and counter.
 __device__ inline void run_waits(const FusedCommon& c, int role, int row, int rank) {
   const RoleTables& t = c.role[role];
-  const int first = t.wait_ptr[row], end = t.wait_ptr[row + 1];
+  const int first = t.wait_span[2 * row], end = t.wait_span[2 * row + 1];
   if (first == end) return;
   for (int i = first; i < end; ++i) {
     const int* w = t.waits + i * kWaitFields;
@@ -160,7 +166,7 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
 // The raises of task `row`, once its writes are complete and fenced at system scope.
 __device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank) {
   const RoleTables& t = c.role[role];
-  const int first = t.raise_ptr[row], end = t.raise_ptr[row + 1];
+  const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
   if (first == end || rank == c.silent_rank) return;
   if (rank == c.delay_rank) delay_ns(c.delay_ns);
   for (int i = first; i < end; ++i) {
@@ -184,7 +190,7 @@ struct has_dest<Op, std::void_t<decltype(Op::dest(std::declval<const FusedArgs<O
                                                   std::declval<const Tile&>()))>>
     : std::is_same<decltype(Op::dest(std::declval<const FusedArgs<Op>&>(),
                                      std::declval<const CtaInfo&>(), std::declval<const Tile&>())),
-                   gemm::Dest> {};
+                   typename Op::Engine::Dest> {};
 template <class Op, class = void>
 struct has_comm_move : std::false_type {};
 template <class Op>
@@ -202,14 +208,15 @@ struct has_prepare<Op, std::void_t<decltype(Op::prepare(std::declval<const long 
 template <class Op>
 struct OpContract {
   static_assert(has_dest<Op>::value,
-                "Op needs 'static __device__ gemm::Dest dest(const FusedArgs<Op>&, const CtaInfo&, "
-                "const Tile&)': where the engine writes a compute tile");
+                "Op needs 'static __device__ Engine::Dest dest(const FusedArgs<Op>&, const "
+                "CtaInfo&, const Tile&)': where the engine writes a compute tile");
   static_assert(has_comm_move<Op>::value,
                 "Op needs 'static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, "
                 "const int* args, const Team&, char* smem)': the data movement of one comm task");
   static_assert(has_prepare<Op>::value,
                 "Op needs 'static bool prepare(const long long* rec, FusedArgs<Op>&)': the host "
                 "side that fills the engine's params (and output maps)");
+  static_assert(EngineContract<typename Op::Engine>::ok);
   static_assert(std::is_integral_v<decltype(Op::kCommSmemBytes)>,
                 "Op needs 'static constexpr int kCommSmemBytes' (0 if the comm role needs none)");
   static constexpr bool ok = true;
@@ -225,10 +232,7 @@ struct PlanHooks {
   __device__ const FusedCommon& c() const { return a.common; }
   __device__ int num_tasks() const { return tasks.count(); }
   __device__ Tile tile(int i) const { return load_tile(c(), task_id(c(), kRoleCompute, tasks[i])); }
-  __device__ gemm::TileTask task(int i) const {
-    const Tile t = tile(i);
-    return gemm::TileTask{t.m0, t.n0, t.rows, t.cols};
-  }
+  __device__ typename Op::Engine::Task task(int i) const { return Op::Engine::task_of(tile(i)); }
   __device__ void stamp(int i, int which) const {
     long long* e = timeline_slot(c(), cta, kRoleCompute, i);
     if (e != nullptr) e[which] = (long long)globaltimer_ns();
@@ -237,7 +241,7 @@ struct PlanHooks {
     stamp(i, 0);
     run_waits(c(), kRoleCompute, tasks[i], cta.rank);
   }
-  __device__ gemm::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
+  __device__ typename Op::Engine::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
   __device__ void after_store(int i) const {  // one consumer thread, the tile's writes landed
     run_raises(c(), kRoleCompute, tasks[i], cta.rank);
     stamp(i, 1);
@@ -262,7 +266,8 @@ __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskL
     team.sync();  // the team's writes are done before lane 0 fences and raises
     if (team.lane == 0) {
       bulk_wait_all();  // lane 0's bulk copies fully landed (not only read)
-      if (c.role[kRoleComm].raise_ptr[row + 1] > c.role[kRoleComm].raise_ptr[row]) {
+      const int* span = c.role[kRoleComm].raise_span + 2 * row;
+      if (span[1] > span[0]) {
         __threadfence_system();
         run_raises(c, kRoleComm, row, cta.rank);
       }
@@ -288,23 +293,54 @@ __device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta) {
   }
 }
 
-template <int Regs, bool Inc>
-__device__ __forceinline__ void set_max_regs() {
-  if constexpr (Regs > 0) {
-    if constexpr (Inc) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Regs));
-    } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs));
-    }
-  }
+// -- the layout phase (optional): an op with device-filled roles defines
+//   static __device__ void layout(const FusedArgs<Op>&, const CtaInfo&, TableWriter& compute,
+//                                 TableWriter& comm);
+template <class Op, class = void>
+struct has_layout : std::false_type {};
+template <class Op>
+struct has_layout<Op, std::void_t<decltype(Op::layout(
+                          std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
+                          std::declval<TableWriter&>(), std::declval<TableWriter&>()))>>
+    : std::true_type {};
+
+// The writer of `rank`'s region of a role (rows, waits, raises from rank * capacity on).
+__device__ inline TableWriter table_writer(const RoleTables& t, int rank) {
+  TableWriter w{t.task_span, t.args, t.wait_span, t.waits, t.raise_span, t.raises};
+  w.rank = rank;
+  w.first = w.row = rank * t.cap[0];
+  w.row_end = w.row + t.cap[0];
+  w.wait = rank * t.cap[1];
+  w.wait_end = w.wait + t.cap[1];
+  w.raise = rank * t.cap[2];
+  w.raise_end = w.raise + t.cap[2];
+  w.overflow = false;
+  return w;
 }
 
+// CTA slot 0 of the rank writes the tables, every other CTA waits for them (layout_phase.cuh).
 template <class Op>
-__device__ __forceinline__ void run_compute(const FusedArgs<Op>& args, const CtaInfo& cta,
-                                            const TaskList& tasks, char* smem) {
-  if (tasks.count() == 0) return;  // CTA-uniform: nothing to compute (e.g. a comm-only op)
-  PlanHooks<Op> hooks{args, cta, tasks};
-  Op::Engine::run(args.engine[cta.local_rank], smem, hooks);
+__device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta) {
+  const FusedCommon& c = args.common;
+  int* flag = c.pads[kBarrierPad].map(cta.rank) + cta.rank;  // barrier[slot 0, rank]
+  if (threadIdx.x == 0) {
+    if (cta.slot == 0) {
+      TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank);
+      TableWriter comm = table_writer(c.role[kRoleComm], cta.rank);
+      Op::layout(args, cta, compute, comm);
+      // NOTE: a task beyond the plan's capacity would be lost: stop loudly, it is the op's bug.
+      if (compute.overflow || comm.overflow) __trap();
+      compute.finish();
+      comm.finish();
+      __threadfence();
+      signal_set_release(flag, c.wait.launch);
+    } else {
+      const WaitSite site{cta.rank, cta.rank, -1, kRoleBarrier, kBarrierPad, cta.rank};
+      wait_acquire(flag, c.wait.launch, c.wait, site);
+    }
+  }
+  __syncwarp();
+  __syncthreads();
 }
 
 template <class Op>
@@ -322,30 +358,29 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   __syncwarp();  // converge warp 0 before the CTA barrier
   __syncthreads();
 
-  const int warp = threadIdx.x / 32;
-  const int* cptr = c.role[kRoleCompute].task_ptr;
-  const int* mptr = c.role[kRoleComm].task_ptr;
-  const TaskList compute{cptr[cta.rank], cptr[cta.rank + 1], cta.slot, c.compute_units};
-  char* comm_smem = smem + Engine::kSmemBytes;
+  if constexpr (has_layout<Op>::value) layout_phase<Op>(args, cta);
+
+  const int* cspan = c.role[kRoleCompute].task_span + 2 * cta.rank;
+  const int* mspan = c.role[kRoleComm].task_span + 2 * cta.rank;
+  const TaskList compute{cspan[0], cspan[1], cta.slot, c.compute_units};
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
-    const TaskList comm{mptr[cta.rank], mptr[cta.rank + 1], cta.slot - c.compute_units,
-                        c.comm_units};
+    const TaskList comm{mspan[0], mspan[1], cta.slot - c.compute_units, c.comm_units};
     // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
     run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
     return;
   }
-  if (warp < 4) {
-    set_max_regs<Engine::kProducerRegs, false>();
-    if (warp == 0) {
-      run_compute<Op>(args, cta, compute, smem);
-    } else if (warp == 1 && c.overlap == kIntraSM) {
-      const TaskList comm{mptr[cta.rank], mptr[cta.rank + 1], cta.slot, c.comm_units};
-      run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, comm_smem);
-    }
-  } else {
-    set_max_regs<Engine::kConsumerRegs, true>();
-    run_compute<Op>(args, cta, compute, smem);
+  // The intra_sm communicator, on the warp the engine leaves free.
+  auto spare = [&] {
+    if (c.overlap != kIntraSM) return;
+    const TaskList comm{mspan[0], mspan[1], cta.slot, c.comm_units};
+    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, smem + Engine::kSmemBytes);
+  };
+  if (compute.count() == 0) {  // CTA-uniform: nothing to compute (e.g. a comm-only op)
+    if ((int)threadIdx.x / 32 == Engine::kSpareWarp) spare();
+    return;
   }
+  PlanHooks<Op> hooks{args, cta, compute};
+  Engine::run_cta(args.engine[cta.local_rank], smem, hooks, spare);
 }
 
 }  // namespace mk

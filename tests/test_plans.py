@@ -192,12 +192,13 @@ def test_tables_decode_back_to_the_tasks(op, W):
     for role, tables in plan.roles.items():
         tt = {k: v.tolist() for k, v in tables.tensors.items()}
         counts = [len(ts) for ts in tables.tasks]
-        assert tt["task_ptr"] == [sum(counts[:r]) for r in range(W + 1)], role
+        starts = [sum(counts[:r]) for r in range(W + 1)]
+        assert tt["task_span"] == [[starts[r], starts[r + 1]] for r in range(W)], role
         rows = [t for ts in tables.tasks for t in ts]
-        assert len(tt["wait_ptr"]) == len(tt["raise_ptr"]) == len(rows) + 1
+        assert len(tt["wait_span"]) == len(tt["raise_span"]) == len(rows)
         for row, t in enumerate(rows):
             assert tt["args"][row] == list(t.args) + [0] * (4 - len(t.args)), (role, row)
-            waits = tt["waits"][tt["wait_ptr"][row] : tt["wait_ptr"][row + 1]]
+            waits = tt["waits"][slice(*tt["wait_span"][row])]
             want = []
             for w in t.waits:
                 counter = ids[w.pad + "_count"] if w.consumers > 1 else -1
@@ -211,7 +212,7 @@ def test_tables_decode_back_to_the_tasks(op, W):
                 label = ", ".join(f"{d}={i}" for d, i in zip(dims, w.index, strict=True))
                 assert signal_name(plan.spec, ids[w.pad], flat, plan.sizes) == f"{w.pad}[{label}]"
             assert waits == want, (role, row)
-            raises = tt["raises"][tt["raise_ptr"][row] : tt["raise_ptr"][row + 1]]
+            raises = tt["raises"][slice(*tt["raise_span"][row])]
             want = [
                 [ids[x.pad], x.rank, _flat(plan, x.pad, x.index), x.value, RAISE_OPS.index(x.op)]
                 for x in t.raises

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CommTimeout
 from ..protocol import (
+    CAPACITY_FIELDS,
     MAX_LOCAL_RANKS,
     OVERLAPS,
     RECORD,
@@ -178,6 +179,9 @@ def _plan_record(world: World, plan: Plan) -> array:
 
     for name, t in plan.device_tables(world.device).items():
         put(name, t.data_ptr())
+    for role in ("compute", "comm"):
+        for field, value in zip(CAPACITY_FIELDS, plan.capacity(role), strict=True):
+            put(f"{role}_cap_{field}", value)
     put("compute_units", plan.compute_units)
     put("comm_units", plan.comm_units)
     put("ctas_per_rank", plan.ctas_per_rank)
@@ -227,6 +231,7 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch:
     if plan.extra.get("trace"):
         ranks_here = world.size if emulated else 1
         counts = [len(ts) for role in ("compute", "comm") for ts in plan.roles[role].tasks]
+        counts += [plan.capacity(role)[0] for role in ("compute", "comm")]  # device-filled
         cap = max(1, -(-max(counts) // min(plan.compute_units, max(1, plan.comm_units))))
         buf = torch.zeros(
             (ranks_here, plan.ctas_per_rank, 2, cap, 2), dtype=torch.int64, device=world.device

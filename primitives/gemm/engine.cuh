@@ -15,10 +15,10 @@
 //   consumers run task i's epilogue.
 //
 // Contract with the caller (the persistent template or a plain kernel):
-//   * run() is called by warp 0 of warpgroup 0 and by every thread of warpgroups 1..CONSUMERS; warps
-//     1..3 of warpgroup 0 are the caller's (they take part in nothing here).
-//   * The caller has already executed setmaxnreg: dec to kProducerRegs in warpgroup 0, inc to
-//     kConsumerRegs in the consumer warpgroups. Launch with __launch_bounds__(kThreads, 1).
+//   * run_cta(params, smem, hooks, spare) is called by every thread of the CTA: it executes
+//     setmaxnreg (dec to kProducerRegs in warpgroup 0, inc to kConsumerRegs in the consumer
+//     warpgroups) and calls run() on warp 0 and the consumer warpgroups, and spare() on warp
+//     kSpareWarp (warps 2, 3 idle). Launch with __launch_bounds__(kThreads, 1).
 //   * smem: kSmemBytes of dynamic shared memory, 1024-byte aligned (declare
 //     `extern __shared__ __align__(1024) char smem[]`); run() traps if it is not.
 //   * params: must live in param / const / global memory (pass the __grid_constant__ kernel
@@ -84,6 +84,35 @@ struct Engine {
     CUtensorMap a, b;  // A [M,K] bf16 row-major, box {64, BM}; B [K,N] bf16 row-major, box {64, 64}
     int M, N, K;
   };
+
+  // The persistent template's engine contract (templates/engine_contract.cuh): the task of a plan
+  // tile, the destination type, and the whole CTA's entry with its spare warp.
+  using Task = TileTask;
+  using Dest = gemm::Dest;
+  static constexpr int kSpareWarp = 1;  // warps 1..3 of warpgroup 0 take part in nothing
+  template <class T>
+  __device__ static Task task_of(const T& t) {
+    return Task{t.m0, t.n0, t.rows, t.cols};
+  }
+
+  // Every thread of the CTA: warpgroup 0 gives registers to the consumers (setmaxnreg is
+  // warpgroup-wide, so the spare warp takes part), warp 0 produces, the consumer warpgroups
+  // compute, warp kSpareWarp runs spare() (the template's intra_sm communicator) meanwhile.
+  template <class Hooks, class Spare>
+  __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
+    const int warp = threadIdx.x / 32;
+    if (warp < 4) {
+      if constexpr (kProducerRegs > 0) setmaxnreg_dec<kProducerRegs>();
+      if (warp == 0) {
+        run(p, smem, hooks);
+      } else if (warp == kSpareWarp) {
+        spare();
+      }
+    } else {
+      if constexpr (kConsumerRegs > 0) setmaxnreg_inc<kConsumerRegs>();
+      run(p, smem, hooks);
+    }
+  }
 
   template <class Hooks>
   __device__ static void run(const Params& p, char* smem, Hooks& hooks) {
