@@ -14,8 +14,8 @@ the same tables and a generated header (``templates/protocol_gen.h``, ``python -
 that holds every constant and per-op layout shared with this file; a test checks that it is current.
 
 Tables (int32, per role): ``task_span [W, 2]`` (first, end) rows of each rank; ``args [n,
-TASK_ARGS]``; ``wait_span [n, 2]`` / ``waits [*, WAIT_FIELDS]``; ``raise_span [n, 2]`` / ``raises [*,
-RAISE_FIELDS]``. Spans rather than CSR offsets, so that a role filled on the device (``Capacity``:
+TASK_ARGS]``; ``wait_span [n, 2]`` / ``waits [*, WAIT_FIELDS]``; ``raise_span [n, 2]`` /
+``raises [*, RAISE_FIELDS]``. Spans rather than CSR offsets, so that a role filled on the device (``Capacity``:
 a plan whose task counts only the kernel knows, such as MoE routing) can give each rank a region of
 fixed capacity and leave the unused rest of it as a gap.
 Reset policy of a wait (``consumers``): 0 leaves the signal as it is (another wait resets it), 1 the
@@ -53,7 +53,7 @@ BARRIER_PAD = "barrier"  # pad id 0 of every op: the template's entry barrier [s
 # The launch record: one int64 array per launch, filled by name here and read by the generated
 # constants on the device side (no hand-kept field order, no per-field binding).
 RECORD_FIELDS = (
-    # plan tables (device addresses), per role: task_span, args, wait_span, waits, raise_span, raises
+    # plan tables (device addresses), per role (TABLES)
     *(f"{role}_{t}" for role in ROLES[:2] for t in TABLES),
     # per-rank capacity (rows, waits, raises) of a device-filled role (Capacity), 0 if host-built
     *(f"{role}_cap_{f}" for role in ROLES[:2] for f in CAPACITY_FIELDS),
