@@ -15,9 +15,9 @@ that holds every constant and per-op layout shared with this file; a test checks
 
 Tables (int32, per role): ``task_span [W, 2]`` (first, end) rows of each rank; ``args [n,
 TASK_ARGS]``; ``wait_span [n, 2]`` / ``waits [*, WAIT_FIELDS]``; ``raise_span [n, 2]`` /
-``raises [*, RAISE_FIELDS]``. Spans rather than CSR offsets, so that a role filled on the device (``Capacity``:
-a plan whose task counts only the kernel knows, such as MoE routing) can give each rank a region of
-fixed capacity and leave the unused rest of it as a gap.
+``raises [*, RAISE_FIELDS]``. Spans rather than CSR offsets, so that a role filled on the device
+(``Capacity``: a plan whose task counts only the kernel knows, such as MoE routing) can give each
+rank a region of fixed capacity and leave the unused rest of it as a gap.
 Reset policy of a wait (``consumers``): 0 leaves the signal as it is (another wait resets it), 1 the
 single consumer sets it back to 0, n > 1 each consumer counts itself on the pad's counter and the
 n-th resets signal and counter. ``check_protocol`` verifies statically that every waited value is
