@@ -5,13 +5,13 @@
 // task_span[r]; rows, waits and raises have the same format as the host's (one executor).
 //
 //   thread 0 of CTA slot 0 of each served rank:  Op::layout(args, cta, compute, comm) -> finish()
-//                                                -> fence -> layout flag := launch id (>= 1)
-//   thread 0 of every other CTA of the rank:     wait for the flag (bounded, named), then the CTA
-//                                                reads its task rows
+//                                                -> fence -> layout flag := 1 (release)
+//   thread 0 of every other CTA of the rank:     wait for the flag (bounded, named), count itself;
+//                                                the last of them resets flag and counter
 //
-// The flag is the rank's own barrier[slot 0, rank] entry, which the entry barrier never uses (it
-// writes barrier[slot, sender] on the peers' pads). Its value is the launch id, unique per launch on
-// a world, so it needs no reset.
+// Flag and counter are the rank's own barrier[slot 0, rank] and barrier[slot 1, rank] entries, which
+// the entry barrier never uses (it writes barrier[slot, sender] on the peers' pads). Kernels on one
+// stream do not overlap, so the next launch's writer finds both back at 0.
 #pragma once
 
 #include "primitives/protocol_gen.h"

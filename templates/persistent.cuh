@@ -322,7 +322,10 @@ __device__ inline TableWriter table_writer(const RoleTables& t, int rank) {
 template <class Op>
 __device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta) {
   const FusedCommon& c = args.common;
-  int* flag = c.pads[kBarrierPad].map(cta.rank) + cta.rank;  // barrier[slot 0, rank]
+  int* const own = c.pads[kBarrierPad].map(cta.rank);
+  int* flag = own + 0 * c.world_size + cta.rank;   // barrier[0, rank]
+  int* count = own + 1 * c.world_size + cta.rank;  // barrier[1, rank]
+  const int readers = c.ctas_per_rank - 1;
   if (threadIdx.x == 0) {
     if (cta.slot == 0) {
       TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank);
@@ -333,10 +336,15 @@ __device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta) {
       compute.finish();
       comm.finish();
       __threadfence();
-      signal_set_release(flag, c.wait.launch);
+      if (readers > 0) signal_set_release(flag, 1);
     } else {
       const WaitSite site{cta.rank, cta.rank, -1, kRoleBarrier, kBarrierPad, cta.rank};
-      wait_acquire(flag, c.wait.launch, c.wait, site);
+      wait_acquire(flag, 1, c.wait, site);
+      // Counted consumers: the last reader resets flag and counter for the next launch.
+      if (atomicAdd(count, 1) + 1 == readers) {
+        st_relaxed_sys(flag, 0);
+        st_relaxed_sys(count, 0);
+      }
     }
   }
   __syncwarp();

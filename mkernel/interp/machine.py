@@ -163,6 +163,7 @@ class Machine:
         self.outputs: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
         # (call, rank) -> (buffer, tile, rect) the kernel end reads
         self.expected: dict[tuple[int, int], list[tuple[str, int, Rect]]] = {}
+        self._lazy_expected: dict[tuple[int, int], list[tuple[str, Callable]]] = {}
         self.step = 0
         self.timeline = Timeline()
 
@@ -183,12 +184,20 @@ class Machine:
         agent.gen = self._drive(agent, tasks, program)
 
     def expect_outputs(
-        self, call: int, rank: int, buf: str, rects_by_tile: dict[int, Rect]
+        self,
+        call: int,
+        rank: int,
+        buf: str,
+        rects_by_tile: dict[int, Rect] | Callable[[], dict[int, Rect]],
     ) -> None:
         """At the end of ``call`` on ``rank``, the kernel end reads each rect of ``buf`` on ``rank``
         (the host will read the output), and each tile must have been written exactly once in that
-        call (``output_store``)."""
+        call (``output_store``). A callable is asked at the kernel end (outputs that depend on what
+        the kernel's layout phase made)."""
         spec = self.expected.setdefault((call, rank), [])
+        if callable(rects_by_tile):
+            self._lazy_expected.setdefault((call, rank), []).append((buf, rects_by_tile))
+            return
         spec += [(buf, tile, rect) for tile, rect in rects_by_tile.items()]
 
     def _drive(self, agent: Agent, tasks: list[int], program: Program) -> Iterator[Any]:
@@ -267,6 +276,8 @@ class Machine:
             end.clock = _join(end.clock, self.ends[(self._calls[prev], end.rank)].clock)
         for a in members:
             end.clock = _join(end.clock, a.clock)
+        for buf, rects_of in self._lazy_expected.pop((end.call, end.rank), []):
+            self.expected[(end.call, end.rank)] += [(buf, t, r) for t, r in rects_of().items()]
         for buf, _, rect in self.expected.get((end.call, end.rank), []):
             self.access(end, buf, end.rank, rect, "r")
         end.done = True

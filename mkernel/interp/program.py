@@ -104,6 +104,18 @@ def entry_barrier(ctx, sig: PlanSignals, slot: int):
         yield from twins.wait_acquire_reset(ctx, flag, 1, peer)
 
 
+class _LaidOut:
+    """The task ids a unit runs in a device-filled role: read when the unit starts iterating,
+    i.e. after its prologue has waited for the layout phase (the device reads task_span then)."""
+
+    def __init__(self, filled: dict, key: tuple, unit: int, units: int) -> None:
+        self.filled, self.key, self.unit, self.units = filled, key, unit, units
+
+    def __iter__(self):
+        tasks = self.filled.get(self.key, [])
+        return iter([t.id for t in tasks[self.unit :: self.units]])
+
+
 def run_plan(
     world,
     plan,
@@ -112,10 +124,21 @@ def run_plan(
     seed: int,
     outputs: Callable[[int], dict[int, Rect]],
     calls: int = 1,
+    layout: Callable | None = None,
 ) -> Machine:
     """Runs ``calls`` calls of ``plan`` back to back on one machine state (the second call's agents
     of a rank start when its first call's have finished, as kernels on one stream). ``buffers``:
-    every data buffer and pad by name ([W, ...] tensors; pads are reset by the protocol itself)."""
+    every data buffer and pad by name ([W, ...] tensors; pads are reset by the protocol itself).
+
+    A plan with device-filled roles (``Capacity``) needs ``layout(ctx)``: the twin of the op's
+    device ``layout``, a generator returning ``{role: [Task, ...]}`` for ``ctx.rank``. As on the
+    GPU (templates/persistent.cuh layout_phase), CTA slot 0 of each rank runs it after the entry
+    barrier and raises the rank's layout flag (barrier[0, rank]); every other CTA of the rank waits
+    for it before it reads its tasks, and the last of them resets it (counter barrier[1, rank]).
+    ``outputs(rank)`` is asked at the end of the call, so it may depend on what the layout made."""
+    device_roles = [role for role, t in plan.roles.items() if t.capacity is not None]
+    if device_roles and layout is None:
+        raise ValueError(f"{plan.op}: roles {device_roles} are filled on the device: pass layout")
     W = world.size
     pad_names = [p.name for p in plan.spec.all_pads()]
     pads = {name: buffers[name].view(W, -1) for name in pad_names}
@@ -130,10 +153,42 @@ def run_plan(
         for r, ts in enumerate(tables.tasks)
         for t in ts
     }
+    filled: dict[tuple[int, int, str], list[Task]] = {}  # (call, rank, role) -> the layout's tasks
+
+    def find(ctx, role: str, task_id: int) -> Task:
+        if role not in device_roles:
+            return by_id[(role, ctx.rank, task_id)]
+        return next(t for t in filled[(ctx.agent.call, ctx.rank, role)] if t.id == task_id)
+
+    def layout_phase(ctx, slot: int):
+        flag = sig(BARRIER_PAD, ctx.rank, ctx.rank)  # barrier[0, rank]: no entry-barrier flag
+        count = sig(BARRIER_PAD, ctx.rank, W + ctx.rank)  # barrier[1, rank]
+        readers = plan.ctas_per_rank - 1
+        if slot == 0:
+            made = yield from layout(ctx)
+            for role in device_roles:
+                tasks = list(made.get(role, []))
+                cap = plan.roles[role].capacity
+                waits = sum(len(t.waits) for t in tasks)
+                raises = sum(len(t.raises) for t in tasks)
+                if len(tasks) > cap.rows or waits > cap.waits or raises > cap.raises:
+                    raise ValueError(
+                        f"{plan.op}: rank {ctx.rank}'s layout made {len(tasks)} {role} tasks, "
+                        f"{waits} waits, {raises} raises: over the plan's {cap}"
+                    )
+                filled[(ctx.agent.call, ctx.rank, role)] = tasks
+            if readers > 0:
+                yield from twins.signal_set_release(ctx, flag, 1)
+        else:
+            yield from twins.wait_acquire(ctx, flag, 1, ctx.rank)
+            old = yield from twins.fetch_add_relaxed(ctx, count, 1)
+            if old + 1 == readers:  # the last reader resets both for the next call
+                yield from twins.signal_set_relaxed(ctx, flag, 0)
+                yield from twins.signal_set_relaxed(ctx, count, 0)
 
     def program(role: str, prologue: Callable) -> Callable:
         def run(ctx, task_id: int):
-            task = by_id[(role, ctx.rank, task_id)]
+            task = find(ctx, role, task_id)
             yield from run_waits(ctx, plan, sig, task)
             yield from moves[role](ctx, task)
             yield from twins.bulk_wait_all(ctx)
@@ -145,6 +200,8 @@ def run_plan(
     def cta(slot: int, publish: bool) -> Callable:
         def prologue(ctx):
             yield from entry_barrier(ctx, sig, slot)
+            if device_roles:
+                yield from layout_phase(ctx, slot)
             if publish:  # intra_sm: the comm warp starts after its CTA's barrier
                 yield from twins.local_event_set(ctx, SigRef("cta_ready", ctx.rank, (slot,)))
 
@@ -157,17 +214,23 @@ def run_plan(
 
         return prologue
 
+    def tasks_of(call: int, role: str, r: int, u: int):
+        if role not in device_roles:
+            return plan.tasks_of(role, r, u)
+        units = plan.compute_units if role == "compute" else plan.comm_units
+        return _LaidOut(filled, (call, r, role), u, units)
+
     intra = plan.overlap == "intra_sm"
     for call in range(calls):
         for r in range(W):
             for u in range(plan.compute_units):
                 run = program("compute", cta(u, publish=intra))
-                m.add_agent(r, "compute", u, plan.tasks_of("compute", r, u), run, call=call)
+                m.add_agent(r, "compute", u, tasks_of(call, "compute", r, u), run, call=call)
             for u in range(plan.comm_units):
                 pro = comm_warp(u) if intra else cta(plan.compute_units + u, publish=False)
-                m.add_agent(
-                    r, "comm", u, plan.tasks_of("comm", r, u), program("comm", pro), call=call
-                )
-            m.expect_outputs(call, r, "out", outputs(r))
+                run = program("comm", pro)
+                m.add_agent(r, "comm", u, tasks_of(call, "comm", r, u), run, call=call)
+            rects = (lambda r=r: outputs(r)) if device_roles else outputs(r)
+            m.expect_outputs(call, r, "out", rects)
     m.run()
     return m

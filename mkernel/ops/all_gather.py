@@ -71,7 +71,7 @@ def make_plan(schedule: Schedule, world: World, rows: int, cols: int) -> Plan:
         comm.append(push + waits)
     shapes = {"rows": rows, "cols": cols}
     sizes = {**shapes, "all_rows": W * rows, "chunks": C, "chunk_rows": cr}
-    tile = TILE_CONFIGS["64x128x64"]  # no GEMM: the smallest engine, which never runs
+    tile = TILE_CONFIGS["64x128x64"]  # unused: the op runs on the comm-only engine (no GEMM)
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], [[]] * W, comm)
 
 
