@@ -332,16 +332,15 @@ def test_gemm_ar_protocol(W):
         assert _ids(finalize) == [t for t in range(T) if t % W == r]
         for task in finalize:
             t = task.id
-            assert sorted((w.pad, w.rank, w.index, w.consumers) for w in task.waits) == [
-                ("tile_flag", r, (t, q), 1) for q in range(W)
-            ]
+            got = sorted((w.pad, w.rank, w.index, w.consumers, w.patience) for w in task.waits)
+            assert got == [("tile_flag", r, (t, q), 1, 1) for q in range(W)]
             assert sorted((x.pad, x.rank, x.index) for x in task.raises) == [
                 ("tile_ready", p, (t,)) for p in range(W) if p != r
             ]
         assert sorted(x.id - T for x in landed) == [t for t in range(T) if t % W != r]
-        for task in landed:
-            assert [(w.pad, w.rank, w.index) for w in task.waits] == [
-                ("tile_ready", r, (task.id - T,))
+        for task in landed:  # twice the deadline: a stuck owner's own wait reports first
+            assert [(w.pad, w.rank, w.index, w.patience) for w in task.waits] == [
+                ("tile_ready", r, (task.id - T,), 2)
             ]
             assert task.raises == ()
 
