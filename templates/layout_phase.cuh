@@ -32,11 +32,12 @@ struct TableWriter {
   int rank, first, row, row_end, wait, wait_end, raise, raise_end;
   bool overflow;
 
-  // Starts a task (its id and arguments); its waits and raises follow. Returns false if full.
-  __device__ bool task(int id, int a1 = 0, int a2 = 0, int a3 = 0) {
+  // Starts a task with its arguments (args[0] names it in timelines and timeouts, as in host-built
+  // tables; for compute tasks it is the tile id); its waits and raises follow. False if full.
+  __device__ bool task(int a0, int a1 = 0, int a2 = 0, int a3 = 0) {
     if (row == row_end) return !(overflow = true);
     int* a = args + (long long)row * kTaskArgs;
-    a[0] = id;
+    a[0] = a0;
     a[1] = a1;
     a[2] = a2;
     a[3] = a3;

@@ -25,14 +25,14 @@ struct RoutedPush {
     const int* mine = l.route.at(cta.local_rank);
     for (int i = 0; i < rows; ++i) {
       if (mine[i] < 0) continue;
-      comm.task(i, kPush, i, mine[i]);
+      comm.task(kPush, i, mine[i]);
       comm.add_raise(spec::routed_push::kPadArrived, mine[i], me * rows + i);
     }
     for (int s = 0; s < W; ++s) {
       const int* theirs = l.route.at(s);  // emulated: rank s is local rank s
       for (int i = 0; i < rows; ++i) {
         if (theirs[i] != me) continue;
-        comm.task(rows + s * rows + i, kArrived, s, i);
+        comm.task(kArrived, s, i);
         comm.add_wait(spec::routed_push::kPadArrived, me, s * rows + i, 1, 1, -1, 1, s);
       }
     }
