@@ -88,13 +88,25 @@ def apply_edits(m, root: Path) -> None:
         path.write_text(text.replace(old, new))
 
 
-def snapshot(dest: Path, files: list[str]) -> None:
-    """The working tree as it is now, once: every mutation starts from this copy, so edits other
-    people make while the run goes on cannot mix into it."""
+def snapshot(dest: Path, files: list[str], commit: str | None) -> None:
+    """The working tree as it is now (or ``commit``'s tree), once: every mutation starts from this
+    copy, so edits other people make while the run goes on cannot mix into it."""
     shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    if commit is not None:
+        tar = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
+        return
     for f in files:
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, dest / f)
+
+
+def read_source(file: str, commit: str | None) -> str:
+    if commit is None:
+        return (ROOT / file).read_text()
+    show = ["git", "show", f"{commit}:{file}"]
+    return subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 def first_failure(output: str) -> str:
@@ -186,15 +198,18 @@ def table(results: list[dict]) -> str:
     )
 
 
-def git_commit() -> tuple[str, bool]:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True)
-    return head.stdout.strip(), bool(dirty.stdout.strip())
+def git_commit(commit: str | None) -> tuple[str, list[str]]:
+    """The commit tested and the files that differ from it (the working tree as it was)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+    if commit is not None:
+        return git("rev-parse", commit).strip(), []
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    return git("rev-parse", "HEAD").strip(), changed
 
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
-    from mutations import MUTATIONS, ORDER
+    from mutations import DEFAULT_TESTS, MUTATIONS, ORDER
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", metavar="ID", help="run these mutations only")
@@ -208,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="check every snippet applies, run nothing")
     p.add_argument("--keep", action="store_true", help="keep the mutated copies in /tmp/mkmut")
     p.add_argument("--no-baseline", action="store_true", help="skip the unmutated test run")
+    p.add_argument(
+        "--commit", help="mutate this commit's tree instead of the working tree (others' edits)"
+    )
     args = p.parse_args(argv)
 
     ids = [m.id for m in MUTATIONS]
@@ -219,23 +237,22 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"unknown mutation ids: {unknown}")
         chosen = [m for m in MUTATIONS if m.id in args.only]
-    files = repo_files()
-    missing = sorted({t for m in chosen for t in m.tests} - set(files))
-    if missing:  # pytest would fail on them: every mutation would look killed
-        raise SystemExit(f"test files not in the repository: {missing}")
     if args.check:
-        for m in chosen:  # against the working tree, in memory
+        for m in chosen:  # against the working tree (or the commit), in memory
             for file, old, _ in edits_of(m):
-                n = (ROOT / file).read_text().count(old)
+                n = read_source(file, args.commit).count(old)
                 if n != 1:
                     raise StaleMutation(f"{m.id}: the old snippet occurs {n} times in {file}")
         print(f"{len(chosen)} mutations apply")
         return 0
 
     t0 = time.monotonic()
-    commit, dirty = git_commit()
+    commit, changed = git_commit(args.commit)
     base = WORK / "_base"
-    snapshot(base, files)
+    snapshot(base, repo_files(), args.commit)
+    missing = sorted(t for t in {t for m in chosen for t in m.tests} if not (base / t).is_file())
+    if missing:  # pytest would fail on them: every mutation would look killed
+        raise SystemExit(f"test files not in the tree tested: {missing}")
     for m in chosen:  # a stale snippet fails the run before anything is spent on it
         for file, old, _ in edits_of(m):
             if (base / file).read_text().count(old) != 1:
@@ -264,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
-        "dirty_tree": dirty,
+        "changed_files": changed,  # uncommitted at the start of the run: part of what was tested
+        "default_tests": list(DEFAULT_TESTS),
         "seconds": total,
         "jobs": jobs,
         "mutations": len(results),
@@ -273,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "survived": [r["id"] for r in results if verdict(r) == "SURVIVED"],
         "results": results,
     }
+    for r in results:  # the JSON names only the tests beyond the default set
+        r["extra_tests"] = [t for t in r.pop("tests") if t not in DEFAULT_TESTS]
     out = args.json or (None if args.only else ROOT / "tools" / "mutation_results.json")
     if out is not None:
         Path(out).write_text(json.dumps(summary, indent=1) + "\n")

@@ -16,6 +16,7 @@ DEFAULT_TESTS = (
     "tests/test_interpreter.py",
     "tests/test_op_mistakes.py",
     "tests/test_program.py",
+    "tests/test_layout_phase.py",
     "tests/test_twins.py",
     "tests/test_trace.py",
     "tests/test_all_gather.py",
@@ -416,6 +417,27 @@ MUTATIONS = [
         "            yield from twins.signal_set_release(ctx, flag, r.value)",
         "        yield from twins.signal_set_release(ctx, flag, r.value)",
         "raises of op 'add' (counters of several producers) executed as sets",
+    ),
+    Mutation(
+        "prog_layout_no_wait",
+        PROG,
+        "            yield from twins.wait_acquire(ctx, flag, 1, ctx.rank)\n",
+        "",
+        "layout phase: a CTA reads its device-filled tasks without waiting for slot 0's layout",
+    ),
+    Mutation(
+        "prog_layout_never_reset",
+        PROG,
+        "if old + 1 == readers:",
+        "if old == readers:",
+        "layout phase: the last reader miscounts and nobody resets the layout flag",
+    ),
+    Mutation(
+        "prog_layout_no_capacity",
+        PROG,
+        "if len(tasks) > cap.rows or waits > cap.waits or raises > cap.raises:",
+        "if False:",
+        "layout phase: a layout over the plan's capacity is accepted",
     ),
     # -- the machine (interp/machine.py) -----------------------------------------------------------
     Mutation(
