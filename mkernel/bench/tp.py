@@ -7,41 +7,73 @@ Run one process per GPU: ``torchrun --nproc_per_node=W -m mkernel.bench.tp``. Sh
 - gemm_rs: a [M, I/W] @ b [I/W, H]  -> [M/W, H]   (row-parallel layer; reduce-scatter)
 - gemm_ar: a [M, I/W] @ b [I/W, H]  -> [M, H]     (row-parallel layer; all-reduce)
 
-Columns (ms, median of 20 after warm-up): ours (intra_sm / inter_sm), unfused = cuBLAS then NCCL in
-sequence, torch_fused = torch.ops.symm_mem fused op where one exists, gemm = cuBLAS alone,
-comm = NCCL collective alone, ideal = max(gemm, comm).
+Columns (ms per call, the slowest rank's median): ours with the default Schedule and with each
+overlap forced, unfused = cuBLAS then NCCL in sequence, torch_fused = torch.ops.symm_mem fused op
+where one exists, gemm = cuBLAS alone, comm = NCCL collective alone, ideal = max(gemm, comm); then
+ours/unfused, ours/torch_fused and ours/ideal for the default Schedule (< 1 beats the pair / the
+fused op; 1.0 is ideal). Every version of a row is timed interleaved with the others in rounds
+(``interleaved_dist_ms``), so clock and thermal drift hit all of them alike.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
 
 import mkernel
 
-from .timing import median_ms, save, table
+from .timing import save, table
 
 TOKENS = (2048, 4096, 8192, 16384)
 H, INTER = 8192, 28672
 
 
-def _time(fn, iters=20) -> float:
-    dist.barrier()
-    ms = median_ms(lambda i: fn(), 1, iters, warmup=3)
-    t = torch.tensor([ms], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank decides
-    return float(t.item())
+def interleaved_dist_ms(
+    fns: dict[str, object], rounds: int = 5, per: int = 10, warmup: int = 3
+) -> dict[str, float | None]:
+    """Median ms per call of each version, interleaved: the versions take turns in rounds of
+    ``per`` calls (the first version of a round rotates), every rank timing the same calls, then
+    the slowest rank's median decides. A version that raises in its warm-up is reported as None
+    (printed once) and left out of the rounds."""
+    ok: dict[str, object] = {}
+    for k, f in fns.items():
+        if f is None:
+            continue
+        try:
+            for _ in range(warmup):
+                f()
+            torch.cuda.synchronize()
+            ok[k] = f
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            if dist.get_rank() == 0:
+                print(f"  {k}: n/a: {repr(e)[:200]}", flush=True)
+    times: dict[str, list[float]] = {k: [] for k in ok}
+    names = list(ok)
+    for r in range(rounds):
+        for k in names[r % max(1, len(names)) :] + names[: r % max(1, len(names))]:
+            dist.barrier()
+            ev = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(per)
+            ]
+            for start, end in ev:
+                start.record()
+                ok[k]()
+                end.record()
+            torch.cuda.synchronize()
+            times[k] += [start.elapsed_time(end) for start, end in ev]
+    med = torch.tensor([statistics.median(times[k]) for k in names] or [0.0], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank decides
+    out: dict[str, float | None] = dict.fromkeys(fns)
+    out.update({k: float(v) for k, v in zip(names, med.tolist(), strict=False)})
+    return out
 
 
-def _try(fn):
-    try:
-        return _time(fn)
-    except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-        if dist.get_rank() == 0:
-            print("  n/a:", repr(e)[:200])
-        return None
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
 
 
 def bench_op(op: str, m: int, world: mkernel.World) -> dict:
@@ -71,20 +103,28 @@ def bench_op(op: str, m: int, world: mkernel.World) -> dict:
         unfused = lambda: (gemm(), comm())  # noqa: E731
         flop = 2 * m * (INTER // W) * H
     fn = getattr(mkernel, op)
-    row = {"op": op, "W": W, "m": m}
     world.sync_checks = False
-    for overlap in ("intra_sm", "inter_sm"):
-        sched = mkernel.Schedule(overlap=overlap)
-        row[f"ours_{overlap}"] = _try(lambda s=sched: fn(a, b, world=world, schedule=s))
+    forced = {ov: mkernel.Schedule(overlap=ov) for ov in ("intra_sm", "inter_sm")}
+    versions = {
+        "ours": lambda: fn(a, b, world=world),  # the default Schedule
+        **{
+            f"ours_{ov}": (lambda s=s: fn(a, b, world=world, schedule=s))
+            for ov, s in forced.items()
+        },
+        "unfused": unfused,
+        "torch_fused": fused,
+        "gemm": gemm,
+        "comm": comm,
+    }
+    row: dict = {"op": op, "W": W, "m": m, **interleaved_dist_ms(versions)}
     world.check()
-    row["unfused"] = _try(unfused)
-    row["torch_fused"] = _try(fused) if fused is not None else None
-    row["gemm"] = _try(gemm)
-    row["comm"] = _try(comm)
-    row["ideal"] = max(row["gemm"], row["comm"])
-    best = min(v for k, v in row.items() if k.startswith("ours") and v is not None)
-    row["ours_tflops"] = flop / best / 1e9
-    row["vs_unfused"] = row["unfused"] / best
+    alone = (row["gemm"], row["comm"])
+    row["ideal"] = max(alone) if None not in alone else None
+    if row["ours"] is not None:
+        row["ours_tflops"] = flop / row["ours"] / 1e9
+    row["ours/unfused"] = _ratio(row["ours"], row["unfused"])
+    row["ours/torch_fused"] = _ratio(row["ours"], row["torch_fused"])
+    row["ours/ideal"] = _ratio(row["ours"], row["ideal"])
     return row
 
 
@@ -110,7 +150,8 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
             sched = mkernel.Schedule(
                 overlap=overlap, comm_sms=comm_sms, backoff_ns=bo, transfer=transfer
             )
-            ms = _try(lambda s=sched, fn=fn, a=a, b=b: fn(a, b, world=world, schedule=s))
+            call = lambda s=sched, fn=fn, a=a, b=b: fn(a, b, world=world, schedule=s)  # noqa: E731
+            ms = interleaved_dist_ms({"ours": call}, rounds=2)["ours"]
             rows.append(
                 {
                     "op": op,
@@ -171,14 +212,15 @@ def main() -> None:
             "op",
             "W",
             "m",
+            "ours",
             "ours_intra_sm",
             "ours_inter_sm",
             "unfused",
             "torch_fused",
-            "gemm",
-            "comm",
             "ideal",
-            "vs_unfused",
+            "ours/unfused",
+            "ours/torch_fused",
+            "ours/ideal",
         ]
         print(table(rows, cols))
         print("saved", save(f"tp_w{world.size}", rows))
