@@ -1,0 +1,282 @@
+"""The cost model behind a Schedule's defaults: overlap, comm_sms and transfer per op, shape, world.
+
+Every candidate schedule (intra_sm; inter_sm with each comm_sms of ``comm_sms_choices(S)``; for
+ag_gemm, each transfer) gets a predicted time for one call on one rank, and the cheapest one wins.
+Inputs: the op, its global sizes, the world size W, the SMs per rank S, and ``Rates`` (measured).
+
+One role produces what the other consumes (ag_gemm, all_gather: the comm role pushes chunks that the
+GEMM reads; gemm_rs, gemm_ar: the GEMM produces tiles that the comm role finalizes), so a call is a
+two-stage pipeline::
+
+    T = max(produce + consume_step, produce_step + consume, link) + after
+
+- ``produce`` / ``consume``: a role's whole work spread over its units; ``_step``: one step of it.
+  ag_gemm: a step is one round of chunk pushes (each comm unit pushes one chunk), then the share of
+  the GEMM those chunks feed; gemm_rs / gemm_ar: one wave of tiles, then one tile's finalize.
+- GEMM: ``flops / (engine_tflops * n / 132)`` on n CTAs (intra_sm: S; inter_sm: S - comm_sms;
+  never more than the tiles), plus, in gemm_rs / gemm_ar at W > 1, each tile's fp32 reduce-add
+  epilogue at one CTA's red.add rate (the CTA does it between two tiles).
+- comm: inter_sm, comm_sms CTAs at the mechanism's ``per_cta`` GB/s; intra_sm, one communicator
+  warp per compute CTA at ``per_warp``. One step takes a task's bytes at the unit's rate, or longer
+  where all active units together pass the link's ceiling or local memory's.
+- ``link``: every byte this rank sends over its links, at the mechanism's ceiling.
+- ``after``: gemm_ar's copy of the result into ``out`` after the kernel.
+
+Bytes: ag_gemm pushes (W - 1) / W of A (plus its own copy); gemm_rs and gemm_ar reduce-add fp32
+partials (4 bytes per element) into the tiles' owners, whose finalize loop loads 4 bytes, stores 4
+(zeros) and 2 (bf16 out) per element, gemm_ar also 2 into each peer's result.
+
+W = 1 moves nothing but all_gather's own copy: the GEMM ops then keep every SM for the GEMM
+(intra_sm). Any shape and S >= 1 gives a valid choice (inter_sm needs S >= 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .schedule import TILE_CONFIGS, pick_tile
+
+FIELDS = ("overlap", "comm_sms", "transfer")  # the Schedule fields the model picks when unset
+GEMM_OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+
+
+class Link(NamedTuple):
+    """GB/s of one data-movement mechanism: one comm CTA, one intra_sm communicator warp beside
+    the GEMM, and all units together (the ceiling)."""
+
+    per_cta: float
+    per_warp: float
+    ceiling: float
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured on H200s (132 SMs), two of them over NVLink NV18, 2026-11-29; files per figure."""
+
+    # The bf16 GEMM engine on all 132 SMs: 640-702 TFLOP/s over the six shapes, ~680 typical
+    # (benchmarks/results/gemm_2026-11-29_tma4_6.json; docs/benchmarks.md). Scaled by SM count.
+    engine_tflops: float = 680.0
+    engine_sms: int = 132
+    # From one GPU's SMs into the peer's memory, 256 MiB, one CTA of 256 threads and 132 CTAs
+    # (benchmarks/results/p2p_w2_2026-11-29.json). stores: peer_store_v4 (four 16-byte loads
+    # in flight per thread); tma: tile_send_bulk; red_add: red_add_v4_f32 (the GEMM epilogue's
+    # reduce-add). per_warp of stores: 0.75 GB/s, ag_gemm's intra_sm warp pushing a 2 MB chunk
+    # in 2.8 ms beside the GEMM (docs/benchmarks.md, from the GPU timeline); tma has no intra_sm
+    # path.
+    stores: Link = Link(25.0, 0.75, 358.0)
+    tma: Link = Link(8.2, 0.0, 353.0)
+    red_add: Link = Link(9.3, 0.0, 317.0)
+    # The finalize loop of gemm_rs / gemm_ar, bytes loaded + stored: one 16-byte load in flight per
+    # thread, as peer_store_v4 before it kept four in flight: 9.8 GB/s per CTA (docs/benchmarks.md);
+    # a warp is an eighth of that 256-thread CTA: 1.2 GB/s.
+    loop: Link = Link(9.8, 1.2, 358.0)
+    local_gbps: float = 4000.0  # local stores at 132 CTAs: 4.0-4.2 TB/s (/work/shared/FACTS.md)
+
+
+RATES = Rates()
+
+
+def comm_sms_choices(sms: int) -> list[int]:
+    """The comm_sms the model weighs on ``sms`` SMs per rank: S/16, S/8, 3S/16, S/4 and S/2 (on
+    132 SMs: 8, 16, 24, 33, 66; the tp sweep measured 8, 16 and 24), at least 1, below S."""
+    picks = {max(1, sms * f // 16) for f in (1, 2, 3, 4, 8)}
+    return sorted(c for c in picks if c < sms)
+
+
+class Candidate(NamedTuple):
+    overlap: str  # "intra_sm" or "inter_sm"
+    comm_sms: int | None  # inter_sm only
+    transfer: str  # "stores" or "tma" (ag_gemm); "stores" for ops without the knob
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the model picked for one op, shape and world, and from what: every candidate's
+    predicted ms per call, best first. ``user``: the fields the Schedule set itself."""
+
+    op: str
+    world_size: int
+    sms: int
+    shapes: tuple[tuple[str, int], ...]
+    chosen: Candidate
+    user: tuple[str, ...]
+    predicted: tuple[tuple[Candidate, float], ...]  # () where the op has no model
+    note: str = ""
+
+    @property
+    def predicted_ms(self) -> float | None:
+        return dict(self.predicted).get(self.chosen)
+
+    def __str__(self) -> str:
+        c, shape = self.chosen, ", ".join(f"{k}={v}" for k, v in self.shapes)
+        by = {f: "set" if f in self.user else "model" for f in FIELDS}
+        lines = [
+            f"{self.op} ({shape}), W={self.world_size}, {self.sms} SMs per rank: "
+            f"overlap={c.overlap} ({by['overlap']}), comm_sms={c.comm_sms} ({by['comm_sms']}), "
+            f"transfer={c.transfer} ({by['transfer']})"
+        ]
+        lines += [f"  {self.note}"] if self.note else []
+        for cand, ms in self.predicted:
+            sms = f" comm_sms={cand.comm_sms}" if cand.comm_sms else ""
+            mark = "*" if cand == c else " "
+            lines.append(f"  {mark} {ms:9.4f} ms  {cand.overlap} {cand.transfer}{sms}")
+        return "\n".join(lines)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Work(NamedTuple):
+    """One op's work on one rank: what the pipeline formula needs."""
+
+    tiles: int  # GEMM tiles (0: no GEMM)
+    flops: float
+    epilogue_bytes: float  # reduce-added by a GEMM CTA after each tile
+    comm_tasks: int  # the comm role's data-moving tasks
+    task_bytes: float  # moved by one comm task
+    task_remote: float  # of which over a link
+    comm_produces: bool  # the comm role feeds the GEMM (pushes) rather than finishing its tiles
+    link_bytes: float  # sent over the links, both roles
+    after_ms: float  # serial work after the kernel
+
+
+def _work(op: str, s: dict[str, int], W: int, bm: int, bn: int, rates: Rates) -> _Work | None:
+    if op in ("ag_gemm", "all_gather"):
+        ag = op == "ag_gemm"
+        m, n, k = (s["m"], s["n"], s["k"]) if ag else (s["rows"] * W, 0, s["cols"])
+        ms = m // W
+        cr = min(s.get("chunk_rows") or (bm if ag else 64), ms)
+        chunk = cr * k * 2.0
+        moves = W > 1 or not ag  # ag_gemm at W = 1 reads a directly
+        return _Work(
+            tiles=_ceil(m, bm) * _ceil(n, bn) if ag else 0,
+            flops=2.0 * m * n * k,
+            epilogue_bytes=0.0,
+            comm_tasks=W * _ceil(ms, cr) if moves else 0,
+            task_bytes=chunk,
+            task_remote=chunk * (W - 1) / W,  # one push in W is the rank's own copy
+            comm_produces=True,
+            link_bytes=(W - 1) * ms * k * 2.0,
+            after_ms=0.0,
+        )
+    if op in ("gemm_rs", "gemm_ar"):
+        m, n, k = s["m"], s["n"], s["k"]
+        rs, tile = op == "gemm_rs", bm * bn
+        tiles = W * _ceil(m // W, bm) * _ceil(n, bn) if rs else _ceil(m, bm) * _ceil(n, bn)
+        remote = 0.0 if rs else (W - 1) * tile * 2.0  # gemm_ar: bf16 into each peer's result
+        return _Work(
+            tiles=tiles,
+            flops=2.0 * m * n * (k // W),
+            epilogue_bytes=tile * 4.0 if W > 1 else 0.0,
+            comm_tasks=_ceil(tiles, W) if W > 1 else 0,
+            task_bytes=tile * 10.0 + remote,  # load fp32, store zeros, store bf16
+            task_remote=remote,
+            comm_produces=False,
+            link_bytes=(W - 1) / W * m * n * (4.0 if rs else 6.0),
+            after_ms=0.0 if rs or W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
+        )
+    return None
+
+
+def predict(
+    op: str,
+    shapes: dict[str, int],
+    world_size: int,
+    sms: int,
+    cand: Candidate,
+    *,
+    tile: str | None = None,
+    rates: Rates = RATES,
+) -> float:
+    """Predicted ms of one call of ``op`` on one rank of ``world_size`` with ``sms`` SMs, run as
+    ``cand``. ``shapes``: the global sizes Schedule.plan takes (m, n, k; all_gather: rows, cols),
+    optionally ``chunk_rows``; ``tile``: a TILE_CONFIGS name (default: pick_tile's, as plans)."""
+    W, S, intra = world_size, sms, cand.overlap == "intra_sm"
+    if not intra and not (cand.comm_sms and 1 <= cand.comm_sms < S):
+        raise ValueError(f"inter_sm needs 1 <= comm_sms < sms={S}, got {cand.comm_sms}")
+    if op in GEMM_OPS:
+        cfg = TILE_CONFIGS[tile] if tile else pick_tile(shapes["m"], shapes["n"], 0, S)
+    else:
+        cfg = TILE_CONFIGS["64x128x64"]
+    w = _work(op, shapes, W, cfg.bm, cfg.bn, rates)
+    if w is None:
+        raise ValueError(f"no cost model for op {op!r}")
+    n = max(1, min(S if intra else S - cand.comm_sms, w.tiles))  # GEMM CTAs
+    per_sm = rates.engine_tflops * 1e12 / rates.engine_sms
+    epilogue = w.tiles * w.epilogue_bytes / (rates.red_add.per_cta * 1e9)
+    gemm = (w.flops / per_sm + epilogue) / n * 1e3  # ms
+    mech = rates.tma if cand.transfer == "tma" else rates.stores
+    mech = rates.loop if op in ("gemm_rs", "gemm_ar") else mech
+    link = w.link_bytes / mech.ceiling / 1e6
+    if not w.comm_tasks:
+        return max(gemm, link) + w.after_ms
+    units = n if intra else cand.comm_sms  # communicator warps, or comm CTAs
+    one = mech.per_warp if intra else mech.per_cta
+    if one <= 0:
+        raise ValueError(f"{cand.transfer} has no {cand.overlap} path")
+    active = min(units, w.comm_tasks)
+    step = max(
+        w.task_bytes / one,
+        active * w.task_remote / mech.ceiling,
+        active * (w.task_bytes - w.task_remote) / rates.local_gbps,
+    ) / 1e6  # fmt: skip
+    rounds = _ceil(w.comm_tasks, units)
+    comm = rounds * step
+    if w.comm_produces:  # a round of chunks, then the GEMM's share that needs them
+        t = max(comm + gemm / rounds, step + gemm)
+    else:  # a wave of tiles, then one tile's finalize
+        t = max(gemm + step, gemm / _ceil(w.tiles, n) + comm)
+    return max(t, link) + w.after_ms
+
+
+def candidates(
+    op: str,
+    sms: int,
+    *,
+    overlap: str | None = None,
+    comm_sms: int | None = None,
+    transfer: str | None = None,
+) -> list[Candidate]:
+    """The schedules the model weighs for ``op`` on ``sms`` SMs per rank, within the fields set
+    (None: free), intra_sm first (it wins ties: no SM is taken from the GEMM)."""
+    transfers = [transfer] if transfer else ["stores", "tma"] if op == "ag_gemm" else ["stores"]
+    out = []
+    if overlap in (None, "intra_sm") and comm_sms is None and transfer != "tma":
+        out.append(Candidate("intra_sm", None, "stores"))
+    if overlap in (None, "inter_sm") and sms >= 2:
+        counts = [comm_sms] if comm_sms else comm_sms_choices(sms)
+        out += [Candidate("inter_sm", c, t) for c in counts for t in transfers if c < sms]
+    return out
+
+
+def choose(
+    op: str,
+    shapes: dict[str, int],
+    world_size: int,
+    sms: int,
+    *,
+    overlap: str | None = None,
+    comm_sms: int | None = None,
+    transfer: str | None = None,
+    tile: str | None = None,
+    rates: Rates = RATES,
+) -> Choice:
+    """The cheapest candidate for ``op`` within the fields set (None: the model picks). An op
+    without a model, or no valid candidate, keeps the fixed defaults of before: intra_sm, S // 8
+    comm SMs when inter_sm, stores."""
+    user = tuple(f for f, v in zip(FIELDS, (overlap, comm_sms, transfer), strict=True) if v)
+    key = tuple(sorted(shapes.items()))
+    ov = overlap or ("inter_sm" if comm_sms or transfer == "tma" else "intra_sm")
+    fixed = Candidate(
+        ov, (comm_sms or max(1, sms // 8)) if ov == "inter_sm" else None, transfer or "stores"
+    )
+    if op not in GEMM_OPS + ("all_gather",):
+        return Choice(op, world_size, sms, key, fixed, user, (), "no cost model: fixed defaults")
+    cands = candidates(op, sms, overlap=overlap, comm_sms=comm_sms, transfer=transfer)
+    if not cands:  # e.g. inter_sm on one SM: split_units says why
+        return Choice(op, world_size, sms, key, fixed, user, (), "no valid candidate")
+    scored = [(c, predict(op, shapes, world_size, sms, c, tile=tile, rates=rates)) for c in cands]
+    scored.sort(key=lambda cs: cs[1])  # stable: equal times keep candidates()' order
+    return Choice(op, world_size, sms, key, scored[0][0], user, tuple(scored))
