@@ -84,11 +84,16 @@ TileOrderHook = Callable[[int, Sequence[Tile]], Sequence[int]]
 class Schedule:
     """How an op runs. Every field has a default chosen per shape; set one to override it.
 
+    overlap, comm_sms and transfer left None are picked when the plan is built, per op, shape and
+    world, by the cost model of mkernel/cost.py (``plan.extra["choice"]`` shows what it picked and
+    every candidate's predicted time); the fields set are kept.
+
     overlap:   "intra_sm" (each CTA has compute warpgroups and a communicator warp) or "inter_sm"
-               (separate compute CTAs and communication CTAs).
+               (separate compute CTAs and communication CTAs); None: the model's.
     sms:       SMs per rank (default: the GPU's SMs divided among the emulated ranks; the CPU
                interpreter uses a small virtual count).
-    comm_sms:  inter_sm only: how many of those SMs run the communication role.
+    comm_sms:  inter_sm only: how many of those SMs run the communication role (None: the
+               model's; setting it needs overlap="inter_sm").
     tile:      a TILE_CONFIGS name (default: a heuristic per shape).
     tile_order: hook ``fn(rank, tiles) -> order`` returning a permutation of ``range(len(tiles))``:
                the order in which ``rank`` computes its tiles (e.g. the tiles a peer waits for
@@ -103,10 +108,10 @@ class Schedule:
                timeline lands in ``world.last_timeline`` (the interpreter always records one).
     transfer:  how ag_gemm pushes its chunks: "stores" (16-byte stores, any overlap), "tma" (TMA
                bulk copies staged in shared memory; inter_sm only, where comm CTAs own their
-               shared memory) or "auto" (stores: measured faster per SM, docs/benchmarks.md).
+               shared memory), or None / "auto": the model's (stores at the measured rates).
     """
 
-    overlap: str = "intra_sm"
+    overlap: str | None = None
     sms: int | None = None
     comm_sms: int | None = None
     tile: str | None = None
@@ -116,11 +121,13 @@ class Schedule:
     seed: int = 0
     backoff_ns: int = 2048
     trace: bool = False
-    transfer: str = "auto"
+    transfer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.overlap not in OVERLAPS:
-            raise ValueError(f"Schedule.overlap must be one of {OVERLAPS}, got {self.overlap!r}")
+        if self.overlap is not None and self.overlap not in OVERLAPS:
+            raise ValueError(
+                f"Schedule.overlap must be one of {OVERLAPS} or None, got {self.overlap!r}"
+            )
         if self.tile is not None and self.tile not in TILE_CONFIGS:
             raise ValueError(
                 f"Schedule.tile must be one of {sorted(TILE_CONFIGS)}, got {self.tile!r}"
@@ -133,10 +140,14 @@ class Schedule:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"Schedule.{name} must be a positive int or None, got {v!r}")
-        if self.overlap == "intra_sm" and self.comm_sms is not None:
+        # NOTE: these two need overlap="inter_sm" set too, not left to the model, as when the
+        # default was intra_sm: a schedule means the same whatever the model would pick.
+        if self.overlap != "inter_sm" and self.comm_sms is not None:
             raise ValueError("Schedule.comm_sms applies to overlap='inter_sm' only")
-        if self.transfer not in TRANSFERS:
-            raise ValueError(f"Schedule.transfer must be one of {TRANSFERS}, got {self.transfer!r}")
+        if self.transfer is not None and self.transfer not in TRANSFERS:
+            raise ValueError(
+                f"Schedule.transfer must be one of {TRANSFERS} or None, got {self.transfer!r}"
+            )
         if self.transfer == "tma" and self.overlap != "inter_sm":
             raise ValueError(
                 "Schedule transfer='tma' needs overlap='inter_sm' (intra_sm has no smem to stage)"
@@ -149,7 +160,9 @@ class Schedule:
         runs over ``world`` with this schedule: give the op's operands (``plan("gemm_rs", world,
         a, b)``, checked as the op checks them) or its sizes by name (the GEMM ops: ``m=, n=,
         k=`` global sizes; all_gather: ``rows=, cols=``). It is the very plan object a call with
-        the same schedule and shapes executes (cached on the world)."""
+        the same schedule and shapes executes (cached on the world); ``print(plan)`` shows the
+        overlap, comm SMs and transfer it runs and the cost model's choice among the candidates
+        (``plan.extra["choice"]``, mkernel/cost.py)."""
         import inspect
 
         from .ops import common, registry
@@ -187,6 +200,17 @@ class Plan:
     faults: Faults = field(default_factory=Faults)
     extra: dict[str, Any] = field(default_factory=dict)
     _device_tables: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        units = f"{self.compute_units} compute + {self.comm_units} comm " + (
+            "warps in the same CTAs" if self.overlap == "intra_sm" else "CTAs"
+        )
+        head = (
+            f"Plan {self.op}, W={self.world_size}, {self.shapes}: {self.overlap}, {units} per "
+            f"rank, tile {self.tile.name}, {len(self.tiles)} tiles"
+        )
+        choice = self.extra.get("choice")
+        return head if choice is None else f"{head}\n{choice}"
 
     @property
     def ctas_per_rank(self) -> int:
@@ -350,6 +374,43 @@ def rank_sms(schedule: Schedule, world: Any) -> int:
     return min(schedule.sms or per_rank, per_rank)
 
 
+def resolve(
+    schedule: Schedule, op: str, world: Any, shapes: dict[str, int]
+) -> tuple[Schedule, Any]:
+    """(the schedule with overlap, comm_sms and transfer filled in, the cost model's Choice) for
+    ``op`` at global ``shapes`` over ``world``: the fields left None (transfer "auto" too) are the
+    model's (mkernel/cost.py), the ones set are kept. An op without a model gets the fixed
+    defaults of before (intra_sm, S // 8 comm SMs, stores)."""
+    import dataclasses
+
+    from . import cost
+
+    if schedule.chunk_rows is not None:
+        shapes = {**shapes, "chunk_rows": schedule.chunk_rows}
+    choice = cost.choose(
+        op,
+        shapes,
+        world.size,
+        rank_sms(schedule, world),
+        overlap=schedule.overlap,
+        comm_sms=schedule.comm_sms,
+        transfer=None if schedule.transfer == "auto" else schedule.transfer,
+        tile=schedule.tile,
+    )
+    c = choice.chosen
+    fields = {"overlap": c.overlap, "comm_sms": c.comm_sms, "transfer": c.transfer}
+    return dataclasses.replace(schedule, **fields), choice
+
+
+def is_resolved(schedule: Schedule) -> bool:
+    """Whether nothing is left to the cost model."""
+    return (
+        schedule.overlap is not None
+        and schedule.transfer not in (None, "auto")
+        and (schedule.overlap == "intra_sm" or schedule.comm_sms is not None)
+    )
+
+
 def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[int, int]:
     """(compute units, comm units) per rank."""
     sms = rank_sms(schedule, world)
@@ -386,6 +447,10 @@ def build_plan(
     the device, its twin in the interpreter) from data only the device has: the plan holds empty
     tables of that room per rank, and the static check is left to the interpreter's run (it sees
     the tasks the layout makes)."""
+    extra = dict(extra or {})
+    if not is_resolved(schedule):  # a direct call; cached_plan resolves before make_plan
+        # NOTE: ag_gemm's make_plan read transfer before: None / "auto" made it stores there.
+        schedule, extra["choice"] = resolve(schedule, spec.name, world, shapes)
     n_compute = compute.rows if isinstance(compute, Capacity) else len(compute[0])
     compute_units, comm_units = split_units(schedule, world, n_compute)
     sizes = {"W": world.size, **sizes}
@@ -427,5 +492,5 @@ def build_plan(
         compute_units=compute_units,
         comm_units=comm_units,
         faults=schedule.faults,
-        extra=extra or {},
+        extra=extra,
     )

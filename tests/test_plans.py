@@ -256,7 +256,7 @@ def test_units_share_their_roles_tasks_round_robin(op):
             assert plan.compute_units == plan.comm_units == min(sms, T)
             assert plan.ctas_per_rank == plan.compute_units
         else:
-            comm = comm_sms or max(1, sms // 8)
+            comm = comm_sms or plan.extra["choice"].chosen.comm_sms  # the cost model's
             assert (plan.compute_units, plan.comm_units) == (min(sms - comm, T), comm)
             assert plan.ctas_per_rank == plan.compute_units + plan.comm_units
         for role, n in (("compute", plan.compute_units), ("comm", plan.comm_units)):

@@ -14,7 +14,7 @@ from ..protocol import (
     buffer_shape,
     pad_shape,
 )
-from ..schedule import Plan, Schedule
+from ..schedule import Plan, Schedule, resolve
 from ..world import SymBuffer, World
 from .gpu import extension, raise_timeout, run_gpu, status_block  # noqa: F401 (the GPU path)
 
@@ -145,7 +145,10 @@ def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int)
     plans = world._plans
     plan = plans.get(key)
     if plan is None:
+        # The fields left None are the cost model's (mkernel/cost.py), picked once per key.
+        schedule, choice = resolve(schedule, op_module.SPEC.name, world, shapes)
         plan = op_module.make_plan(schedule, world, **shapes)
+        plan.extra["choice"] = choice
         if hook is not None:
             plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
         plan.extra["backoff_ns"] = schedule.backoff_ns
