@@ -123,6 +123,13 @@ def test_routed_rows_arrive_exactly(case):
     W, flat, overlap, seed = case
     route = torch.tensor(flat, dtype=torch.int32).view(W, ROWS)
     x, out = run(W, overlap, route, seed, calls=2)
+    assert_routed(x, route, out)
+
+
+def assert_routed(x: torch.Tensor, route: torch.Tensor, out: torch.Tensor) -> None:
+    """Row i of rank s is in out[route[s, i]] at row s * ROWS + i, bit for bit, and nowhere else
+    (out was poisoned with NaN)."""
+    W = x.shape[0]
     for s in range(W):
         for i in range(ROWS):
             d = int(route[s, i])

@@ -17,7 +17,7 @@ from mkernel import jit
 from mkernel.codegen import _layout
 from mkernel.ops import gpu
 from tests.helpers import assert_pads_zero
-from tests.test_layout_phase import COLS, ROWS, SPEC, make_plan
+from tests.test_layout_phase import COLS, ROWS, SPEC, assert_routed, make_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,19 +50,6 @@ def _run(ext, world, plan, x, route, out):
     gpu.run_gpu(world, plan, {"x": x, "route": route, "out": out})
 
 
-def _check(x, route, out):
-    W = x.shape[0]
-    for s in range(W):
-        for i in range(ROWS):
-            d = int(route[s, i])
-            for r in range(W):
-                got = out[r, s * ROWS + i]
-                if r == d:
-                    assert torch.equal(got, x[s, i]), (s, i, r)
-                else:
-                    assert torch.isnan(got).all(), f"row {i} of rank {s} written on rank {r}"
-
-
 def _route(W, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-1, W, (W, ROWS), generator=g, dtype=torch.int32)
@@ -80,7 +67,7 @@ def test_routes_change_between_calls_on_one_plan(ext, W, overlap):
         _run(ext, world, plan, x, route.view(W, ROWS, 1).cuda(), out)
         world.check()
         torch.cuda.synchronize()
-        _check(x.cpu(), route, out.cpu())
+        assert_routed(x.cpu(), route, out.cpu())
     assert_pads_zero(world)
 
 
@@ -105,7 +92,7 @@ def test_graph_replay_lays_out_each_replay(ext):
         g.replay()
     torch.cuda.synchronize()
     world.check()
-    _check(x.cpu(), new, out.cpu())
+    assert_routed(x.cpu(), new, out.cpu())
 
 
 def test_silent_rank_times_out_naming_the_flag(ext):
