@@ -68,7 +68,7 @@ def protocol_header() -> str:
 def _op_names() -> list[str]:
     from .ops import registry
 
-    return registry.names()
+    return registry.device_names()
 
 
 def _spec(name: str) -> P.OpSpec:

@@ -130,6 +130,9 @@ class OpSpec:
     pads: tuple[Pad, ...]
     scalars: tuple[str, ...]
     doc: str = ""
+    # False: the op has no device kernel yet (no kernels/<op>.cu); it runs in the CPU interpreter,
+    # and a call on a GPU world raises before anything runs.
+    device: bool = True
 
     def __post_init__(self) -> None:
         if len(self.all_pads()) > MAX_PADS or len(self.buffers) > MAX_SLOTS:

@@ -188,6 +188,11 @@ def run_op(
     in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
     tiles the kernel end reads (``module.outputs(plan, rank)``)."""
     world = check_world(world)
+    if world.on_gpu and not module.SPEC.device:
+        raise NotImplementedError(
+            f"{module.SPEC.name} has no GPU kernel yet: it runs in the CPU interpreter "
+            "(World.emulated(W), device='cpu')"
+        )
     schedule = check_schedule(schedule)
     s = module.shapes(*inputs.values(), world)
     check_faults(schedule, world)

@@ -26,6 +26,11 @@ def names() -> list[str]:
     return list(_ops())
 
 
+def device_names() -> list[str]:
+    """The ops with a device kernel (``kernels/<name>.cu``): what the build compiles and binds."""
+    return [name for name, module in _ops().items() if module.SPEC.device]
+
+
 def get(op: str) -> ModuleType:
     ops = _ops()
     if op not in ops:

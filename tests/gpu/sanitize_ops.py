@@ -23,7 +23,7 @@ def main() -> int:
         world = mkernel.World.emulated(W, device="cuda", timeout_s=20.0)
         for overlap in ("intra_sm", "inter_sm"):
             sched = mkernel.Schedule(overlap=overlap, sms=4, tile="128x128x64")
-            for op in registry.names():
+            for op in registry.device_names():
                 rows = 72 if op in ("ag_gemm", "all_gather") else 72 * W  # per-rank rows of a
                 a = torch.randn(W, rows, 40, generator=g).bfloat16().cuda()
                 b = torch.randn(W, 40, 136, generator=g).bfloat16().cuda()
