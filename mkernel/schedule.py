@@ -267,7 +267,6 @@ class Plan:
 
             self._device_tables = tables_to(self.roles, device)
             self._device_tables["tiles"] = self.tile_table().to(device)
-
         return self._device_tables
 
 
