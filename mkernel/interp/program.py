@@ -10,7 +10,7 @@ preceded by the entry barrier of the unit's CTA (intra_sm: the comm warp starts 
 it). Only the data movement is the op's (``moves[role](ctx, task)``); the waits and raises come from
 the plan, so what is property-tested here is the protocol the GPU runs. Signals print as the GPU
 names them (``tile_flag[tile=3, src=1]``, mkernel/protocol.py signal_name). The end of each call on
-a rank reads every output tile ``outputs(rank)`` of buffer ``out``.
+a rank reads every output tile ``outputs(rank)`` of buffer ``out`` (or the one named ``output``).
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def run_plan(
     outputs: Callable[[int], dict[int, Rect]],
     calls: int = 1,
     layout: Callable | None = None,
+    output: str = "out",
 ) -> Machine:
     """Runs ``calls`` calls of ``plan`` back to back on one machine state (the second call's agents
     of a rank start when its first call's have finished, as kernels on one stream). ``buffers``:
@@ -135,7 +136,8 @@ def run_plan(
     GPU (templates/persistent.cuh layout_phase), CTA slot 0 of each rank runs it after the entry
     barrier and raises the rank's layout flag (barrier[0, rank]); every other CTA of the rank waits
     for it before it reads its tasks, and the last of them resets it (counter barrier[1, rank]).
-    ``outputs(rank)`` is asked at the end of the call, so it may depend on what the layout made."""
+    ``outputs(rank)`` is asked at the end of the call, so it may depend on what the layout made.
+    ``output`` names the buffer those tiles are in (an op whose result is not ``out``)."""
     device_roles = [role for role, t in plan.roles.items() if t.capacity is not None]
     if device_roles and layout is None:
         raise ValueError(f"{plan.op}: roles {device_roles} are filled on the device: pass layout")
@@ -231,6 +233,6 @@ def run_plan(
                 run = program("comm", pro)
                 m.add_agent(r, "comm", u, tasks_of(call, "comm", r, u), run, call=call)
             rects = (lambda r=r: outputs(r)) if device_roles else outputs(r)
-            m.expect_outputs(call, r, "out", rects)
+            m.expect_outputs(call, r, output, rects)
     m.run()
     return m

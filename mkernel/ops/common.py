@@ -239,16 +239,19 @@ def run_cpu(
     moves: dict[str, Callable],
     outputs: Callable[[int], dict[int, tuple[int, int, int, int]]],
     seed: int,
+    layout: Callable | None = None,
+    output: str = "out",
 ) -> None:
     """One call in the CPU interpreter: the plan's tables run by the template's twin
     (mkernel/interp/program.py) with the op's data-movement twins ``moves`` per role;
-    ``outputs(rank)`` gives the output tiles the kernel end reads."""
+    ``outputs(rank)`` gives the output tiles of buffer ``output`` the kernel end reads; ``layout``:
+    the op's layout twin, for a plan with device-filled roles (run_plan)."""
     from ..interp.program import run_plan
 
     ws = workspace(world, plan)
     buffers = {**operands, **{k: v.local for k, v in ws.items() if v is not None}}
     try:
-        m = run_plan(world, plan, buffers, moves, seed, outputs)
+        m = run_plan(world, plan, buffers, moves, seed, outputs, layout=layout, output=output)
     except CommTimeout:
         world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
         raise

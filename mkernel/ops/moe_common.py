@@ -1,0 +1,223 @@
+"""What MoE dispatch (moe_dispatch_gemm.py) and combine (moe_gemm_combine.py) share: the routing
+(counts -> prefix sums -> every row's slot), the dispatch result, the input checks. No SPEC: not an
+op itself (the registry skips it).
+
+Routing, from every rank's ``topk_ids`` [T, k] (global expert ids, -1 unused; E = W * E_local, the
+global id of local expert e on rank d is d * E_local + e):
+
+- ``sent[s][d]``: the tokens of source s that feed at least one expert of rank d, in token order.
+  Each goes to d once (one copy of x_token per destination rank), into d's receive buffer at
+  ``recv_base[d][s] + position``: the receive rows of d are ordered by source, then token.
+- ``rows[d]``: the (source, token, slot, local expert) of each row of d's grouped GEMM: by expert,
+  then source, then token (a token names an expert at most once, so the slot follows). Counts per
+  (source, expert) and their prefix sums give each row its final place before any data moves, so
+  nothing is reordered later and the order does not depend on timing.
+- ``offsets[d]``: rows of local expert e are ``offsets[d][e] : offsets[d][e + 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..world import World
+
+Rect = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where every row goes (module docstring); a pure function of the routing ids."""
+
+    experts: int  # E_local
+    sent: list[list[list[int]]]  # [s][d] -> tokens of s sent to d, in token order
+    recv_base: list[list[int]]  # [d][s] -> first receive row of s's tokens on d
+    rows: list[list[tuple[int, int, int, int]]]  # [d] -> (src, token, slot, local expert) per row
+    offsets: list[list[int]]  # [d] -> E_local + 1 prefix sums of rows per local expert
+
+    def recv_row(self, d: int, s: int, t: int) -> int:
+        """The receive row of token t of source s on rank d."""
+        return self.recv_base[d][s] + self.sent[s][d].index(t)
+
+
+def route(ids: list[list[list[int]]], experts: int) -> Routing:
+    """The Routing of ``ids[s][t][j]`` (every rank's topk_ids, as lists) over local experts."""
+    W = len(ids)
+    fed = [[{g // experts for g in row if g >= 0} for row in ids[s]] for s in range(W)]
+    sent = [
+        [[t for t, ranks in enumerate(fed[s]) if d in ranks] for d in range(W)] for s in range(W)
+    ]
+    recv_base = [[sum(len(sent[q][d]) for q in range(s)) for s in range(W)] for d in range(W)]
+    rows, offsets = [], []
+    for d in range(W):
+        mine: list[tuple[int, int, int, int]] = []
+        offs = [0]
+        for e in range(experts):
+            g = d * experts + e
+            mine += [
+                (s, t, row.index(g), e)
+                for s in range(W)
+                for t, row in enumerate(ids[s])
+                if g in row
+            ]
+            offs.append(len(mine))
+        rows.append(mine)
+        offsets.append(offs)
+    return Routing(experts, sent, recv_base, rows, offsets)
+
+
+def gemm_tiles(offsets: list[int], tile_rows: int) -> list[tuple[int, int, int]]:
+    """A rank's grouped-GEMM tiles (local expert, first row, rows): each expert's rows cut into
+    tiles of ``tile_rows``; an expert with no rows has none. Task and output tile ids are positions
+    in this list."""
+    out = []
+    for e in range(len(offsets) - 1):
+        for r0 in range(offsets[e], offsets[e + 1], tile_rows):
+            out.append((e, r0, min(tile_rows, offsets[e + 1] - r0)))
+    return out
+
+
+def max_rows(world_size: int, tokens: int, k: int, experts: int) -> int:
+    """The most grouped-GEMM rows one rank can receive: every token of every rank, each with up to
+    min(k, E_local) of its slots on this rank. Workspaces and capacities are sized by it, so a plan
+    serves every routing of its shape."""
+    return world_size * tokens * min(k, experts)
+
+
+def tile_rows(schedule: Any) -> int:
+    """Rows per grouped-GEMM tile: ``Schedule.chunk_rows`` (default 64)."""
+    return schedule.chunk_rows or 64
+
+
+class Twins(NamedTuple):
+    """The interpreter side of one call: data-movement twins per role, the layout twin (the device
+    layout phase), and the output tiles the kernel end reads per rank."""
+
+    moves: dict[str, Callable | None]
+    layout: Callable
+    outputs: Callable[[int], dict[int, Rect]]
+
+
+@dataclass(frozen=True, eq=False)
+class MoeDispatch:
+    """The result of ``moe_dispatch_gemm``, per rank (lists with one entry per rank of an emulated
+    world):
+
+    - ``y`` [R, I] bf16: one row per (token, slot) routed to this rank's experts, x_token @ w1[e];
+    - ``src`` [R, 3] int32: (source rank, token, slot) of each row;
+    - ``expert_offsets`` [E_local + 1] int32: rows of local expert e are
+      ``expert_offsets[e] : expert_offsets[e + 1]``; within an expert, by source, token, slot.
+
+    It also holds what ``moe_gemm_combine`` needs: the world, the routing ids and the shapes."""
+
+    y: list[torch.Tensor]
+    src: list[torch.Tensor]
+    expert_offsets: list[torch.Tensor]
+    world: World
+    topk_ids: torch.Tensor  # [W, T, k] int32, a copy of the routing the dispatch ran
+    hidden: int  # H
+
+    @property
+    def rows(self) -> list[int]:
+        return [int(o[-1]) for o in self.expert_offsets]
+
+    @property
+    def experts(self) -> int:
+        return self.expert_offsets[0].numel() - 1
+
+
+def dispatch_result(
+    world: World, routing: Routing, ids: torch.Tensor, y: list[torch.Tensor], hidden: int
+) -> MoeDispatch:
+    """The MoeDispatch of ``routing`` with the rows ``y`` (per rank)."""
+    src = [
+        torch.tensor([r[:3] for r in rows], dtype=torch.int32).reshape(-1, 3)
+        for rows in routing.rows
+    ]
+    offsets = [torch.tensor(o, dtype=torch.int32) for o in routing.offsets]
+    return MoeDispatch(y, src, offsets, world, ids, hidden)
+
+
+def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Tensor:
+    """Ragged per-rank [R_d, C] tensors as one [W, rows, C] tensor (the interpreter's buffers hold
+    every rank at the same shape), padded with ``fill``."""
+    C = parts[0].shape[1]
+    out = torch.full((len(parts), rows, C), fill, dtype=parts[0].dtype)
+    for d, p in enumerate(parts):
+        out[d, : p.shape[0]] = p
+    return out
+
+
+# -- checks (before anything runs) ----------------------------------------------------------------
+
+
+def check_cpu_world(world: Any, op: str) -> World:
+    """The MoE ops run in the CPU interpreter of an emulated world only (no device kernel yet)."""
+    from .common import check_world
+
+    world = check_world(world)
+    if world.on_gpu or not world.emulated_world:
+        raise NotImplementedError(
+            f"{op} has no GPU kernel yet: it runs in the CPU interpreter "
+            "(World.emulated(W), device='cpu')"
+        )
+    return world
+
+
+def check_tensor(
+    name: str, t: Any, world: World, form: str, dtypes: tuple[torch.dtype, ...]
+) -> tuple[int, ...]:
+    """A stacked per-rank tensor ([W, *form]) of one of ``dtypes``: the operand checks of
+    common.check_operand (device, dims, leading W, contiguous) for any dtype; returns the per-rank
+    shape."""
+    lead = f"[W={world.size}, {form[1:]}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.device != world.device:
+        raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
+    want = form.count(",") + 2
+    if t.dim() != want:
+        raise ValueError(f"{name} must have shape {lead} ({want} dims), got {tuple(t.shape)}")
+    if t.shape[0] != world.size:
+        raise ValueError(
+            f"{name} has leading dimension {t.shape[0]}, but this world has {world.size} ranks: "
+            f"expected {lead} (a tensor of another world?)"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {lead}")
+    return tuple(t.shape[1:])
+
+
+def check_columns(name: str, value: int) -> None:
+    """Row lengths the device's TMA copies will need (16-byte rows)."""
+    from .common import ALIGN, check_divides
+
+    check_divides(name, value, ALIGN, "16-byte rows")
+
+
+def check_ids(ids: torch.Tensor, experts_total: int) -> None:
+    """topk_ids [W, T, k]: every id in [-1, E) (an id outside names its rank and token; on the
+    device the layout phase reports it, as a timeout is, and writes nothing), no expert twice in a
+    token."""
+    W, T, k = ids.shape
+    bad = (ids < -1) | (ids >= experts_total)
+    if bool(bad.any()):
+        r, t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"topk_ids: expert id {int(ids[r, t, j])} of rank {r}, token {t} (slot {j}) is outside "
+            f"[-1, E={experts_total})"
+        )
+    if k > 1 and T:
+        s = ids.sort(dim=-1).values
+        dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=-1)
+        if bool(dup.any()):
+            r, t = (int(v) for v in dup.nonzero()[0])
+            raise ValueError(
+                f"topk_ids: token {t} of rank {r} names an expert twice: {ids[r, t].tolist()} "
+                "(a token's expert ids must be distinct)"
+            )

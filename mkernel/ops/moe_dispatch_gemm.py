@@ -1,0 +1,277 @@
+"""MoE dispatch fused with the first grouped GEMM (expert parallelism): API, plan, layout and
+data-movement twins, reference. CPU interpreter only for now (``SPEC.device = False``: no grouped-
+GEMM engine on the device yet); docs/moe.md has the picture and what the GPU version needs.
+
+Unfused meaning, per destination rank d of W (E_local experts per rank, global id d * E_local + e)::
+
+    for e in range(E_local):                   # rows of expert e: by source rank, token, slot
+        for s in range(W):
+            for t, j with topk_ids[s][t, j] == d * E_local + e:
+                y_d.append((x[s][t].float() @ w1[d][e].float()).bfloat16()); src_d.append((s, t, j))
+
+Protocol. Counts first: the layout phase of every rank reads every rank's routing ids (inputs,
+written before the launch; a GPU version exchanges per-expert counts instead) and computes the
+Routing (moe_common.py): prefix sums give each token copy its receive row and each (token, slot)
+its y row before any data moves. Its tasks, made per call (the comm and compute roles are
+``Capacity``: how many tasks a rank runs is routing data):
+
+- comm, on source s: one push per (token, destination rank) -- x_token is copied once to each
+  rank it feeds, a bulk copy into that rank's ``recv`` row -- raising ``expert_rows[e] += 1`` on
+  the destination for each of its experts the token feeds;
+- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows; each waits for
+  ``expert_rows[e] == rows of e`` (so an expert's GEMM starts once its own rows have landed, not
+  after a global barrier; the tiles of e are its counted consumers, the last resets the flag),
+  gathers its rows' tokens from ``recv`` (the expansion to (token, slot) rows), multiplies by
+  w1[e] with fp32 accumulation and stores its bf16 rows of ``y`` (the kernel end reads them).
+
+    W = 2, E_local = 1; rank 0's token 0 -> experts {0, 1}, token 1 -> {1}; rank 1's token 0 -> {0}
+    rank 0 comm:  push x0[0] -> recv_0[0] (+1 expert_rows_0[0]); x0[0] -> recv_1[0], x0[1] ->
+                  recv_1[1] (+1 expert_rows_1[0] each)
+    rank 1 comm:  push x1[0] -> recv_0[1] (+1 expert_rows_0[0])
+    rank 0 compute: wait expert_rows_0[0] == 2 -> y_0 = [x0[0], x1[0]] @ w1_0[0]
+    rank 1 compute: wait expert_rows_1[0] == 2 -> y_1 = [x0[0], x0[1]] @ w1_1[0]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ..interp import twins
+from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
+from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
+from ..world import World
+from . import common
+from .moe_common import (
+    MoeDispatch,
+    Routing,
+    Twins,
+    check_columns,
+    check_cpu_world,
+    check_ids,
+    check_tensor,
+    dispatch_result,
+    gemm_tiles,
+    max_rows,
+    route,
+    tile_rows,
+)
+
+PUSH = 0  # comm task kind (args[0]): (PUSH, token, destination, receive row)
+GEMM = 1  # compute task kind: (GEMM, local expert, first row, rows)
+SPEC = OpSpec(
+    name="moe_dispatch_gemm",
+    doc="MoE dispatch + the first grouped GEMM (x_token @ w1[e] per routed (token, slot))",
+    buffers=(
+        Buffer("x", "input", torch.bfloat16, ("tokens", "hidden"), "this rank's tokens"),
+        Buffer("topk_ids", "input", torch.int32, ("tokens", "k"), "global expert ids, -1 unused"),
+        Buffer("w1", "input", torch.bfloat16, ("w1_rows", "inter"), "[E_local * H, I] experts"),
+        Buffer("y", "output", torch.bfloat16, ("max_rows", "inter"), "grouped-GEMM rows here"),
+        Buffer("recv", "symmetric", torch.bfloat16, ("recv_rows", "hidden"), "tokens sent here"),
+    ),
+    pads=(
+        Pad(
+            "expert_rows",
+            ("expert",),
+            ("experts",),
+            counted=True,
+            doc="token copies landed here for local expert e (added by the senders)",
+        ),
+    ),
+    scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows"),
+    device=False,
+)
+
+
+def make_plan(
+    schedule: Schedule, world: World, tokens: int, hidden: int, inter: int, experts: int, k: int
+) -> Plan:
+    """Empty per-rank tables of the room any routing of these shapes needs (the layout twin fills
+    them per call): a plan per shape, cached like every op's."""
+    W, T, tr = world.size, tokens, tile_rows(schedule)
+    rows = max_rows(W, T, k, experts)
+    tiles = -(-rows // tr) + experts  # each expert's rows cut into tiles: at most one short each
+    comm = Capacity(rows=T * min(k, W), waits=0, raises=T * k)
+    compute = Capacity(rows=tiles, waits=tiles, raises=0)
+    shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
+    sizes = {
+        **shapes,
+        "w1_rows": experts * hidden,
+        "max_rows": rows,
+        "recv_rows": W * T,  # every token of every rank, once
+        "tile_rows": tr,
+    }
+    tile = TILE_CONFIGS["64x128x64"]  # unused until a grouped-GEMM engine exists
+    return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], compute, comm)
+
+
+def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
+    T, H = common.check_operand("x", x, world, 2, "[T, H]")
+    Ti, k = check_tensor("topk_ids", topk_ids, world, "[T, k]", (torch.int32, torch.int64))
+    E, Hw, N = common.check_operand("w1", w1, world, 3, "[E_local, H, I]")
+    if Ti != T:
+        raise ValueError(f"topk_ids has {Ti} tokens (rows), x has {T}")
+    if Hw != H:
+        raise ValueError(f"w1 is [E_local, H, I] = {[E, Hw, N]} but x has H={H} columns")
+    if E < 1:
+        raise ValueError(f"w1 has E_local={E} experts: each rank needs at least one")
+    if not 1 <= k <= world.size * E:
+        raise ValueError(
+            f"k (columns of topk_ids)={k} must be in [1, E={world.size * E}] (E = W * E_local)"
+        )
+    check_columns("H (columns of x)", H)
+    check_columns("I (columns of w1)", N)
+    check_ids(topk_ids, world.size * E)
+    return {"tokens": T, "hidden": H, "inter": N, "experts": E, "k": k}
+
+
+def prepare(
+    x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
+) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
+    """Every check, then what one call runs: the cached plan, the routing (the host knows it in
+    the emulated world: it sizes ``y`` and gives src and expert_offsets) and the buffers by name."""
+    world = check_cpu_world(world, SPEC.name)
+    schedule = common.check_schedule(schedule)
+    s = shapes(x, topk_ids, w1, world)
+    common.check_faults(schedule, world)
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
+    ids = topk_ids.to(torch.int32).contiguous()
+    routing = route(ids.tolist(), s["experts"])
+    W, E, H, N = world.size, s["experts"], s["hidden"], s["inter"]
+    rows = max(len(r) for r in routing.rows)
+    buffers = {
+        "x": x,
+        "topk_ids": ids,
+        "w1": w1.view(W, E * H, N),
+        "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16),  # poisoned
+    }  # run_cpu adds the workspace (common.workspace)
+    return world, schedule, plan, routing, buffers
+
+
+def moe_dispatch_gemm(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    world: World,
+    schedule: Schedule | None = None,
+) -> MoeDispatch:
+    """MoE dispatch + first grouped GEMM in one kernel: each rank's tokens go to the ranks of the
+    experts they are routed to (once per destination rank) and are multiplied there by w1.
+
+    Unfused equivalent, per destination rank d (module docstring for the row order)::
+
+        y[d] = [x[s][t].float() @ w1[d][e].float() for e, s, t, j routed to d].bfloat16()
+
+    Args:
+        x: bf16, per rank [T, H] (emulated world: [W, T, H]); H a multiple of 8.
+        topk_ids: int32 or int64, per rank [T, k]: global expert ids in [0, E), E = W * E_local,
+            or -1 for an unused slot; a token's ids are distinct; 1 <= k <= E.
+        w1: bf16, per rank [E_local, H, I]: this rank's experts; I a multiple of 8.
+        world: an emulated World on the CPU (no GPU kernel yet: a GPU world raises
+            NotImplementedError before anything runs).
+        schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, default
+            64, seed).
+
+    Returns:
+        MoeDispatch: per rank ``y`` [R, I] bf16, ``src`` [R, 3] int32 (source rank, token, slot),
+        ``expert_offsets`` [E_local + 1] int32, and what ``moe_gemm_combine`` needs. Raises
+        TypeError / ValueError naming the argument before anything runs, CommTimeout if a wait
+        passes the world's deadline.
+    """
+    world, schedule, plan, routing, buffers = prepare(x, topk_ids, w1, world, schedule)
+    tw = twins_of(plan, routing)
+    common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "y")
+    y = [buffers["y"][d, : len(r)].clone() for d, r in enumerate(routing.rows)]
+    return dispatch_result(world, routing, buffers["topk_ids"].clone(), y, plan.sizes["hidden"])
+
+
+# -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------
+
+
+def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]:
+    """Rank ``me``'s tasks for this routing (what the device layout phase appends to its tables):
+    pushes of its tokens, nearest destination first (itself, then me + 1, ...), and its experts'
+    GEMM tiles, each waiting for its expert's rows."""
+    W = plan.world_size
+    comm = []
+    for d in ((me + i) % W for i in range(W)):
+        for t in routing.sent[me][d]:
+            feeds = sorted(e for (s, tt, _, e) in routing.rows[d] if s == me and tt == t)
+            row = routing.recv_row(d, me, t)
+            raises = tuple(Raise("expert_rows", d, (e,), 1, op="add") for e in feeds)
+            comm.append(Task(len(comm), (PUSH, t, d, row), raises=raises))
+    tiles = gemm_tiles(routing.offsets[me], plan.sizes["tile_rows"])
+    compute = []
+    for i, (e, r0, n) in enumerate(tiles):
+        rows_e = routing.offsets[me][e + 1] - routing.offsets[me][e]
+        first = routing.rows[me][routing.offsets[me][e]][0]  # a sender, named by timeouts
+        consumers = sum(1 for te, _, _ in tiles if te == e)
+        wait = Wait("expert_rows", me, (e,), rows_e, consumers=consumers, peer=first)
+        compute.append(Task(i, (GEMM, e, r0, n), waits=(wait,)))
+    return {"comm": comm, "compute": compute}
+
+
+def twins_of(plan: Plan, routing: Routing) -> Twins:
+    """The interpreter side of one call. ``routing`` (the host's) gives the rows the kernel end
+    reads; the layout twin makes the tasks from the ids it reads, as the device would."""
+    T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
+    E, tr = plan.sizes["experts"], plan.sizes["tile_rows"]
+    # rank -> the routing its layout phase computed. NOTE: the GEMM tiles' gather reads its row map
+    # from here; on the device the layout phase writes that map into a workspace table instead.
+    made: dict[int, Routing] = {}
+
+    def layout(ctx):
+        ids = []
+        for s in range(ctx.W):  # the counts exchange: every rank's routing ids
+            v = yield from twins.tile_load(ctx, "topk_ids", s, (0, T, 0, k))
+            ids.append(v.tolist())
+        made[ctx.rank] = r = route(ids, E)
+        return layout_tasks(plan, r, ctx.rank)
+
+    def comm(ctx, task):  # push one token copy into the destination's receive rows
+        _, t, d, row = task.args[:4]
+        v = yield from twins.tile_load(ctx, "x", ctx.rank, (t, 1, 0, H))
+        yield from twins.tile_send_bulk(ctx, "recv", d, (row, 1, 0, H), v)
+
+    def compute(ctx, task):  # one grouped-GEMM tile: gather its rows' tokens, times w1[e]
+        _, e, r0, n = task.args[:4]
+        r = made[ctx.rank]
+        a = []
+        for s, t, _, _ in r.rows[ctx.rank][r0 : r0 + n]:
+            row = yield from twins.tile_load(
+                ctx, "recv", ctx.rank, (r.recv_row(ctx.rank, s, t), 1, 0, H)
+            )
+            a.append(row)
+        b = yield from twins.tile_load(ctx, "w1", ctx.rank, (e * H, H, 0, N))
+        out = (torch.cat(a).float() @ b.float()).bfloat16()  # fp32 accumulation, one rounding
+        yield from twins.output_store(ctx, "y", ctx.rank, (r0, n, 0, N), out, task.id)
+
+    def outputs(rank: int) -> dict[int, tuple[int, int, int, int]]:
+        tiles = gemm_tiles(routing.offsets[rank], tr)
+        return {i: (r0, n, 0, N) for i, (_, r0, n) in enumerate(tiles)}
+
+    return Twins({"comm": comm, "compute": compute}, layout, outputs)
+
+
+def reference(
+    x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor, world: World
+) -> MoeDispatch:
+    """The unfused reference (emulated worlds): loops over experts, sources, tokens; fp32 math,
+    bf16 rows."""
+    W, E = world.size, w1.shape[1]
+    ids = topk_ids.to(torch.int32)
+    ys, srcs, offs = [], [], []
+    for d in range(W):
+        y, src, off = [], [], [0]
+        for e in range(E):
+            for s in range(W):
+                for t, j in (ids[s] == d * E + e).nonzero().tolist():
+                    y.append(x[s, t].float() @ w1[d, e].float())
+                    src.append((s, t, j))
+            off.append(len(src))
+        ys.append((torch.stack(y) if y else torch.zeros(0, w1.shape[-1])).bfloat16())
+        srcs.append(torch.tensor(src, dtype=torch.int32).reshape(-1, 3))
+        offs.append(torch.tensor(off, dtype=torch.int32))
+    return MoeDispatch(ys, srcs, offs, world, ids.clone(), x.shape[-1])

@@ -1,0 +1,441 @@
+"""MoE dispatch + grouped GEMM and grouped GEMM + combine on the CPU interpreter (issue 11).
+
+Expected values are computed here in fp64 from the issue's formulas, never taken from
+``mkernel.reference`` (the references are checked against the same formulas); tolerances come
+from bf16 rounding (tests/helpers.py assert_close_exact). Row order, ``src`` and ``expert_offsets``
+are exact. Routings: uniform, everything to one expert, everything to rank 0 (experts and whole
+ranks receive nothing), -1 slots, nothing routed, T = 0, k in {1, 2, 8}; both overlaps, W 1..4 and
+one W = 8; pads zero after every call, two calls with different routings; bad input; planted
+protocol mistakes caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+import mkernel
+from mkernel.errors import CommTimeout, RaceError, TileWriteError
+from mkernel.interp.program import run_plan
+from mkernel.ops import common
+from mkernel.ops import moe_dispatch_gemm as mdg
+from mkernel.ops import moe_gemm_combine as mgc
+from mkernel.ops.moe_common import route
+from mkernel.protocol import Raise
+from tests.helpers import assert_close_exact, assert_pads_zero
+
+dispatch, combine = mdg.moe_dispatch_gemm, mgc.moe_gemm_combine
+H, INTER = 16, 8
+
+
+def routing(W: int, T: int, E: int, k: int, mode: str, seed: int) -> torch.Tensor:
+    """[W, T, k] int64 global expert ids (E local experts per rank), distinct per token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((W, T, k), -1, dtype=torch.int64)
+    for s in range(W):
+        for t in range(T):
+            if mode == "uniform":
+                row = torch.randperm(W * E, generator=g)[:k]
+                drop = torch.rand(k, generator=g) < 0.2  # some unused slots
+                ids[s, t] = torch.where(drop, -1, row)
+            elif mode == "one_expert":  # every token to global expert W * E - 1, slot 0 only
+                ids[s, t, 0] = W * E - 1
+            elif mode == "rank0":  # every slot to one of rank 0's experts (k <= E here)
+                ids[s, t] = torch.randperm(E, generator=g)[:k]
+    return ids
+
+
+def operands(W: int, T: int, E: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(W, T, H, generator=g).bfloat16()
+    w1 = torch.randn(W, E, H, INTER, generator=g).bfloat16()
+    w2 = torch.randn(W, E, INTER, H, generator=g).bfloat16()
+    weights = torch.rand(W, T, 8, generator=g)  # the first k columns are used
+    return x, w1, w2, weights
+
+
+def expected_rows(ids: torch.Tensor, E: int) -> list[list[tuple[int, int, int, int]]]:
+    """Per destination: (src, token, slot, local expert) by expert, then source, token, slot."""
+    W, T, k = ids.shape
+    return [
+        [
+            (s, t, j, e)
+            for e in range(E)
+            for s in range(W)
+            for t in range(T)
+            for j in range(k)
+            if int(ids[s, t, j]) == d * E + e
+        ]
+        for d in range(W)
+    ]
+
+
+def check_dispatch(res, x, ids, w1, E: int, what: str) -> None:
+    W = x.shape[0]
+    for d, rows in enumerate(expected_rows(ids, E)):
+        assert res.src[d].dtype == torch.int32 and res.expert_offsets[d].dtype == torch.int32
+        assert res.src[d].tolist() == [list(r[:3]) for r in rows], f"{what}: src of rank {d}"
+        offs = [sum(1 for r in rows if r[3] < e) for e in range(E + 1)]
+        assert res.expert_offsets[d].tolist() == offs, f"{what}: offsets of rank {d}"
+        assert res.y[d].shape == (len(rows), INTER), f"{what}: y of rank {d}"
+        if rows:
+            a = torch.stack([x[s, t].double() for s, t, _, _ in rows])
+            b = torch.stack([w1[d, e].double() for _, _, _, e in rows])
+            exact = torch.einsum("rh,rhi->ri", a, b)
+            mag = torch.einsum("rh,rhi->ri", a.abs(), b.abs())
+            assert_close_exact(res.y[d], exact, mag, H, f"{what}: y of rank {d}")
+    assert len(res.y) == W
+
+
+def expected_out(h, w2, ids, weights, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, magnitude) of out[s, t] = sum_j weights[s, t, j] * (h_row(s, t, j) @ w2[e])."""
+    W, T, k = ids.shape
+    exact = torch.zeros(W, T, H, dtype=torch.float64)
+    mag = torch.zeros_like(exact)
+    for d, rows in enumerate(expected_rows(ids, E)):
+        for r, (s, t, j, e) in enumerate(rows):
+            p = h[d][r].double() @ w2[d, e].double()
+            pm = h[d][r].double().abs() @ w2[d, e].double().abs()
+            exact[s, t] += weights[s, t, j].double() * p
+            mag[s, t] += weights[s, t, j].double().abs() * pm
+    return exact, mag
+
+
+def layer(W, T, E, k, mode, seed, overlap, chunk_rows=None, world=None):
+    """dispatch -> relu -> combine, each checked; returns the world."""
+    world = world or mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, seed)
+    weights = weights[..., :k].contiguous()
+    ids = routing(W, T, E, k, mode, seed)
+    sched = mkernel.Schedule(overlap=overlap, chunk_rows=chunk_rows, seed=seed)
+    what = f"W={W} T={T} E={E} k={k} {mode} {overlap} chunk_rows={chunk_rows}"
+    res = dispatch(x, ids, w1, world, sched)
+    check_dispatch(res, x, ids, w1, E, what)
+    assert_pads_zero(world)
+    h = [torch.relu(y) for y in res.y]
+    out = combine(h, w2, res, weights, world, sched)
+    assert out.shape == (W, T, H) and out.dtype == torch.bfloat16
+    exact, mag = expected_out(h, w2, ids, weights, E)
+    assert_close_exact(out, exact, mag, INTER + k, f"{what}: out")
+    unrouted = (ids < 0).all(dim=-1)
+    assert bool((out[unrouted] == 0).all()), f"{what}: a token routed nowhere is not zero"
+    assert_pads_zero(world)
+    return world
+
+
+MODES = ["uniform", "one_expert", "rank0", "none"]
+
+
+@settings(max_examples=30)
+@given(
+    W=st.integers(1, 4),
+    T=st.integers(0, 12),
+    E=st.integers(1, 3),
+    k=st.sampled_from([1, 2, 8]),
+    mode=st.sampled_from(MODES),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    chunk_rows=st.sampled_from([None, 1, 3]),
+    seed=st.integers(0, 2**16),
+)
+@example(W=4, T=6, E=2, k=8, mode="uniform", overlap="inter_sm", chunk_rows=3, seed=0)
+@example(W=3, T=5, E=3, k=8, mode="uniform", overlap="intra_sm", chunk_rows=None, seed=1)
+@example(W=2, T=0, E=2, k=2, mode="uniform", overlap="intra_sm", chunk_rows=None, seed=2)
+@example(W=3, T=7, E=2, k=1, mode="one_expert", overlap="inter_sm", chunk_rows=2, seed=3)
+@example(W=3, T=5, E=2, k=2, mode="rank0", overlap="intra_sm", chunk_rows=1, seed=4)
+@example(W=2, T=4, E=1, k=1, mode="none", overlap="inter_sm", chunk_rows=None, seed=5)
+def test_moe_layer_matches_the_formulas(W, T, E, k, mode, overlap, chunk_rows, seed):
+    assume(k <= W * E and (mode != "rank0" or k <= E))
+    world = layer(W, T, E, k, mode, seed, overlap, chunk_rows)
+    # the same world and shapes (the cached plan), another routing: the layout makes new tasks
+    other = MODES[(MODES.index(mode) + 1) % len(MODES)]
+    if other != "rank0" or k <= E:
+        layer(W, T, E, k, other, seed + 7, overlap, chunk_rows, world)
+
+
+def test_eight_ranks():
+    layer(8, 3, 1, 2, "uniform", 11, "inter_sm")
+
+
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_a_late_rank_changes_nothing_and_a_silent_one_times_out(overlap):
+    W, T, E, k = 3, 5, 2, 2
+    x, w1, w2, weights = operands(W, T, E, 6)
+    ids = routing(W, T, E, k, "uniform", 6)
+    world = mkernel.World.emulated(W, timeout_s=0.05)
+    on_time = dispatch(x, ids, w1, world, mkernel.Schedule(overlap=overlap))
+    late = mkernel.Faults(delay_rank=1, delay_us=50)
+    res = dispatch(x, ids, w1, world, mkernel.Schedule(overlap=overlap, faults=late))
+    assert all(torch.equal(a, b) for a, b in zip(res.y, on_time.y, strict=True))
+    w = weights[..., :k].contiguous()
+    out = combine(res.y, w2, res, w, world, mkernel.Schedule(overlap=overlap))
+    out_late = combine(res.y, w2, res, w, world, mkernel.Schedule(overlap=overlap, faults=late))
+    assert torch.equal(out, out_late)
+    silent = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=0))
+    with pytest.raises(CommTimeout, match="expert_rows"):
+        dispatch(x, ids, w1, world, silent)
+    with pytest.raises(CommTimeout, match="token_back"):
+        combine(res.y, w2, res, w, world, silent)
+    assert_pads_zero(world)  # a timed-out call resets the world's pads
+
+
+def test_row_order_src_and_offsets_by_hand():
+    # W = 2, E_local = 2 (global experts 0, 1 on rank 0; 2, 3 on rank 1), k = 2
+    ids = torch.tensor([[[3, 0], [1, -1], [2, 3]], [[0, 2], [-1, -1], [1, 0]]])
+    world = mkernel.World.emulated(2)
+    x, w1, _, _ = operands(2, 3, 2, 0)
+    res = dispatch(x, ids, w1, world)
+    # rank 0: expert 0 <- (0, 0, 1), (1, 0, 0), (1, 2, 1); expert 1 <- (0, 1, 0), (1, 2, 0)
+    assert res.src[0].tolist() == [[0, 0, 1], [1, 0, 0], [1, 2, 1], [0, 1, 0], [1, 2, 0]]
+    assert res.expert_offsets[0].tolist() == [0, 3, 5]
+    # rank 1: expert 2 <- (0, 2, 0), (1, 0, 1); expert 3 <- (0, 0, 0), (0, 2, 1)
+    assert res.src[1].tolist() == [[0, 2, 0], [1, 0, 1], [0, 0, 0], [0, 2, 1]]
+    assert res.expert_offsets[1].tolist() == [0, 2, 4]
+    check_dispatch(res, x, ids, w1, 2, "by hand")
+
+
+def _plan_and_routing(ids: torch.Tensor, E: int, chunk_rows: int | None = None):
+    W, T, k = ids.shape
+    world = mkernel.World.emulated(W)
+    sched = mkernel.Schedule(overlap="intra_sm", chunk_rows=chunk_rows)
+    plan = mdg.make_plan(sched, world, T, H, INTER, E, k)
+    return plan, route(ids.tolist(), E)
+
+
+def test_a_token_goes_to_each_destination_rank_once():
+    # token 0 of rank 0 feeds both experts of rank 1 and one of rank 0: two pushes, not three
+    ids = torch.tensor([[[2, 3, 0], [3, -1, -1]], [[-1, -1, -1], [1, 2, -1]]])
+    plan, r = _plan_and_routing(ids, 2)
+    comm = mdg.layout_tasks(plan, r, 0)["comm"]
+    pushes = [(t.args[1], t.args[2]) for t in comm]
+    assert pushes == [(0, 0), (0, 1), (1, 1)]  # own rank first, then rank 1; token order
+    raised = [[(x.pad, x.rank, x.index, x.op) for x in t.raises] for t in comm]
+    add = "add"
+    assert raised[1] == [("expert_rows", 1, (0,), add), ("expert_rows", 1, (1,), add)]
+    assert r.recv_base[1] == [0, 2]  # rank 1 receives rank 0's 2 tokens, then rank 1's 1
+
+
+def test_each_expert_tile_waits_for_its_own_experts_rows_only():
+    ids = routing(3, 8, 2, 2, "uniform", 5)
+    plan, r = _plan_and_routing(ids, 2, chunk_rows=2)
+    for d in range(3):
+        tiles = mdg.layout_tasks(plan, r, d)["compute"]
+        offs = r.offsets[d]
+        assert sum(t.args[3] for t in tiles) == offs[-1]
+        for t in tiles:
+            (w,) = t.waits
+            e = t.args[1]
+            n_tiles = sum(1 for u in tiles if u.args[1] == e)
+            assert (w.pad, w.rank, w.index, w.value) == (
+                "expert_rows",
+                d,
+                (e,),
+                offs[e + 1] - offs[e],
+            )
+            assert w.consumers == n_tiles  # counted: the last tile of the expert resets the flag
+
+
+def test_back_to_back_calls_in_one_run_reuse_the_workspace_safely():
+    # two calls on one machine state: the second call's pushes into recv and partial must be
+    # ordered after the first call's reads (the entry barrier does it)
+    W, T, E, k = 3, 6, 2, 2
+    world = mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, 3)
+    ids = routing(W, T, E, k, "uniform", 3)
+    for overlap in ("intra_sm", "inter_sm"):
+        sched = mkernel.Schedule(overlap=overlap, chunk_rows=2)
+        world_, _, plan, r, bufs = mdg.prepare(x, ids, w1, world, sched)
+        tw = mdg.twins_of(plan, r)
+        ws = {k_: v.local for k_, v in common.workspace(world, plan).items() if v is not None}
+        run_plan(world, plan, {**bufs, **ws}, tw.moves, 1, tw.outputs, 2, tw.layout, "y")
+        res = mdg.reference(x, ids, w1, world)
+        h = [torch.relu(y) for y in res.y]
+        _, _, plan, bufs = mgc.prepare(h, w2, res, weights[..., :k].contiguous(), world, sched)
+        tw = mgc.twins_of(plan, res)
+        ws = {k_: v.local for k_, v in common.workspace(world, plan).items() if v is not None}
+        run_plan(world, plan, {**bufs, **ws}, tw.moves, 2, tw.outputs, 2, tw.layout)
+        assert_pads_zero(world)
+
+
+def test_references_match_the_formulas():
+    W, T, E, k = 3, 5, 2, 2
+    world = mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, 9)
+    weights = weights[..., :k].contiguous()
+    ids = routing(W, T, E, k, "uniform", 9)
+    res = mkernel.reference.moe_dispatch_gemm(x, ids, w1, world)
+    check_dispatch(res, x, ids, w1, E, "reference")
+    out = mkernel.reference.moe_gemm_combine(res.y, w2, res, weights, world)
+    assert_close_exact(out, *expected_out(res.y, w2, ids, weights, E), INTER + k, "reference out")
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _good(W: int = 2, T: int = 3, E: int = 2, k: int = 2):
+    world = mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, 0)
+    ids = routing(W, T, E, k, "uniform", 0)
+    return world, x, ids, w1, w2, weights[..., :k].contiguous()
+
+
+def _bad_dispatch_cases():
+    world, x, ids, w1, _, _ = _good()
+    dup = ids.clone()
+    dup[1, 2] = torch.tensor([3, 3])
+    far = ids.clone()
+    far[1, 2, 0] = 4
+    neg = ids.clone()
+    neg[0, 1, 1] = -2
+    w4 = mkernel.World.emulated(4)
+    return [
+        ((x.float(), ids, w1, world), TypeError, "x must be torch.bfloat16"),
+        ((x, ids.float(), w1, world), TypeError, "topk_ids must be torch.int32 or torch.int64"),
+        ((x, ids, w1.half(), world), TypeError, "w1 must be torch.bfloat16"),
+        ((x[:, :2].contiguous(), ids, w1, world), ValueError, "topk_ids has 3 tokens"),
+        ((x, ids, w1[:, :, :8].contiguous(), world), ValueError, "w1 is .* but x has H=16"),
+        ((x, ids[..., 0].contiguous(), w1, world), ValueError, "topk_ids must have shape"),
+        ((x, ids, w1[:, :0].contiguous(), world), ValueError, "w1 has E_local=0"),
+        ((x, torch.zeros(2, 3, 5, dtype=torch.int32), w1, world), ValueError, "k .*=5 must be"),
+        ((x, ids[..., :0].contiguous(), w1, world), ValueError, "k .*=0 must be"),
+        ((x, ids, w1, w4), ValueError, "x has leading dimension 2.*another world"),
+        ((x[..., :12].contiguous(), ids, w1[:, :, :12].contiguous(), world), ValueError, "H .*=12"),
+        ((x, dup, w1, world), ValueError, "topk_ids: token 2 of rank 1 names an expert twice"),
+        ((x, far, w1, world), ValueError, r"expert id 4 of rank 1, token 2 .*\[-1, E=4\)"),
+        ((x, neg, w1, world), ValueError, "topk_ids: expert id -2 of rank 0, token 1"),
+        ((x.transpose(1, 2).contiguous().transpose(1, 2), ids, w1, world), ValueError, "x must"),
+        ((x, ids, w1, "world"), TypeError, "world must be an mkernel.World"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_bad_dispatch_input_is_named_before_anything_runs(case):
+    args, exc, match = _bad_dispatch_cases()[case]
+    with pytest.raises(exc, match=match):
+        dispatch(*args)
+    assert len(_bad_dispatch_cases()) == 16
+
+
+def test_bad_combine_input_is_named_before_anything_runs():
+    world, x, ids, w1, w2, weights = _good()
+    res = dispatch(x, ids, w1, world)
+    h = list(res.y)
+    other = mkernel.World.emulated(2)
+    cases = [
+        ((h[:1], w2, res, weights, world), TypeError, "h must be a list of W=2"),
+        ((res.y[0], w2, res, weights, world), TypeError, "h must be a list of W=2"),
+        (([h[0].float(), h[1]], w2, res, weights, world), TypeError, r"h\[0\] must be a torch.bf"),
+        (([h[0], h[1][:-1]], w2, res, weights, world), ValueError, r"h\[1\] must be \[R=.*rank 1"),
+        ((h, w2[..., :8].contiguous(), res, weights, world), ValueError, "w2 is .* H=16"),
+        ((h, w2.float(), res, weights, world), TypeError, "w2 must be torch.bfloat16"),
+        ((h, w2, "dispatch", weights, world), TypeError, "dispatch must be the MoeDispatch"),
+        ((h, w2, res, weights, other), ValueError, "dispatch was made in another world"),
+        ((h, w2, res, weights.double(), world), TypeError, "topk_weights must be torch.float32"),
+        ((h, w2, res, weights[:, :2].contiguous(), world), ValueError, "topk_weights is"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            combine(*args)
+    assert_pads_zero(world)
+
+
+def test_gpu_worlds_are_refused_before_anything_runs():
+    gpu = mkernel.World(size=2, device=torch.device("cuda"), kind="emulated")
+    with pytest.raises(NotImplementedError, match="moe_dispatch_gemm has no GPU kernel yet"):
+        dispatch(None, None, None, gpu)
+    with pytest.raises(NotImplementedError, match="moe_gemm_combine has no GPU kernel yet"):
+        combine(None, None, None, None, gpu)
+    assert not mdg.SPEC.device and not mgc.SPEC.device
+    from mkernel.ops import registry
+
+    assert "moe_dispatch_gemm" not in registry.device_names()  # the build skips them
+
+
+# -- planted protocol mistakes --------------------------------------------------------------------
+
+
+def _run_dispatch(edit=None, moves=None, seed: int = 0):
+    """One dispatch call through run_cpu with the layout's tasks changed by ``edit(made, rank)``."""
+    W, T, E, k = 3, 6, 2, 2
+    world = mkernel.World.emulated(W, timeout_s=0.05)
+    x, w1, _, _ = operands(W, T, E, 1)
+    ids = routing(W, T, E, k, "uniform", 1)
+    sched = mkernel.Schedule(overlap="inter_sm", chunk_rows=2, seed=seed)
+    world, sched, plan, r, bufs = mdg.prepare(x, ids, w1, world, sched)
+    tw = mdg.twins_of(plan, r)
+
+    def layout(ctx):
+        made = yield from tw.layout(ctx)
+        return edit(made, ctx.rank) if edit else made
+
+    common.run_cpu(world, plan, bufs, (moves or tw.moves), tw.outputs, seed, layout, "y")
+
+
+def test_expert_gemm_not_waiting_for_its_rows_is_a_race():
+    def no_waits(made, rank):
+        made["compute"] = [dataclasses.replace(t, waits=()) for t in made["compute"]]
+        return made
+
+    with pytest.raises(RaceError, match="recv"):
+        _run_dispatch(no_waits)
+
+
+def test_pushes_that_signal_nothing_time_out_naming_the_flag():
+    def silent(made, rank):  # rank 0's pushes land but never count: its peers' experts starve
+        for t in made["comm"] if rank == 0 else []:
+            t.raises = ()
+        return made
+
+    with pytest.raises(CommTimeout, match=r"expert_rows\[expert=.*peer 0|peer 0.*expert_rows"):
+        _run_dispatch(silent)
+
+
+def test_counting_on_the_wrong_rank_is_caught():
+    # a push counts on the next rank: that rank's expert starts before its rows have landed (a
+    # race on recv) or never gets its count (a timeout): either way, caught
+    def wrong(made, rank):
+        for t in made["comm"]:
+            t.raises = tuple(Raise(x.pad, (x.rank + 1) % 3, x.index, 1, "add") for x in t.raises)
+        return made
+
+    with pytest.raises((RaceError, CommTimeout)):
+        _run_dispatch(wrong)
+
+
+def test_a_gemm_tile_that_stores_nothing_is_reported_at_the_kernel_end():
+    W, T, E, k = 2, 4, 1, 1
+    world = mkernel.World.emulated(W)
+    x, w1, _, _ = operands(W, T, E, 2)
+    ids = routing(W, T, E, k, "uniform", 2)
+    world, sched, plan, r, bufs = mdg.prepare(x, ids, w1, world, mkernel.Schedule())
+    tw = mdg.twins_of(plan, r)
+
+    def skip(ctx, task):  # the GEMM tile's twin forgets its store into y
+        yield from ()
+
+    moves = {**tw.moves, "compute": skip}
+    with pytest.raises(TileWriteError, match="never written"):
+        common.run_cpu(world, plan, bufs, moves, tw.outputs, 0, tw.layout, "y")
+
+
+def test_combine_reduce_not_waiting_for_its_rows_is_a_race():
+    W, T, E, k = 3, 5, 2, 2
+    world = mkernel.World.emulated(W, timeout_s=0.05)
+    x, w1, w2, weights = operands(W, T, E, 4)
+    ids = routing(W, T, E, k, "uniform", 4)
+    res = dispatch(x, ids, w1, world)
+    sched = mkernel.Schedule(overlap="intra_sm")
+    world, sched, plan, bufs = mgc.prepare(
+        res.y, w2, res, weights[..., :k].contiguous(), world, sched
+    )
+    tw = mgc.twins_of(plan, res)
+
+    def layout(ctx):
+        made = yield from tw.layout(ctx)
+        made["comm"] = [dataclasses.replace(t, waits=()) for t in made["comm"]]
+        return made
+
+    with pytest.raises(RaceError, match="partial"):
+        common.run_cpu(world, plan, bufs, tw.moves, tw.outputs, 0, layout)
