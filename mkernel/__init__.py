@@ -1,8 +1,9 @@
 """mkernel: multi-GPU kernels that fuse communication with computation.
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
-(``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes), their unfused
-references (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
+(``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE pair
+``moe_dispatch_gemm`` / ``moe_gemm_combine``, CPU interpreter only so far), their unfused references
+(``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
 from . import reference
@@ -11,6 +12,9 @@ from .ops.ag_gemm import ag_gemm
 from .ops.all_gather import all_gather
 from .ops.gemm_ar import gemm_ar
 from .ops.gemm_rs import gemm_rs
+from .ops.moe_common import MoeDispatch
+from .ops.moe_dispatch_gemm import moe_dispatch_gemm
+from .ops.moe_gemm_combine import moe_gemm_combine
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
 from .world import World
 
@@ -25,6 +29,9 @@ __all__ = [
     "ag_gemm",
     "gemm_ar",
     "all_gather",
+    "moe_dispatch_gemm",
+    "moe_gemm_combine",
+    "MoeDispatch",
     "reference",
     "CommTimeout",
     "DeadlockError",
