@@ -106,6 +106,13 @@ def _join(a: list[int], b: list[int]) -> list[int]:
     return [max(x, y) for x, y in zip(a, b, strict=True)]
 
 
+def _by_buffer(buf: str, rects: dict) -> list[tuple[str, int, Rect]]:
+    """(buffer, tile, rect) of ``{tile: rect}`` in ``buf``, or of ``{buffer: {tile: rect}}``."""
+    if any(isinstance(key, str) for key in rects):
+        return [(b, t, r) for b, tiles in rects.items() for t, r in tiles.items()]
+    return [(buf, t, r) for t, r in rects.items()]
+
+
 @dataclass
 class Agent:
     id: int
@@ -193,12 +200,14 @@ class Machine:
         """At the end of ``call`` on ``rank``, the kernel end reads each rect of ``buf`` on ``rank``
         (the host will read the output), and each tile must have been written exactly once in that
         call (``output_store``). A callable is asked at the kernel end (outputs that depend on what
-        the kernel's layout phase made)."""
+        the kernel's layout phase made). An op with several output buffers (ring attention's out
+        and lse) maps buffer names to such dicts instead, ``buf`` then unused; its tile ids are
+        unique across its buffers (writes are counted per rank and tile)."""
         spec = self.expected.setdefault((call, rank), [])
         if callable(rects_by_tile):
             self._lazy_expected.setdefault((call, rank), []).append((buf, rects_by_tile))
             return
-        spec += [(buf, tile, rect) for tile, rect in rects_by_tile.items()]
+        spec += _by_buffer(buf, rects_by_tile)
 
     def _drive(self, agent: Agent, tasks: list[int], program: Program) -> Iterator[Any]:
         ctx = Ctx(self, agent)
@@ -277,7 +286,7 @@ class Machine:
         for a in members:
             end.clock = _join(end.clock, a.clock)
         for buf, rects_of in self._lazy_expected.pop((end.call, end.rank), []):
-            self.expected[(end.call, end.rank)] += [(buf, t, r) for t, r in rects_of().items()]
+            self.expected[(end.call, end.rank)] += _by_buffer(buf, rects_of())
         for buf, _, rect in self.expected.get((end.call, end.rank), []):
             self.access(end, buf, end.rank, rect, "r")
         end.done = True

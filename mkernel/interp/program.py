@@ -137,7 +137,8 @@ def run_plan(
     barrier and raises the rank's layout flag (barrier[0, rank]); every other CTA of the rank waits
     for it before it reads its tasks, and the last of them resets it (counter barrier[1, rank]).
     ``outputs(rank)`` is asked at the end of the call, so it may depend on what the layout made.
-    ``output`` names the buffer those tiles are in (an op whose result is not ``out``)."""
+    ``output`` names the buffer those tiles are in (an op whose result is not ``out``); an op with
+    several output buffers returns ``{buffer: {tile: rect}}`` instead (Machine.expect_outputs)."""
     device_roles = [role for role, t in plan.roles.items() if t.capacity is not None]
     if device_roles and layout is None:
         raise ValueError(f"{plan.op}: roles {device_roles} are filled on the device: pass layout")

@@ -1,0 +1,375 @@
+"""ring_attention (forward) on the CPU interpreter: each rank's out and lse against an fp64 softmax
+attention computed here from the global positions of the layout (never from mkernel.reference),
+with a tolerance from fp32 score and sum errors plus the final bf16 rounding; NaN-poisoned outputs;
+pads back to zero; two calls in a row; W = 1 is plain attention; the plan's ring (what is sent,
+what is skipped under causal masks, zigzag's equal work); bad input named before anything runs;
+planted protocol mistakes caught while running."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import mkernel
+from mkernel.errors import RaceError, TileWriteError
+from mkernel.interp import program, twins
+from mkernel.ops import common
+from mkernel.ops import ring_attention as ra
+from mkernel.ops.ring_attention import attention, ring_attention
+from mkernel.protocol import RoleTables
+from tests.helpers import U_BF16, U_FP32, assert_pads_zero
+
+
+def _inputs(W: int, B: int, S: int, Hq: int, Hkv: int, D: int = 64, seed: int = 0):
+    """q [W, B, S, Hq, D], k, v [W, B, S, Hkv, D]: bf16, seeded normal values."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(W, B, S, Hq, D, generator=g).bfloat16()
+    k = torch.randn(W, B, S, Hkv, D, generator=g).bfloat16()
+    v = torch.randn(W, B, S, Hkv, D, generator=g).bfloat16()
+    return q, k, v
+
+
+def _positions(W: int, S: int, layout: str) -> list[list[int]]:
+    """Global sequence positions of each rank's local rows, as issue 12 defines the layouts."""
+    if layout == "contiguous":
+        return [list(range(r * S, (r + 1) * S)) for r in range(W)]
+    h = S // 2
+    chunk = [list(range(c * h, (c + 1) * h)) for c in range(2 * W)]
+    return [chunk[r] + chunk[2 * W - 1 - r] for r in range(W)]
+
+
+def _exact(q, k, v, causal: bool, scale: float, layout: str):
+    """fp64 attention over every rank's rows at their global positions: per rank (out [W, B, S,
+    Hq, D], lse [W, B, Hq, S]) and the tolerances of an fp32 computation rounded to bf16."""
+    W, B, S, Hq, D = q.shape
+    group = Hq // k.shape[3]
+    pos = torch.tensor(_positions(W, S, layout)).reshape(-1)  # rank-major rows
+
+    def rows(x):  # [W, B, S, H, D] -> [B, W * S, H, D], rank-major
+        return x.double().transpose(0, 1).reshape(B, W * S, x.shape[3], D)
+
+    Q = rows(q)
+    K, V = rows(k).repeat_interleave(group, 2), rows(v).repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", Q, K) * scale
+    # fp32 score error: a D-term dot product, then the scale's rounding
+    s_err = (D + 2) * U_FP32 * scale * torch.einsum("bqhd,bkhd->bhqk", Q.abs(), K.abs())
+    s_err = s_err + U_FP32 * s.abs()
+    future = pos[None, :] > pos[:, None]  # [query, key]
+    if causal:
+        s = s.masked_fill(future, -math.inf)
+        s_err = s_err.masked_fill(future, 0.0)
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, n]
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", p, V)
+    mag = torch.einsum("bhqk,bkhd->bqhd", p, V.abs())
+    e = s_err.amax(dim=-1)  # [B, H, n]
+    terms = W * S + 8 * W + 16  # fp32 sums over the keys, the merges' rescaling, exp, division
+    out_tol = U_BF16 * out.abs() + (4 * e.transpose(1, 2)[..., None] + terms * U_FP32) * mag
+    lse_tol = 3 * e + terms * U_FP32 + 2 * U_FP32 * lse.abs()
+
+    def per_rank(x, dim):  # rank-major rows back to [W, ...]
+        return torch.stack(x.split(S, dim=dim))
+
+    return (
+        per_rank(out, 1),
+        per_rank(lse, 2),
+        per_rank(out_tol * 1.01, 1),
+        per_rank(lse_tol * 1.01, 2),
+    )
+
+
+def _assert_attention(out, lse, q, k, v, causal, scale, layout, what: str) -> None:
+    W, B, S, Hq, D = q.shape
+    assert out.shape == (W, B, S, Hq, D) and out.dtype == torch.bfloat16, what
+    assert lse.shape == (W, B, Hq, S) and lse.dtype == torch.float32, what
+    assert not torch.isnan(out.float()).any(), f"{what}: NaN in out (an unwritten tile)"
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse (an unwritten tile)"
+    x_out, x_lse, out_tol, lse_tol = _exact(q, k, v, causal, scale, layout)
+    for name, got, want, tol in (("out", out, x_out, out_tol), ("lse", lse, x_lse, lse_tol)):
+        err = (got.double() - want).abs()
+        bad = err > tol
+        if bad.any():
+            i = tuple(int(j) for j in bad.nonzero()[0])
+            raise AssertionError(
+                f"{what}: {name}: {int(bad.sum())} of {bad.numel()} off the fp64 value; first at "
+                f"{list(i)}: got {got[i].item():.6g}, exact {want[i].item():.6g}, "
+                f"tol {tol[i].item():.3g}"
+            )
+
+
+@settings(max_examples=30)
+@given(
+    W=st.integers(1, 4),
+    B=st.integers(1, 2),
+    S=st.integers(1, 20),
+    heads=st.sampled_from([(4, 2), (4, 1), (2, 2), (1, 1)]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["contiguous", "zigzag"]),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    sms=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+)
+@example(
+    W=4, B=1, S=18, heads=(4, 2), causal=True, layout="zigzag", overlap="intra_sm", sms=3, seed=0
+)
+@example(
+    W=3,
+    B=2,
+    S=17,
+    heads=(4, 1),
+    causal=True,
+    layout="contiguous",
+    overlap="inter_sm",
+    sms=4,
+    seed=1,
+)
+def test_every_rank_gets_its_rows_of_attention(W, B, S, heads, causal, layout, overlap, sms, seed):
+    if layout == "zigzag":
+        S += S % 2  # zigzag needs an even S_local
+    Hq, Hkv = heads
+    world = mkernel.World.emulated(W)
+    q, k, v = _inputs(W, B, S, Hq, Hkv, seed=seed)
+    sched = mkernel.Schedule(overlap=overlap, sms=sms, seed=seed)
+    what = f"W={W} B={B} S={S} Hq={Hq} Hkv={Hkv} causal={causal} {layout} {overlap} sms={sms}"
+    out, lse = ring_attention(q, k, v, world, causal=causal, layout=layout, schedule=sched)
+    _assert_attention(out, lse, q, k, v, causal, 1 / math.sqrt(64), layout, what)
+    assert_pads_zero(world)
+    sched2 = mkernel.Schedule(overlap=overlap, sms=sms, seed=seed + 1)
+    again = ring_attention(q, k, v, world, causal=causal, layout=layout, schedule=sched2)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse), f"{what}: 2nd call differs"
+    assert_pads_zero(world)
+
+
+@pytest.mark.parametrize(
+    "W, S, D, layout, causal, scale",
+    [
+        (8, 4, 64, "zigzag", True, None),  # the one W = 8 case: small
+        (8, 3, 64, "contiguous", True, 0.3),
+        (2, 20, 128, "zigzag", True, None),
+        (3, 9, 128, "contiguous", False, 2.0),
+    ],
+)
+def test_wide_worlds_head_dim_128_and_scales(W, S, D, layout, causal, scale):
+    q, k, v = _inputs(W, 1, S, 2, 1, D, seed=W + S)
+    world = mkernel.World.emulated(W)
+    out, lse = ring_attention(q, k, v, world, causal=causal, scale=scale, layout=layout)
+    s = 1 / math.sqrt(D) if scale is None else scale
+    _assert_attention(out, lse, q, k, v, causal, s, layout, f"W={W} S={S} D={D} {layout}")
+    assert_pads_zero(world)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_is_ring_attention_on_one_rank(causal):
+    q, k, v = _inputs(1, 2, 21, 4, 2, seed=5)
+    out, lse = attention(q[0], k[0], v[0], causal=causal, scale=0.2)
+    ring = ring_attention(q, k, v, mkernel.World.emulated(1), causal=causal, scale=0.2)
+    assert out.shape == (2, 21, 4, 64) and lse.shape == (2, 4, 21)
+    assert torch.equal(out, ring[0][0]) and torch.equal(lse, ring[1][0])
+    _assert_attention(out[None], lse[None], q, k, v, causal, 0.2, "contiguous", "attention")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_agrees_with_the_formula(layout, causal):
+    assert mkernel.reference.ring_attention is ra.reference
+    q, k, v = _inputs(3, 2, 10, 4, 2, seed=7)
+    world = mkernel.World.emulated(3)
+    out, lse = mkernel.reference.ring_attention(q, k, v, world, causal=causal, layout=layout)
+    _assert_attention(out, lse, q, k, v, causal, 1 / 8, layout, f"reference {layout} {causal}")
+
+
+# -- the plan's ring ------------------------------------------------------------------------------
+
+
+def _plan(W: int, S: int, causal: bool, layout: str, **sched):
+    world = mkernel.World.emulated(W)
+    q, k, v = _inputs(W, 1, S, 2, 1)
+    s = ra.shapes(q, k, v, world, causal, layout)
+    return mkernel.Schedule(**sched).plan("ring_attention", world, **s)
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_non_causal_ring_sends_every_block_and_computes_every_step(W):
+    plan = _plan(W, 20, False, "contiguous")
+    T = len(plan.extra["qtiles"])
+    for r in range(W):
+        assert plan.extra["sends"][r] == list(range(W - 1))
+        tasks = plan.roles["compute"].tasks[r]
+        assert sorted(t.args[1] for t in tasks) == sorted(list(range(W)) * T)
+        for t in tasks:  # each step's tasks wait for its block here; step 0 is the own block
+            landed = [w for w in t.waits if w.pad == "landed"]
+            step = t.args[1]
+            assert [(w.rank, w.index) for w in landed] == ([(r, (step,))] if step else [])
+
+
+def test_contiguous_causal_never_wraps_the_ring():
+    W = 4
+    plan = _plan(W, 20, True, "contiguous")
+    T = len(plan.extra["qtiles"])
+    for r in range(W):  # rank r needs the blocks of ranks 0..r: r + 1 steps, never from r + 1..
+        want = list(range(r + 1)) if r < W - 1 else []
+        assert plan.extra["sends"][r] == want, f"rank {r}"
+        assert len(plan.roles["compute"].tasks[r]) == (r + 1) * T
+
+
+@pytest.mark.parametrize("W, S", [(2, 8), (3, 34), (4, 18)])
+def test_zigzag_causal_gives_every_rank_the_same_work(W, S):
+    plan = _plan(W, S, True, "zigzag")
+    counts = [len(plan.roles["compute"].tasks[r]) for r in range(W)]
+    assert len(set(counts)) == 1, f"compute tasks per rank: {counts}"
+    contiguous = _plan(W, S, True, "contiguous")
+    assert len({len(ts) for ts in contiguous.roles["compute"].tasks}) == W  # for contrast
+
+
+def test_free_waits_count_every_reader_of_the_slot():
+    W = 4
+    plan = _plan(W, 20, False, "contiguous")
+    T = len(plan.extra["qtiles"])
+    for r in range(W):
+        for t in plan.roles["comm"].tasks[r]:
+            free = [w for w in t.waits if w.pad == "free"]
+            if t.args[0] < 2:  # steps 0, 1 refill a slot that held nothing yet this call
+                assert free == []
+            else:  # r + 1's compute tasks of step s - 1 and its forward of that block
+                assert [(w.rank, w.index, w.value) for w in free] == [(r, (t.args[0] - 1,), T + 1)]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _bad_cases():
+    q, k, v = _inputs(2, 1, 6, 4, 2)
+    q3, k3, v3 = _inputs(3, 1, 6, 4, 2)
+    qd, kd, vd = _inputs(2, 1, 6, 4, 2, D=32)
+    odd = _inputs(2, 1, 5, 4, 2)
+    return [
+        (dict(q=q.float()), TypeError, "q must be torch.bfloat16"),
+        (dict(k=k.half()), TypeError, "k must be torch.bfloat16"),
+        (dict(v=v[..., 0]), ValueError, "v must have shape"),
+        (dict(v=v[:, :, :4].contiguous()), ValueError, "v has shape"),
+        (dict(k=k[:, :, :4].contiguous(), v=v[:, :, :4].contiguous()), ValueError, "k is "),
+        (dict(q=q3), ValueError, "q has leading dimension 3"),
+        (dict(k=k3, v=v3), ValueError, "k has leading dimension 3"),
+        (dict(q=q.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "q must be contig"),
+        (dict(q=torch.empty(q.shape, dtype=q.dtype, device="meta")), ValueError, "q is on meta"),
+        (dict(q=qd, k=kd, v=vd), ValueError, r"D \(last dim of q"),
+        (dict(q=_inputs(2, 1, 6, 3, 1)[0]), ValueError, r"Hq \(heads of q\) = 3"),
+        (dict(q=odd[0], k=odd[1], v=odd[2], layout="zigzag"), ValueError, "S_local"),
+        (dict(layout="ring"), ValueError, "layout must be one of"),
+        (dict(causal="yes"), TypeError, "causal must be a bool"),
+        (dict(scale=0.0), ValueError, "scale must be a positive"),
+        (dict(scale=float("nan")), ValueError, "scale must be a positive"),
+        (dict(scale="0.1"), TypeError, "scale must be a positive number"),
+        (dict(scale=True), TypeError, "scale must be a positive number"),
+        (dict(world="2 ranks"), TypeError, "world must be an mkernel.World"),
+        (dict(schedule="fast"), TypeError, "schedule must be an mkernel.Schedule"),
+    ], (q, k, v)
+
+
+def test_bad_input_is_named_before_anything_runs():
+    cases, (q, k, v) = _bad_cases()
+    world = mkernel.World.emulated(2)
+    for change, exc, match in cases:
+        args = dict(q=q, k=k, v=v, world=world) | change
+        with pytest.raises(exc, match=match):
+            ring_attention(**args)
+    assert world._plans == {} and world.signal_pads() == {}, "a bad call built or ran something"
+    with pytest.raises(NotImplementedError, match="q is on meta"):
+        attention(torch.empty(q[0].shape, dtype=q.dtype, device="meta"), k[0], v[0])
+    with pytest.raises(ValueError, match="D \\(last dim"):
+        attention(*(x[0, ..., :32].contiguous() for x in (q, k, v)))
+
+
+# -- planted protocol mistakes ---------------------------------------------------------------------
+
+
+def _run(W, S, layout, causal, sched, *, edit=None, wrap=None, calls=1, seed=0):
+    """One fresh plan run through run_plan as the API runs it; ``edit(tasks)`` changes a deep copy
+    of the tasks ({role: [W][...]}), ``wrap(moves)`` the data-movement twins."""
+    world = mkernel.World.emulated(W)
+    q, k, v = _inputs(W, 1, S, 2, 1, seed=seed)
+    plan = ra.make_plan(sched, world, **ra.shapes(q, k, v, world, causal, layout))
+    if edit is not None:
+        tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
+        edit(tasks)
+        plan = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
+    out = torch.full((W, 1, S, 2, 64), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((W, 1, 2, S), float("nan"))
+    ws = common.workspace(world, plan)
+    buffers = ra.operands(plan, q, k, v, out, lse) | {
+        name: b.local for name, b in ws.items() if b is not None
+    }
+    moves = ra.twins_of(plan) if wrap is None else wrap(ra.twins_of(plan))
+    reads = lambda rank: ra.outputs(plan, rank)  # noqa: E731
+    program.run_plan(world, plan, buffers, moves, seed, reads, calls=calls)
+    return out, lse, world, (q, k, v)
+
+
+def _sched(**kw):
+    return mkernel.Schedule(overlap="intra_sm", sms=3, **kw)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_unchanged_plan_passes_over_two_calls(layout):
+    for seed in range(2):
+        out, lse, world, (q, k, v) = _run(4, 20, layout, True, _sched(), calls=2, seed=seed)
+        _assert_attention(out, lse, q, k, v, True, 1 / 8, layout, f"two calls seed {seed}")
+        assert_pads_zero(world)
+
+
+def _drop(pad: str, role: str, rank: int, step: int):
+    def edit(tasks):
+        for t in tasks[role][rank]:
+            step_of = t.args[1] if role == "compute" else t.args[0]
+            if step_of == step:
+                t.waits = tuple(w for w in t.waits if w.pad != pad)
+
+    return edit
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_compute_task_without_its_landed_wait_is_a_race(seed):
+    with pytest.raises(RaceError, match="k_ring|v_ring"):
+        _run(3, 20, "contiguous", False, _sched(), edit=_drop("landed", "compute", 1, 1), seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_send_without_its_free_wait_is_a_race_on_the_slot(seed):
+    with pytest.raises(RaceError, match="k_ring|v_ring"):
+        _run(4, 20, "contiguous", False, _sched(), edit=_drop("free", "comm", 0, 2), seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_step_without_its_merged_wait_races_on_the_state(seed):
+    # 2 q tiles per step on 3 units: a tile's consecutive steps run on different units
+    with pytest.raises(RaceError, match="state"):
+        _run(3, 20, "contiguous", False, _sched(), edit=_drop("merged", "compute", 2, 1), seed=seed)
+
+
+def test_an_lse_tile_never_stored_is_reported(monkeypatch):
+    store = twins.output_store
+
+    def no_lse(ctx, buf, rank, rect, value, tile):
+        if buf == "lse":
+            return (yield from twins.bulk_wait_read(ctx))
+        return (yield from store(ctx, buf, rank, rect, value, tile))
+
+    monkeypatch.setattr(twins, "output_store", no_lse)
+    with pytest.raises(TileWriteError, match="tile never written"):
+        _run(2, 20, "zigzag", True, _sched())
+
+
+def test_the_machine_expects_the_tiles_of_every_output_buffer():
+    from mkernel.interp.machine import Machine
+
+    m = Machine(1, {}, {"out": torch.zeros(1, 2, 2), "lse": torch.zeros(1, 1, 2)})
+    m.expect_outputs(0, 0, "out", {"out": {0: (0, 2, 0, 2)}, "lse": {1: (0, 1, 0, 2)}})
+    m.expect_outputs(1, 0, "out", {0: (0, 2, 0, 2)})  # the one-buffer form, as before
+    assert m.expected[(0, 0)] == [("out", 0, (0, 2, 0, 2)), ("lse", 1, (0, 1, 0, 2))]
+    assert m.expected[(1, 0)] == [("out", 0, (0, 2, 0, 2))]
