@@ -2,7 +2,8 @@
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
 (``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE pair
-``moe_dispatch_gemm`` / ``moe_gemm_combine``, CPU interpreter only so far), their unfused references
+``moe_dispatch_gemm`` / ``moe_gemm_combine`` and ``ring_attention`` / ``attention``, CPU interpreter
+only so far), their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
@@ -15,6 +16,7 @@ from .ops.gemm_rs import gemm_rs
 from .ops.moe_common import MoeDispatch
 from .ops.moe_dispatch_gemm import moe_dispatch_gemm
 from .ops.moe_gemm_combine import moe_gemm_combine
+from .ops.ring_attention import attention, ring_attention
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
 from .world import World
 
@@ -32,6 +34,8 @@ __all__ = [
     "moe_dispatch_gemm",
     "moe_gemm_combine",
     "MoeDispatch",
+    "ring_attention",
+    "attention",
     "reference",
     "CommTimeout",
     "DeadlockError",
