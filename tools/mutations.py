@@ -404,8 +404,8 @@ MUTATIONS = [
     Mutation(
         "prog_no_kernel_end_read",
         PROG,
-        'm.expect_outputs(call, r, "out",',
-        '(lambda *_: None)(call, r, "out",',  # the call stays, it does nothing
+        "m.expect_outputs(call, r, output, rects)",
+        "(lambda *_: None)(call, r, output, rects)",  # the call stays, it does nothing
         "the kernel end reads no outputs (nothing checks what lands after a rank's last wait)",
     ),
     Mutation(
