@@ -135,7 +135,10 @@ class OpSpec:
     device: bool = True
 
     def __post_init__(self) -> None:
-        if len(self.all_pads()) > MAX_PADS or len(self.buffers) > MAX_SLOTS:
+        # NOTE: the pad and buffer limits are the launch record's; an op without a kernel
+        # (device=False, the interpreter's) is not bound by them.
+        too_many = len(self.all_pads()) > MAX_PADS or len(self.buffers) > MAX_SLOTS
+        if self.device and too_many:
             raise ValueError(f"{self.name}: more than {MAX_PADS} pads or {MAX_SLOTS} buffers")
         if len(self.scalars) > MAX_SCALARS:
             raise ValueError(f"{self.name}: more than {MAX_SCALARS} scalars")

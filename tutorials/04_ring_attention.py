@@ -7,7 +7,8 @@
 #    computes, and how a causal mask removes tasks (and whole sends) from the tables;
 # 3. running it in the interpreter (W = 4, both layouts, causal) against the unfused reference;
 # 4. a protocol mistake the interpreter catches: a compute task that reads its slot without
-#    waiting for the block to land.
+#    waiting for the block to land;
+# 5. the backward (issue 13): autograd through `ring_attention`, dK / dV partials on the ring.
 #
 # There is no GPU attention engine yet (`SPEC.device` is False): a GPU world raises
 # NotImplementedError. The plan printed here is what that engine will execute.
@@ -104,3 +105,30 @@ except mkernel.RaceError as e:
     where = "on the K/V slot" if "_ring[" in str(e) else "elsewhere (unexpected)"
     print("caught while running:", type(e).__name__, where)
     print("  ", str(e)[:150])
+
+# %% [markdown]
+# ## 5. Backward (issue 13)
+# `ring_attention` is differentiable: `out.backward(g)` runs `ring_attention_backward`. The K/V
+# blocks travel the same ring; each rank reduce-adds its fp32 dK / dV contributions into a slot of
+# the block it holds, and the comm role sends that partial on with the block (then home to the
+# block's owner, which stores dk, dv once in bf16). dQ stays local.
+
+# %%
+from mkernel.ops import ring_attention_backward as rb  # noqa: E402
+
+leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+out, lse = ra.ring_attention(*leaves, world, causal=True, layout="zigzag")
+dout = torch.randn(out.shape, generator=g).bfloat16()
+out.backward(dout)
+ref = mkernel.reference.ring_attention_backward(
+    dout, q, k, v, out, lse, world, True, None, "zigzag"
+)
+for name, leaf, want in zip("qkv", leaves, ref, strict=True):
+    err = (leaf.grad.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < 2**-6, (name, err)  # ours uses the bf16 out for delta, the reference fp32
+pads = sum(int(p.abs().sum()) for p in world.signal_pads().values())
+shapes = rb.shapes(dout, q, k, v, out, lse, world, True, "contiguous")
+plan = mkernel.Schedule().plan("ring_attention_backward", world, **shapes)
+sends = [[t.args[0] for t in ts if t.args[1] == rb.GRAD] for ts in plan.roles["comm"].tasks]
+print(f"backward: d{{q,k,v}} match the reference (autograd, fp32); pads {pads}")
+print(f"  causal contiguous plan: grad sends per rank (steps) {sends}")

@@ -314,7 +314,15 @@ def ring_attention(
         the natural log of each row's softmax denominator (scaled scores). Raises TypeError /
         ValueError naming the argument before anything runs; NotImplementedError on a GPU world
         (no attention engine yet); CommTimeout if a wait passes the world's deadline.
+        Differentiable: when q, k or v require grad, ``out.backward(g)`` runs
+        ``ring_attention_backward`` (mkernel/ops/ring_attention_backward.py; lse's gradient too).
     """
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
+    ):  # differentiable: the backward op's autograd Function calls back here without grad
+        from .ring_attention_backward import RingAttention
+
+        return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
     world = common.check_world(world)
     if world.on_gpu and not SPEC.device:

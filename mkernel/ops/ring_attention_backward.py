@@ -1,0 +1,471 @@
+"""Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
+Function that makes ``ring_attention`` differentiable. CPU interpreter only (``SPEC.device`` is
+False), on top of the forward's plan (mkernel/ops/ring_attention.py).
+
+Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
+
+    P = softmax(Q K^T * scale) at the layout's global positions (causal: future keys masked)
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = scale dS K;  dK = scale dS^T Q
+    dq_r, dk_r, dv_r = those rows of rank r (GQA: dK, dV summed over the q heads of a K/V head)
+
+Per (q tile, K/V tile), FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T -
+lse)), delta = rowsum(dO * O) once per q tile, all in fp32.
+
+Protocol (docs/ring_attention.md, "Backward"): the forward's ring, unchanged: K/V blocks travel
+r -> r+1 into double-buffered slots (``landed`` / ``free``), compute task (q tile t, step s, K/V
+tile j) waits ``landed[s]`` and ``merged[t, s, j]`` (the tile's dQ accumulator and delta, chained
+as the forward chains its softmax state). What is new is the way back of dK / dV:
+
+- compute (t, s, j) reduce-adds its fp32 dK, dV contributions into ``dkv_acc`` slot s on its own
+  rank (adds commute: no order among them) and adds 1 to ``computed[s]``;
+- grad (step s) on rank r waits ``computed[s]`` (all of r's contributions to the block it holds)
+  and, s > 0, ``dlanded[s]`` (the partial of the previous holders, reduce-added into the same
+  slot by rank r-1); it reads the slot, zeroes it (workspace back to zero for the next call) and
+  reduce-adds it by a bulk copy into slot s+1 of rank r+1 (``dlanded[s+1]``) when the block goes
+  on, else into slot 0 of the block's owner (``dlanded[0]``: the gradient is home);
+- finish on each rank waits ``dlanded[0]`` (or, when no other rank uses its block, its own
+  ``computed[0]``), reads slot 0, zeroes it and stores dk, dv once in bf16.
+
+One ``dkv_acc`` slot per step (W slots): a slot is used once per call, so the partials need no
+``free`` signal; the next call's adds are ordered after this call's zeroing by the entry barrier.
+
+    W = 3, contiguous, causal (rank r holds B0..Br); g = the grad send of a partial; +in: the
+    previous holders' partial, added into the same slot
+    step:     0                         1                            2
+    rank 0:   q0.B0; g B0 -> r1 slot 1  -                            finish: dlanded[0]
+    rank 1:   q1.B1; g B1 -> r2 slot 1  q1.B0 (+in); g -> r2 slot 2  finish: dlanded[0]
+    rank 2:   q2.B2 (own; finish:       q2.B1 (+in); g -> r1 slot 0  q2.B0 (+in); g -> r0 slot 0
+              computed[0])
+
+GPU mapping (not built): as the forward, a CTA owns a q tile (dQ in registers); its dK / dV
+contributions go out with red.global.add (or a per-CTA reduction first); the comm role's grad
+send is cp.reduce.async.bulk .add into the peer's slot.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from typing import Any
+
+import torch
+
+from ..interp import twins
+from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..schedule import Plan, Schedule, build_plan
+from ..world import World
+from . import common
+from . import ring_attention as fwd
+
+KV_SEND, GRAD, FINISH = 0, 1, 2  # comm task kinds (args[1])
+SPEC = OpSpec(
+    name="ring_attention_backward",
+    doc="ring attention backward: K/V travel the ring, fp32 dK/dV partials travel with them",
+    buffers=(
+        Buffer("dout", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
+        Buffer("q", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
+        Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        Buffer("out", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
+        Buffer("lse", "input", torch.float32, ("lse_rows", "seq"), "[B * Hq, S]"),
+        Buffer("dlse", "input", torch.float32, ("lse_rows", "seq"), "grad of lse (zeros: none)"),
+        Buffer("dq", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
+        Buffer("dk", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        Buffer("dv", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        Buffer("k_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 K slots"),
+        Buffer("v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 V slots"),
+        Buffer(
+            "state", "symmetric", torch.float32, ("state_rows", "state_cols"), "dQ acc [D], delta"
+        ),
+        Buffer(
+            "dkv_acc",
+            "symmetric",
+            torch.float32,
+            ("acc_rows", "acc_cols"),
+            "per step: the held block's dK | dV partial, fp32 (zero between calls)",
+        ),
+    ),
+    pads=(
+        Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
+        Pad("free", ("step",), ("W",), doc="my successor's readers of its step's slot are done"),
+        Pad(
+            "merged",
+            ("qtile", "step", "kv"),
+            ("qtiles", "W", "kv_tiles"),
+            doc="the q tile's dQ accumulator is ready for K/V tile kv of step's block",
+        ),
+        Pad("computed", ("step",), ("W",), doc="my compute tasks of step added their dK, dV"),
+        Pad(
+            "dlanded",
+            ("step",),
+            ("W",),
+            doc="the previous holders' partial is in my slot (0: home)",
+        ),
+    ),
+    scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag"),
+    device=False,
+)
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+def make_plan(
+    schedule: Schedule,
+    world: World,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: int,
+    zigzag: int,
+) -> Plan:
+    """The forward's plan (its K/V ring, its compute tasks and their ``merged`` chain), each compute
+    task also raising ``computed``, plus the grad sends and a finish per rank."""
+    W = world.size
+    f = fwd.make_plan(schedule, world, batch, seq, heads, kv_heads, head_dim, causal, zigzag)
+    ex = f.extra
+    sends, steps = ex["sends"], ex["steps"]
+    # holds[r][s]: rank r holds a block at step s (its own at 0, else one its predecessor sent)
+    holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
+    n_tasks = [[sum(p[0] == s for st in steps[r] for p in st) for s in range(W)] for r in range(W)]
+
+    compute = []
+    for r, tasks in enumerate(f.roles["compute"].tasks):
+        done = []
+        for t in copy.deepcopy(tasks):
+            s = t.args[1]
+            t.raises = t.raises + (Raise("computed", r, (s,), op="add"),)
+            done.append(t)
+        compute.append(done)
+
+    def computed(r: int, s: int) -> tuple[Wait, ...]:
+        n = n_tasks[r][s]
+        return (Wait("computed", r, (s,), value=n),) if n else ()
+
+    comm = []
+    for r in range(W):
+        nxt = (r + 1) % W
+        kv = {t.args[0]: t for t in f.roles["comm"].tasks[r]}
+        tasks = []
+        for s in range(W):
+            if s in kv:
+                t = kv[s]
+                tasks.append(Task(KV_SEND * (W + 1) + s, (s, KV_SEND), t.waits, t.raises))
+            if not holds[r][s] or (s == 0 and 0 not in sends[r]):
+                continue  # nothing held, or my own block that nobody else uses: finish has it
+            waits = computed(r, s) + ((Wait("dlanded", r, (s,)),) if s else ())
+            on = s in sends[r]
+            dest = Raise("dlanded", nxt, (s + 1,)) if on else Raise("dlanded", (r - s) % W, (0,))
+            tasks.append(Task(GRAD * (W + 1) + s, (s, GRAD), waits, (dest,)))
+        home = (Wait("dlanded", r, (0,)),) if 0 in sends[r] else computed(r, 0)
+        tasks.append(Task(FINISH * (W + 1), (0, FINISH), home, ()))
+        comm.append(tasks)
+
+    sizes = f.sizes | {
+        "state_cols": head_dim + 1,
+        "acc_rows": W * batch * seq,
+        "acc_cols": 2 * kv_heads * head_dim,
+    }
+    extra = {k: ex[k] for k in ("qtiles", "kv_tiles", "steps", "sends")} | {"holds": holds}
+    return build_plan(SPEC, schedule, world, f.tile, f.shapes, sizes, f.tiles, compute, comm, extra)
+
+
+# -- input checks and the API ---------------------------------------------------------------------
+
+
+def shapes(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    world: World,
+    causal: Any = False,
+    layout: Any = "contiguous",
+) -> dict[str, int]:
+    """The forward's checks of q, k, v, then dout and out (bf16, like q) and lse (fp32 [B, Hq,
+    S_local] per rank); TypeError / ValueError naming the argument. The plan's sizes."""
+    s = fwd.shapes(q, k, v, world, causal, layout)
+    q_shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
+    for name, t in (("dout", dout), ("out", out)):
+        if common.check_operand(name, t, world, 4, "[B, S_local, Hq, D]") != q_shape:
+            raise ValueError(
+                f"{name} has shape {list(t.shape)}, q {list(q.shape)}: they must agree"
+            )
+    check_lse("lse", lse, world, (s["batch"], s["heads"], s["seq"]))
+    return s
+
+
+def check_lse(name: str, t: Any, world: World, shape: tuple[int, ...]) -> None:
+    """An fp32 per-rank [B, Hq, S_local] tensor on the world's device, contiguous."""
+    full = (world.size, *shape) if world.emulated_world else shape
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be torch.float32 (the forward's lse), got {t.dtype}")
+    if t.device.type != world.device.type:
+        raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
+    if tuple(t.shape) != full:
+        raise ValueError(
+            f"{name} must have shape {list(full)} ([B, Hq, S_local]), got {list(t.shape)}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def ring_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    world: World,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    schedule: Schedule | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention, backward: the gradients of ``out = ring_attention(q, k, v, ...)`` for the
+    incoming gradient ``dout``, from the forward's ``out`` and ``lse``.
+
+    Unfused equivalent (``reference``): autograd through the fp32 attention of the gathered
+    sequence at the layout's global positions, each rank's rows::
+
+        dq[r], dk[r], dv[r] = torch.autograd.grad(attention(Q, K, V), (q, k, v), dout)[rank r]
+
+    Args:
+        dout: bf16, per rank [B, S_local, Hq, D] (emulated world: [W, B, S_local, Hq, D]).
+        q: bf16 [B, S_local, Hq, D]; k, v: bf16 [B, S_local, Hkv, D] (as the forward).
+        out: bf16 [B, S_local, Hq, D], lse: fp32 [B, Hq, S_local]: the forward's results.
+        world, causal, scale, layout, schedule: as ``ring_attention`` (the same values as the
+            forward that made out and lse).
+
+    Returns:
+        (dq, dk, dv): bf16, dq like q, dk and dv like k and v (GQA: summed over the q heads that
+        share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
+        before anything runs; NotImplementedError on a GPU world (no engine yet).
+    """
+    return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
+
+
+def run(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    world: World,
+    causal: bool,
+    scale: float | None,
+    layout: str,
+    schedule: Schedule | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ring_attention_backward`` with the gradient of lse too (``dlse``, fp32 like lse, or None):
+    d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
+    module = sys.modules[__name__]
+    world = common.check_world(world)
+    if world.on_gpu and not SPEC.device:
+        raise NotImplementedError(
+            f"{SPEC.name} has no GPU kernel yet: it runs in the CPU interpreter "
+            "(World.emulated(W), device='cpu')"
+        )
+    if not world.emulated_world:
+        raise NotImplementedError(f"{SPEC.name} runs in emulated worlds only (World.emulated(W))")
+    schedule = common.check_schedule(schedule)
+    s = shapes(dout, q, k, v, out, lse, world, causal, layout)
+    scale = fwd.check_scale(scale, s["head_dim"])
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    else:
+        check_lse("dlse", dlse, world, tuple(lse.shape[1:]))
+    common.check_faults(schedule, world)
+    plan = common.cached_plan(module, schedule, world, **s)
+    # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
+    dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    dk = torch.full(k.shape, float("nan"), dtype=torch.bfloat16)
+    dv = torch.full(v.shape, float("nan"), dtype=torch.bfloat16)
+    views = operands(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv)
+    reads = lambda rank: outputs(plan, rank)  # noqa: E731
+    common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
+    return dq, dk, dv
+
+
+def operands(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> dict[str, torch.Tensor]:
+    """The caller's tensors as the interpreter's 2-D per-rank views (the forward's ``operands``)."""
+    W, z = plan.world_size, plan.sizes
+    views = fwd.operands(plan, q, k, v, out, lse)
+    rows = lambda x, cols: x.view(W, z["rows"], z[cols])  # noqa: E731
+    return views | {
+        "dout": rows(dout, "q_cols"),
+        "dlse": dlse.view(W, z["lse_rows"], z["seq"]),
+        "dq": rows(dq, "q_cols"),
+        "dk": rows(dk, "kv_cols"),
+        "dv": rows(dv, "kv_cols"),
+    }
+
+
+# -- CPU interpreter: the data-movement twins ------------------------------------------------------
+
+
+def twins_of(plan: Plan, scale: float | None = None):
+    z, W = plan.shapes, plan.world_size
+    S, D, H, Hkv = z["seq"], z["head_dim"], z["heads"], z["kv_heads"]
+    BS, C = z["batch"] * S, Hkv * D  # rows of a block, columns of dK (dV follows)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qtiles, kv_tiles, steps = plan.extra["qtiles"], plan.extra["kv_tiles"], plan.extra["steps"]
+    sends = plan.extra["sends"]
+    pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
+    kv_send = fwd.twins_of(plan, scale)["comm"]  # the forward's ring, as it is
+
+    def block(s: int) -> tuple[str, str, int]:
+        return ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s % 2) * BS)
+
+    def compute(ctx, task):  # one (q tile, K/V tile): dQ into the chain, dK / dV into slot s
+        t, s, j = task.args[:3]
+        b, h, r0, n = qtiles[t]
+        k0, kn = kv_tiles[j]
+        hk = h // (H // Hkv)
+        q_rect = (b * S + r0, n, h * D, D)
+        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)
+        do = (yield from twins.tile_load_async(ctx, "dout", ctx.rank, q_rect)).float()
+        kb, vb, base = block(s)
+        kv_rect = (base + b * S + k0, kn, hk * D, D)
+        kt = (yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)).float()
+        vt = (yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)).float()
+        lse_rect = (b * H + h, 1, r0, n)
+        lse = (yield from twins.tile_load_async(ctx, "lse", ctx.rank, lse_rect))[0]
+        st_rect = ((b * H + h) * S + r0, n, 0, D + 1)
+        mine = steps[ctx.rank][t]
+        if (s, j) == mine[0]:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
+            o = yield from twins.tile_load_async(ctx, "out", ctx.rank, q_rect)
+            dlse = yield from twins.tile_load_async(ctx, "dlse", ctx.rank, lse_rect)
+            state = torch.zeros(n, D + 1)
+            state[:, D] = (do * o.float()).sum(dim=1) - dlse[0]
+        else:
+            state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
+        scores = (qv.float() @ kt.T) * scale  # [n, kn]
+        if z["causal"]:
+            keys = pos[(ctx.rank - s) % W][k0 : k0 + kn]
+            future = keys[None, :] > pos[ctx.rank][r0 : r0 + n, None]
+            scores = scores.masked_fill(future, -math.inf)
+        dq, dk, dv = grads(scores, lse, do, qv.float(), kt, vt, state[:, D], scale)
+        state[:, :D] += dq
+        acc = (s * BS + b * S + k0, kn)
+        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, hk * D, D), dk)
+        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, C + hk * D, D), dv)
+        if (s, j) != mine[-1]:
+            yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
+            return
+        yield from twins.output_store(ctx, "dq", ctx.rank, q_rect, state[:, :D].bfloat16(), t)
+
+    def comm(ctx, task):
+        s, kind = task.args[:2]
+        if kind == KV_SEND:
+            yield from kv_send(ctx, task)
+            return
+        slot = (s * BS, BS, 0, 2 * C)
+        part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, slot)
+        yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, slot, torch.zeros_like(part))
+        if kind == GRAD:  # on to the next holder, or home to the block's owner (slot 0)
+            on = s in sends[ctx.rank]
+            dst, row = ((ctx.rank + 1) % W, (s + 1) * BS) if on else ((ctx.rank - s) % W, 0)
+            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row, BS, 0, 2 * C), part)
+            return
+        T, n = len(qtiles), z["batch"] * Hkv  # FINISH: my block's gradient, once in bf16
+        for i in range(n):
+            b, hk = divmod(i, Hkv)
+            rows, cols = slice(b * S, (b + 1) * S), hk * D
+            rect = (b * S, S, cols, D)
+            dk, dv = part[rows, cols : cols + D], part[rows, C + cols : C + cols + D]
+            yield from twins.output_store(ctx, "dk", ctx.rank, rect, dk.bfloat16(), T + i)
+            yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv.bfloat16(), T + n + i)
+
+    return {"compute": compute, "comm": comm}
+
+
+def grads(scores, lse, do, q, k, v, delta, scale):
+    """FlashAttention's backward of one (q tile, K/V tile), fp32: (dQ [n, D], dK [kn, D], dV [kn,
+    D]) from the scaled, masked ``scores`` [n, kn], the forward's ``lse`` [n] and delta [n]."""
+    live = torch.isfinite(lse)  # a row that saw no key at all has no gradient
+    p = torch.where(live[:, None], torch.exp(scores - torch.where(live, lse, 0.0)[:, None]), 0.0)
+    dp = do @ v.T  # [n, kn]
+    ds = p * (dp - delta[:, None])
+    return scale * ds @ k, scale * ds.T @ q, p.T @ do
+
+
+def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
+    """Per output buffer, the tiles the kernel end reads: dq tile t (q rows x one head), dk / dv
+    tiles (a sequence x one K/V head), numbered after the q tiles."""
+    S, D = plan.shapes["seq"], plan.shapes["head_dim"]
+    Hkv, B = plan.shapes["kv_heads"], plan.shapes["batch"]
+    qtiles = plan.extra["qtiles"]
+    T, n = len(qtiles), B * Hkv
+    kv = {i: (i // Hkv * S, S, i % Hkv * D, D) for i in range(n)}
+    return {
+        "dq": {t: (b * S + r0, rows, h * D, D) for t, (b, h, r0, rows) in enumerate(qtiles)},
+        "dk": {T + i: r for i, r in kv.items()},
+        "dv": {T + n + i: r for i, r in kv.items()},
+    }
+
+
+# -- autograd -------------------------------------------------------------------------------------
+
+
+class RingAttention(torch.autograd.Function):
+    """``ring_attention`` as a differentiable function: the forward saves q, k, v, out, lse; the
+    backward is ``ring_attention_backward`` (with lse's gradient, if any, folded into delta)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, world, causal, scale, layout, schedule):  # type: ignore[override]
+        out, lse = fwd.ring_attention(q, k, v, world, causal, scale, layout, schedule)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (world, causal, scale, layout, schedule)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.bfloat16().contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        dq, dk, dv = run(dout, q, k, v, out, lse, *ctx.args, dlse)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# -- the unfused reference ------------------------------------------------------------------------
+
+
+def reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    world: World,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "contiguous",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused reference: torch autograd through the forward's fp32 reference (gather the
+    sequence, fp32 attention) for ``dout``; (dq, dk, dv) bf16, this rank's (emulated: every
+    rank's, [W, ...]). ``out`` and ``lse`` are checked, not used (autograd recomputes them)."""
+    shapes(dout, q, k, v, out, lse, world, causal, layout)
+    if world.emulated_world:
+        parts = q, k, v, dout
+    else:
+        parts = tuple(torch.stack(common.per_rank(x, world)) for x in (q, k, v, dout))
+    whole = World.emulated(world.size, device=str(q.device))
+    with torch.enable_grad():
+        leaves = [x.detach().float().requires_grad_() for x in parts[:3]]
+        # NOTE: the forward's reference takes bf16; a float leaf keeps its gradient in fp32
+        got, _ = fwd.reference(*(x.bfloat16() for x in leaves), whole, causal, scale, layout)
+        grads = torch.autograd.grad(got.float(), leaves, parts[3].float())
+    grads = tuple(g.bfloat16() for g in grads)
+    return grads if world.emulated_world else tuple(g[world.rank] for g in grads)

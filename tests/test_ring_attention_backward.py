@@ -1,0 +1,414 @@
+"""ring_attention_backward on the CPU interpreter: dq, dk, dv against fp64 autograd of attention at
+the layout's global positions (computed here, never from mkernel.reference), with a tolerance from
+the bf16 rounding of the results and of the out / lse inputs and fp32 sums; NaN-poisoned outputs;
+pads and the dK/dV workspace back to zero; two calls in a row; autograd through ring_attention
+(out and lse); the reference; bad input named before anything runs; planted protocol mistakes."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import mkernel
+from mkernel.errors import RaceError, TileWriteError
+from mkernel.interp import program, twins
+from mkernel.ops import common
+from mkernel.ops import ring_attention_backward as rb
+from mkernel.ops.ring_attention import attention, ring_attention
+from mkernel.ops.ring_attention_backward import ring_attention_backward
+from mkernel.protocol import RoleTables
+from tests.helpers import U_BF16, U_FP32, assert_pads_zero
+
+
+def _inputs(W: int, B: int, S: int, Hq: int, Hkv: int, D: int = 64, seed: int = 0):
+    """q, k, v, dout: bf16, seeded normal values ([W, B, S, H, D])."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(W, B, S, Hq, D, generator=g).bfloat16()
+    k = torch.randn(W, B, S, Hkv, D, generator=g).bfloat16()
+    v = torch.randn(W, B, S, Hkv, D, generator=g).bfloat16()
+    dout = torch.randn(W, B, S, Hq, D, generator=g).bfloat16()
+    return q, k, v, dout
+
+
+def _positions(W: int, S: int, layout: str) -> torch.Tensor:
+    """Global positions of the rank-major rows, as issue 12 defines the layouts."""
+    if layout == "contiguous":
+        return torch.arange(W * S)
+    h = S // 2
+    chunk = [list(range(c * h, (c + 1) * h)) for c in range(2 * W)]
+    return torch.tensor([p for r in range(W) for p in chunk[r] + chunk[2 * W - 1 - r]])
+
+
+def _exact(q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dlse=None):
+    """fp64 autograd of softmax attention over every rank's rows at their global positions: per
+    rank (dq, dk, dv) and their tolerances. The tolerance bounds, to first order, what an fp32
+    FlashAttention backward makes of the given bf16 ``out`` and fp32 ``lse`` (their measured
+    errors against fp64), plus fp32 sums and the final bf16 rounding."""
+    W, B, S, Hq, D = q.shape
+    Hkv = k.shape[3]
+    group = Hq // Hkv
+    n = W * S
+    pos = _positions(W, S, layout)
+
+    def rows(x):  # [W, B, S, H, D] -> [B, W * S, H, D], rank-major
+        return x.double().transpose(0, 1).reshape(B, n, x.shape[3], D)
+
+    Q, K, V, dO = (rows(x).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout)))
+    Kg, Vg = K.repeat_interleave(group, 2), V.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", Q, Kg) * scale
+    future = pos[None, :] > pos[:, None]  # [query, key]
+    if causal:
+        s = s.masked_fill(future, -math.inf)
+    L = torch.logsumexp(s, dim=-1)  # [B, H, n]
+    p = torch.exp(s - L[..., None])
+    Out = torch.einsum("bhqk,bkhd->bqhd", p, Vg)
+    loss = (Out * dO).sum()
+
+    def lse_rows(x):  # [W, B, Hq, S] -> [B, Hq, W * S], rank-major
+        return x.double().permute(1, 2, 0, 3).reshape(B, Hq, n)
+
+    gl = None if dlse is None else lse_rows(dlse)
+    if gl is not None:
+        loss = loss + (L * gl).sum()
+    dQ, dK, dV = torch.autograd.grad(loss, (Q, K, V))
+
+    with torch.no_grad():  # the tolerance, from magnitudes (|x|) and the inputs' measured errors
+        aQ, aK, aV, adO = Q.abs(), Kg.abs(), Vg.abs(), dO.abs()
+        p, s, Out, L = p.detach(), s.detach(), Out.detach(), L.detach()
+        s_err = (D + 2) * U_FP32 * scale * torch.einsum("bqhd,bkhd->bhqk", aQ, aK)
+        s_err = s_err + U_FP32 * s.abs().nan_to_num(0.0, 0.0, 0.0)
+        lse_in = lse_rows(lse)
+        eps = s_err + ((lse_in - L).abs() + 4 * U_FP32 * (1 + L.abs()))[..., None]
+        dp = torch.einsum("bqhd,bkhd->bhqk", dO, Vg)
+        dp_err = (D + 2) * U_FP32 * torch.einsum("bqhd,bkhd->bhqk", adO, aV)
+        out_in = rows(out)
+        delta = torch.einsum("bqhd,bqhd->bhq", dO, Out)
+        ddelta = (torch.einsum("bqhd,bqhd->bhq", dO, out_in - Out)).abs()
+        ddelta += (D + 2) * U_FP32 * torch.einsum("bqhd,bqhd->bhq", adO, out_in.abs())
+        if gl is not None:
+            delta = delta - gl
+        terms = n * group + D + 16  # fp32 sums over keys or queries (all heads of a group)
+        ds_abs = p * (dp.abs() + delta.abs()[..., None])
+        ds_err = p * ((dp - delta[..., None]).abs() * eps + ddelta[..., None] + dp_err)
+        ds_err = ds_err + terms * U_FP32 * ds_abs
+        dq_tol = scale * torch.einsum("bhqk,bkhd->bqhd", ds_err, aK)
+        dk_tol = scale * torch.einsum("bhqk,bqhd->bkhd", ds_err, aQ)
+        dv_tol = torch.einsum("bhqk,bqhd->bkhd", p * (eps + terms * U_FP32), adO)
+
+    def fold(x):  # GQA: the K/V head's tolerance is the sum over its q heads
+        return x.reshape(B, n, Hkv, group, D).sum(3)
+
+    def per_rank(x):  # [B, n, H, D] -> [W, B, S, H, D]
+        return x.reshape(B, W, S, x.shape[2], D).transpose(0, 1)
+
+    tols = (dq_tol, fold(dk_tol), fold(dv_tol))
+    grads = (dQ, dK, dV)
+    return [
+        (per_rank(g), per_rank(1.01 * (U_BF16 * g.abs() + t)))
+        for g, t in zip(grads, tols, strict=True)
+    ]
+
+
+def _assert_grads(got, q, k, v, dout, out, lse, causal, scale, layout, what, dlse=None) -> None:
+    want = _exact(q, k, v, dout, out, lse, causal, scale, layout, dlse)
+    for name, g, x, (exact, tol) in zip("dq dk dv".split(), got, (q, k, v), want, strict=True):
+        assert g.shape == x.shape and g.dtype == torch.bfloat16, f"{what}: {name}"
+        assert not torch.isnan(g.float()).any(), f"{what}: NaN in {name} (an unwritten tile)"
+        bad = (g.double() - exact).abs() > tol
+        if bad.any():
+            i = tuple(int(j) for j in bad.nonzero()[0])
+            raise AssertionError(
+                f"{what}: {name}: {int(bad.sum())} of {bad.numel()} off the fp64 value; first at "
+                f"{list(i)}: got {g[i].item():.6g}, exact {exact[i].item():.6g}, "
+                f"tol {tol[i].item():.3g}"
+            )
+
+
+def _assert_workspace_zero(world) -> None:
+    assert_pads_zero(world)
+    for key, b in world._buffers.items():
+        if "dkv_acc" in str(key):
+            assert not b.local.any(), "dkv_acc not back to zero"
+
+
+@settings(max_examples=20)
+@given(
+    W=st.integers(1, 4),
+    B=st.integers(1, 2),
+    S=st.integers(1, 20),
+    heads=st.sampled_from([(4, 2), (4, 1), (2, 2), (1, 1)]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["contiguous", "zigzag"]),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    sms=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+)
+@example(
+    W=4, B=1, S=18, heads=(4, 2), causal=True, layout="zigzag", overlap="intra_sm", sms=3, seed=0
+)
+@example(
+    W=3,
+    B=2,
+    S=17,
+    heads=(4, 1),
+    causal=True,
+    layout="contiguous",
+    overlap="inter_sm",
+    sms=4,
+    seed=1,
+)
+def test_every_rank_gets_its_gradients(W, B, S, heads, causal, layout, overlap, sms, seed):
+    if layout == "zigzag":
+        S += S % 2  # zigzag needs an even S_local
+    Hq, Hkv = heads
+    world = mkernel.World.emulated(W)
+    q, k, v, dout = _inputs(W, B, S, Hq, Hkv, seed=seed)
+    out, lse = ring_attention(q, k, v, world, causal=causal, layout=layout)
+    sched = mkernel.Schedule(overlap=overlap, sms=sms, seed=seed)
+    what = f"W={W} B={B} S={S} Hq={Hq} Hkv={Hkv} causal={causal} {layout} {overlap} sms={sms}"
+    args = (dout, q, k, v, out, lse, world)
+    got = ring_attention_backward(*args, causal=causal, layout=layout, schedule=sched)
+    _assert_grads(got, q, k, v, dout, out, lse, causal, 1 / 8, layout, what)
+    _assert_workspace_zero(world)
+    # the same interleaving again gives the same bits (nothing of the first call is left over);
+    # another one may sum the dK / dV contributions in another order (fp32 adds, like red.add)
+    again = ring_attention_backward(*args, causal=causal, layout=layout, schedule=sched)
+    assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True)), f"{what}: 2nd call"
+    _assert_workspace_zero(world)
+
+
+@pytest.mark.parametrize(
+    "W, S, D, layout, causal, scale",
+    [
+        (8, 4, 64, "zigzag", True, None),  # the one W = 8 case: small
+        (2, 20, 128, "zigzag", True, None),
+        (3, 9, 128, "contiguous", False, 0.3),
+    ],
+)
+def test_wide_worlds_head_dim_128_and_scales(W, S, D, layout, causal, scale):
+    q, k, v, dout = _inputs(W, 1, S, 2, 1, D, seed=W + S)
+    world = mkernel.World.emulated(W)
+    out, lse = ring_attention(q, k, v, world, causal=causal, scale=scale, layout=layout)
+    got = ring_attention_backward(dout, q, k, v, out, lse, world, causal, scale, layout)
+    s = 1 / math.sqrt(D) if scale is None else scale
+    _assert_grads(got, q, k, v, dout, out, lse, causal, s, layout, f"W={W} S={S} D={D} {layout}")
+    _assert_workspace_zero(world)
+
+
+# -- autograd and the reference --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_out_backward_is_ring_attention_backward(layout):
+    W, causal = 3, True
+    q, k, v, dout = _inputs(W, 2, 10, 4, 2, seed=3)
+    world = mkernel.World.emulated(W)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ring_attention(*leaves, world, causal=causal, scale=0.2, layout=layout)
+    assert out.requires_grad and out.dtype == torch.bfloat16
+    out.backward(dout)
+    want = ring_attention_backward(
+        dout, q, k, v, out.detach(), lse.detach(), world, causal, 0.2, layout
+    )
+    for leaf, w, name in zip(leaves, want, "qkv", strict=True):
+        assert torch.equal(leaf.grad, w), f"{name}.grad differs from ring_attention_backward"
+    assert_pads_zero(world)
+
+
+def test_the_gradient_of_lse_enters_as_the_softmax():
+    W, S, layout = 2, 12, "zigzag"
+    q, k, v, dout = _inputs(W, 1, S, 2, 1, seed=9)
+    dlse = torch.randn(W, 1, 2, S, generator=torch.Generator().manual_seed(1))
+    world = mkernel.World.emulated(W)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ring_attention(*leaves, world, causal=True, layout=layout)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    got = [x.grad for x in leaves]
+    _assert_grads(got, q, k, v, dout, out.detach(), lse.detach(), True, 1 / 8, layout, "dlse", dlse)
+    # lse alone: dout is None in the Function's backward
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    _, lse = ring_attention(*leaves, world, causal=True, layout=layout)
+    lse.backward(dlse)
+    zero = torch.zeros_like(dout)
+    got = [x.grad for x in leaves]
+    _assert_grads(got, q, k, v, zero, out.detach(), lse.detach(), True, 1 / 8, layout, "lse", dlse)
+
+
+def test_attention_is_differentiable():
+    q, k, v, dout = _inputs(1, 1, 21, 2, 2, seed=4)
+    leaves = [x[0].clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention(*leaves, causal=True)
+    out.backward(dout[0])
+    world = mkernel.World.emulated(1)
+    ring = ring_attention(q, k, v, world, causal=True)
+    want = ring_attention_backward(dout, q, k, v, *ring, world, causal=True)
+    for leaf, w in zip(leaves, want, strict=True):
+        assert torch.equal(leaf.grad, w[0])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_agrees_with_the_formula(layout, causal):
+    assert mkernel.reference.ring_attention_backward is rb.reference
+    q, k, v, dout = _inputs(3, 2, 10, 4, 2, seed=7)
+    world = mkernel.World.emulated(3)
+    out, lse = mkernel.reference.ring_attention(q, k, v, world, causal=causal, layout=layout)
+    got = mkernel.reference.ring_attention_backward(
+        dout, q, k, v, out, lse, world, causal, None, layout
+    )
+    # the reference recomputes out and lse in fp32: the inputs' rounding does not enter
+    x_out, x_lse = mkernel.reference.ring_attention(q, k, v, world, causal=causal, layout=layout)
+    _assert_grads(got, q, k, v, dout, x_out, x_lse, causal, 1 / 8, layout, f"reference {layout}")
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+def _plan(W: int, S: int, causal: bool, layout: str, **sched):
+    world = mkernel.World.emulated(W)
+    q, k, v, dout = _inputs(W, 1, S, 2, 1)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(W, 1, 2, S)
+    s = rb.shapes(dout, q, k, v, out, lse, world, causal, layout)
+    return mkernel.Schedule(**sched).plan("ring_attention_backward", world, **s)
+
+
+def _comm(plan, r: int, kind: int):
+    return [t for t in plan.roles["comm"].tasks[r] if t.args[1] == kind]
+
+
+def test_contiguous_causal_partials_go_down_the_ring_and_home():
+    W = 4
+    plan = _plan(W, 20, True, "contiguous")
+    for r in range(W):  # rank r holds blocks r, r-1, .., 0 at steps 0..r
+        grads = _comm(plan, r, rb.GRAD)
+        dests = {t.args[0]: (t.raises[0].rank, t.raises[0].index) for t in grads}
+        want = {s: (r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
+        if r == W - 1:  # the last rank returns each block's gradient to its owner (slot 0)
+            want = {s: (r - s, (0,)) for s in range(1, r + 1)}
+        assert dests == want, f"rank {r}"
+        (finish,) = _comm(plan, r, rb.FINISH)
+        pad = "computed" if r == W - 1 else "dlanded"  # the last rank's block stays at home
+        assert [(w.pad, w.index) for w in finish.waits] == [(pad, (0,))]
+
+
+def test_every_grad_send_waits_for_all_its_steps_contributions():
+    W = 3
+    plan = _plan(W, 20, False, "zigzag")
+    for r in range(W):
+        computes = plan.roles["compute"].tasks[r]
+        for t in _comm(plan, r, rb.GRAD):
+            s = t.args[0]
+            n = sum(c.args[1] == s for c in computes)
+            (w,) = [w for w in t.waits if w.pad == "computed"]
+            assert (w.index, w.value) == ((s,), n)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_named_before_anything_runs():
+    W = 2
+    q, k, v, dout = _inputs(W, 1, 6, 4, 2)
+    world = mkernel.World.emulated(W)
+    out, lse = torch.zeros_like(q), torch.zeros(W, 1, 4, 6)
+    cases = [
+        (dict(dout=dout.float()), TypeError, "dout must be torch.bfloat16"),
+        (dict(dout=dout[:, :, :4].contiguous()), ValueError, "dout has shape"),
+        (dict(dout="g"), TypeError, "dout must be a torch.Tensor"),
+        (dict(out=out.half()), TypeError, "out must be torch.bfloat16"),
+        (dict(out=out[..., :2, :].contiguous()), ValueError, "out has shape"),
+        (dict(lse=lse.bfloat16()), TypeError, "lse must be torch.float32"),
+        (dict(lse=lse[..., :5].contiguous()), ValueError, "lse must have shape"),
+        (dict(lse=lse.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "lse must be con"),
+        (dict(lse=None), TypeError, "lse must be a torch.Tensor"),
+        (dict(q=q.float()), TypeError, "q must be torch.bfloat16"),
+        (dict(k=k[:, :, :4].contiguous(), v=v[:, :, :4].contiguous()), ValueError, "k is "),
+        (dict(layout="ring"), ValueError, "layout must be one of"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(scale=-1.0), ValueError, "scale must be a positive"),
+        (dict(world=3), TypeError, "world must be an mkernel.World"),
+        (dict(schedule="fast"), TypeError, "schedule must be an mkernel.Schedule"),
+    ]
+    for change, exc, match in cases:
+        args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, world=world) | change
+        with pytest.raises(exc, match=match):
+            ring_attention_backward(**args)
+    assert world._plans == {} and world.signal_pads() == {}, "a bad call built or ran something"
+
+
+# -- planted protocol mistakes ---------------------------------------------------------------------
+
+
+def _run(W, S, layout, causal, *, edit=None, calls=1, seed=0):
+    """One fresh backward plan through run_plan as the API runs it; ``edit(tasks)`` changes a deep
+    copy of the tasks ({role: [W][...]})."""
+    world = mkernel.World.emulated(W)
+    q, k, v, dout = _inputs(W, 1, S, 2, 1, seed=seed)
+    out, lse = ring_attention(q, k, v, world, causal=causal, layout=layout)
+    sched = mkernel.Schedule(overlap="intra_sm", sms=3, seed=seed)
+    shapes = rb.shapes(dout, q, k, v, out, lse, world, causal, layout)
+    plan = rb.make_plan(sched, world, **shapes)
+    if edit is not None:
+        tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
+        edit(tasks)
+        plan = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
+    grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
+    ws = common.workspace(world, plan)
+    views = rb.operands(plan, dout, q, k, v, out, lse, torch.zeros_like(lse), *grads)
+    buffers = views | {name: b.local for name, b in ws.items() if b is not None}
+    reads = lambda rank: rb.outputs(plan, rank)  # noqa: E731
+    program.run_plan(world, plan, buffers, rb.twins_of(plan), seed, reads, calls=calls)
+    return grads, world, (q, k, v, dout, out, lse)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_unchanged_plan_passes_over_two_calls(layout):
+    got, world, (q, k, v, dout, out, lse) = _run(4, 20, layout, True, calls=2)
+    _assert_grads(got, q, k, v, dout, out, lse, True, 1 / 8, layout, "two calls")
+    _assert_workspace_zero(world)
+
+
+def _drop(pad: str, rank: int, kind: int, step: int):
+    def edit(tasks):
+        for t in tasks["comm"][rank]:
+            if t.args[:2] == (step, kind):
+                t.waits = tuple(w for w in t.waits if w.pad != pad)
+
+    return edit
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_partial_sent_before_its_step_is_computed_is_a_race(seed):
+    with pytest.raises(RaceError, match="dkv_acc"):
+        _run(3, 20, "contiguous", False, edit=_drop("computed", 1, rb.GRAD, 1), seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_partial_sent_before_the_previous_one_landed_is_a_race(seed):
+    with pytest.raises(RaceError, match="dkv_acc"):
+        _run(3, 20, "zigzag", True, edit=_drop("dlanded", 2, rb.GRAD, 1), seed=seed)
+
+
+def test_a_finish_that_does_not_wait_for_its_gradient_is_a_race():
+    with pytest.raises(RaceError, match="dkv_acc"):
+        _run(2, 20, "contiguous", False, edit=_drop("dlanded", 0, rb.FINISH, 0))
+
+
+def test_a_dk_tile_never_stored_is_reported(monkeypatch):
+    store = twins.output_store
+
+    def no_dk(ctx, buf, rank, rect, value, tile):
+        if buf == "dk":
+            return (yield from twins.bulk_wait_read(ctx))
+        return (yield from store(ctx, buf, rank, rect, value, tile))
+
+    monkeypatch.setattr(twins, "output_store", no_dk)
+    with pytest.raises(TileWriteError, match="tile never written"):
+        _run(2, 20, "zigzag", True)
