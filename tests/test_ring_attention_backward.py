@@ -412,3 +412,14 @@ def test_a_dk_tile_never_stored_is_reported(monkeypatch):
     monkeypatch.setattr(twins, "output_store", no_dk)
     with pytest.raises(TileWriteError, match="tile never written"):
         _run(2, 20, "zigzag", True)
+
+
+def test_a_late_rank_changes_nothing():
+    W, S, layout = 3, 12, "zigzag"
+    q, k, v, dout = _inputs(W, 1, S, 2, 1, seed=11)
+    world = mkernel.World.emulated(W)
+    out, lse = ring_attention(q, k, v, world, causal=True, layout=layout)
+    late = mkernel.Schedule(faults=mkernel.Faults(delay_rank=1, delay_us=200), seed=2)
+    got = ring_attention_backward(dout, q, k, v, out, lse, world, True, None, layout, late)
+    _assert_grads(got, q, k, v, dout, out, lse, True, 1 / 8, layout, "rank 1 late")
+    _assert_workspace_zero(world)
