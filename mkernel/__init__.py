@@ -2,8 +2,8 @@
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
 (``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE pair
-``moe_dispatch_gemm`` / ``moe_gemm_combine`` and ``ring_attention`` / ``attention``, CPU interpreter
-only so far), their unfused references
+``moe_dispatch_gemm`` / ``moe_gemm_combine``, ``ring_attention`` / ``attention`` and
+``ring_attention_backward``, CPU interpreter only so far), their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
@@ -17,6 +17,7 @@ from .ops.moe_common import MoeDispatch
 from .ops.moe_dispatch_gemm import moe_dispatch_gemm
 from .ops.moe_gemm_combine import moe_gemm_combine
 from .ops.ring_attention import attention, ring_attention
+from .ops.ring_attention_backward import ring_attention_backward
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
 from .world import World
 
@@ -36,6 +37,7 @@ __all__ = [
     "MoeDispatch",
     "ring_attention",
     "attention",
+    "ring_attention_backward",
     "reference",
     "CommTimeout",
     "DeadlockError",
