@@ -32,6 +32,20 @@ def disable_multicast() -> None:
 disable_multicast()
 
 
+def default_nodes(size: int) -> int:
+    """One node per host: W // LOCAL_WORLD_SIZE when the launcher (torchrun) sets it, else 1."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1 or size % int(local):
+        return 1
+    return size // int(local)
+
+
+def _check_nodes(ranks: int, nodes: Any) -> int:
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or ranks % nodes:
+        raise ValueError(f"nodes must be a positive int dividing ranks={ranks}, got {nodes!r}")
+    return nodes
+
+
 @dataclass
 class SymBuffer:
     """A symmetric buffer: the same shape on every rank, each rank able to address every peer's.
@@ -77,8 +91,7 @@ class World:
         many equal virtual nodes. ``timeout_s`` bounds every wait."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be a positive int, got {ranks!r}")
-        if not isinstance(nodes, int) or nodes < 1 or ranks % nodes:
-            raise ValueError(f"nodes must be a positive int dividing ranks={ranks}, got {nodes!r}")
+        _check_nodes(ranks, nodes)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         try:
@@ -95,10 +108,13 @@ class World:
         return World(size=ranks, device=dev, kind="emulated", nodes=nodes, timeout_s=timeout_s)
 
     @staticmethod
-    def from_process_group(group: Any = None, timeout_s: float = 5.0) -> World:
+    def from_process_group(
+        group: Any = None, timeout_s: float = 5.0, nodes: int | None = None
+    ) -> World:
         """One process per GPU: the world of ``group`` (default: the default process group).
         Symmetric buffers come from ``torch.distributed._symmetric_memory`` with multicast
-        disabled."""
+        disabled. ``nodes`` (default: one node per host, W // LOCAL_WORLD_SIZE from the launcher,
+        else 1) splits the ranks into equal contiguous nodes."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -107,10 +123,13 @@ class World:
         if not torch.cuda.is_available():
             raise ValueError("a distributed world needs a CUDA device per process")
         dev = torch.device("cuda", torch.cuda.current_device())
+        size = dist.get_world_size(group)
+        nodes = _check_nodes(size, default_nodes(size) if nodes is None else nodes)
         return World(
-            size=dist.get_world_size(group),
+            size=size,
             device=dev,
             kind="distributed",
+            nodes=nodes,
             rank=dist.get_rank(group),
             group=group,
             timeout_s=timeout_s,
@@ -150,6 +169,10 @@ class World:
         return self.size // self.nodes
 
     def node_of(self, rank: int) -> int:
+        """The node of ``rank``: ranks split into ``nodes`` equal contiguous groups. Within a node
+        device code stores into peers directly; across nodes data moves only by rdma_put."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.size:
+            raise ValueError(f"rank must be an int in [0, {self.size}), got {rank!r}")
         return rank // self.ranks_per_node
 
     def __repr__(self) -> str:

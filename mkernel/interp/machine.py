@@ -46,13 +46,14 @@ Rect = tuple[int, int, int, int]  # row0, rows, col0, cols
 
 @dataclass
 class Wait:
-    """Yielded by wait twins: block until ``pad[rank][index] == value``, then acquire (and
-    reset)."""
+    """Yielded by wait twins: block until ``pad[rank][index] == value`` (``>= value`` with
+    ``at_least``: a monotonic counter such as a ring's head or tail), then acquire (and reset)."""
 
     sig: SigRef
     value: int
     reset: bool
     peer: int
+    at_least: bool = False
 
 
 @dataclass
@@ -156,8 +157,14 @@ class Machine:
         buffers: dict[str, torch.Tensor],
         seed: int = 0,
         deadline_steps: int = 1_000_000,
+        nodes: int = 1,
     ) -> None:
         self.W = world_size
+        if nodes < 1 or world_size % nodes:
+            raise ValueError(f"nodes must be a positive int dividing {world_size}, got {nodes!r}")
+        # NOTE: ranks split into equal contiguous nodes; a plain peer access across nodes is an
+        # error (twins.py), only the rdma proxy (rdma.py) moves data between nodes.
+        self.nodes = nodes
         self.pads = pads  # name -> int32 [W, ...] (the world's real signal pads)
         self.buffers = buffers  # name -> [W, rows, cols] data tensors (fp32 / bf16)
         self.rng = random.Random(seed)
@@ -311,7 +318,8 @@ class Machine:
             return False
         if a.blocked is not None:
             w = a.blocked
-            return int(self.pads[w.sig.pad][w.sig.rank][w.sig.index]) == w.value
+            v = int(self.pads[w.sig.pad][w.sig.rank][w.sig.index])
+            return v >= w.value if w.at_least else v == w.value
         return a.wake_at <= self.step
 
     def _resume(self, a: Agent) -> None:
@@ -346,6 +354,9 @@ class Machine:
             if a.blocked is not None  # the others wait for their previous call to end
         ]
         raise DeadlockError(sorted(waiters))
+
+    def node_of(self, rank: int) -> int:
+        return rank // (self.W // self.nodes)
 
     # -- ordering -------------------------------------------------------------------------------
     def _acquire(self, a: Agent, sig: SigRef) -> None:

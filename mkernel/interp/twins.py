@@ -15,7 +15,10 @@ Protocol (same as the device):
   to 0, which is how signal pads reset themselves for the next call;
 - a TMA load (``tile_load_async``) of data written by plain stores reads through the async proxy:
   the consumer runs ``fence_proxy_async`` between the wait and the load;
-- every wait is bounded by the deadline and names its peer.
+- every wait is bounded by the deadline and names its peer;
+- device code holds peer pointers only within its node: a data access or signal raise on a rank of
+  another node (``Machine(nodes=N)``) is a PlanError "cross-node access"; across nodes data moves
+  only through ``rdma.rdma_put`` and the node's proxy.
 """
 
 from __future__ import annotations
@@ -25,9 +28,25 @@ from typing import Any
 
 import torch
 
+from ..errors import PlanError
 from .machine import STEP, Ctx, Rect, SigRef, Sleep, Wait
 
 Gen = Generator[Any, Any, Any]
+
+
+def _same_node(ctx: Ctx, rank: int, what: str) -> None:
+    """A peer pointer exists only within a node (one node: always)."""
+    m, a = ctx.m, ctx.agent
+    if m.node_of(rank) != m.node_of(a.rank):
+        raise PlanError(
+            "cross-node access",
+            a.rank,
+            a.task,
+            f"{what} on rank {rank} (node {m.node_of(rank)}) from node {m.node_of(a.rank)}",
+            "no peer pointer into another node: use rdma_put",
+            role=a.role,
+            unit=a.unit,
+        )
 
 
 def _view(ctx: Ctx, buf: str, rank: int, rect: Rect) -> torch.Tensor:
@@ -37,6 +56,7 @@ def _view(ctx: Ctx, buf: str, rank: int, rect: Rect) -> torch.Tensor:
 
 def tile_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     """Read a tile of ``buf`` on ``rank`` (local or peer) into registers/shared memory."""
+    _same_node(ctx, rank, f"{buf}[{rank}]")
     ctx.m.access(ctx.agent, buf, rank, rect, "r")
     value = _view(ctx, buf, rank, rect).clone()
     yield STEP
@@ -46,6 +66,7 @@ def tile_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
 def tile_load_async(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     """TMA load of a tile of ``buf`` on ``rank``: reads through the async proxy, so plain (generic)
     writes are seen only if this agent ran ``fence_proxy_async`` after the wait that orders them."""
+    _same_node(ctx, rank, f"{buf}[{rank}]")
     ctx.m.access(ctx.agent, buf, rank, rect, "r", proxy="async")
     value = _view(ctx, buf, rank, rect).clone()
     yield STEP
@@ -61,6 +82,7 @@ def fence_proxy_async(ctx: Ctx) -> Gen:
 
 def tile_send(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
     """Copy a tile into ``buf`` on ``peer``, complete when it returns (device: plain stores)."""
+    _same_node(ctx, peer, f"{buf}[{peer}]")
     ctx.m.access(ctx.agent, buf, peer, rect, "w")
     dst = _view(ctx, buf, peer, rect)
     dst.copy_(value.to(dst.dtype))
@@ -76,6 +98,7 @@ def peer_store(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -
 def reduce_add(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
     """Add a tile into ``buf`` on ``peer`` at the destination (device: red.global.add);
     concurrent reduce-adds into the same tile commute."""
+    _same_node(ctx, peer, f"{buf}[{peer}]")
     ctx.m.access(ctx.agent, buf, peer, rect, "add")
     dst = _view(ctx, buf, peer, rect)
     dst.add_(value.to(dst.dtype))
@@ -91,6 +114,7 @@ def output_store(ctx: Ctx, buf: str, rank: int, rect: Rect, value: torch.Tensor,
 def tile_send_bulk(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
     """Issue a TMA bulk copy of a tile into ``buf`` on ``peer``: nothing lands until this agent's
     ``bulk_wait_all`` (or its end), ordered by what the agent's clock orders then."""
+    _same_node(ctx, peer, f"{buf}[{peer}]")
     ctx.m.issue_bulk(ctx.agent, buf, peer, rect, value, "w")
     yield STEP
 
@@ -98,6 +122,7 @@ def tile_send_bulk(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tenso
 def reduce_add_bulk(ctx: Ctx, buf: str, peer: int, rect: Rect, value: torch.Tensor) -> Gen:
     """Issue a TMA reduce-add (cp.reduce.async.bulk .add) of a tile into ``buf`` on ``peer``;
     lands like ``tile_send_bulk``."""
+    _same_node(ctx, peer, f"{buf}[{peer}]")
     ctx.m.issue_bulk(ctx.agent, buf, peer, rect, value, "add")
     yield STEP
 
@@ -116,30 +141,35 @@ def bulk_wait_read(ctx: Ctx) -> Gen:
 def signal_set_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.release.sys: every earlier write of this agent is visible to whoever acquires the
     value."""
+    _same_node(ctx, sig.rank, f"signal {sig}")
     ctx.m.signal(ctx.agent, sig, "set", value, release=True)
     yield STEP
 
 
 def signal_add_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """red.release.sys.add: like signal_set_release, for counters raised by several producers."""
+    _same_node(ctx, sig.rank, f"signal {sig}")
     ctx.m.signal(ctx.agent, sig, "add", value, release=True)
     yield STEP
 
 
 def signal_set_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.relaxed.sys: sets the value, orders nothing (an acquirer of it gains no ordering)."""
+    _same_node(ctx, sig.rank, f"signal {sig}")
     ctx.m.signal(ctx.agent, sig, "set", value, release=False)
     yield STEP
 
 
 def signal_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """red.relaxed.sys.add: adds, orders none of this agent's writes."""
+    _same_node(ctx, sig.rank, f"signal {sig}")
     ctx.m.signal(ctx.agent, sig, "add", value, release=False)
     yield STEP
 
 
 def fetch_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """atomicAdd (relaxed): adds in one step and returns the old value (e.g. a work ticket)."""
+    _same_node(ctx, sig.rank, f"signal {sig}")
     old = ctx.m.signal(ctx.agent, sig, "add", value, release=False)
     yield STEP
     return old
