@@ -539,8 +539,8 @@ MUTATIONS = [
     Mutation(
         "twin_load_async_generic",
         TWINS,
-        'ctx.m.access(ctx.agent, buf, rank, rect, "r", proxy="async")',
-        'ctx.m.access(ctx.agent, buf, rank, rect, "r")',
+        'value = _load(ctx, buf, rank, rect, "async")',
+        'value = _load(ctx, buf, rank, rect, "generic")',
         "TMA load twin reads through the generic proxy",
     ),
     # -- trace -------------------------------------------------------------------------------------

@@ -54,11 +54,15 @@ def _view(ctx: Ctx, buf: str, rank: int, rect: Rect) -> torch.Tensor:
     return ctx.m.buffers[buf][rank, r0 : r0 + nr, c0 : c0 + nc]
 
 
+def _load(ctx: Ctx, buf: str, rank: int, rect: Rect, proxy: str) -> torch.Tensor:
+    _same_node(ctx, rank, f"{buf}[{rank}]")
+    ctx.m.access(ctx.agent, buf, rank, rect, "r", proxy=proxy)
+    return _view(ctx, buf, rank, rect).clone()
+
+
 def tile_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     """Read a tile of ``buf`` on ``rank`` (local or peer) into registers/shared memory."""
-    _same_node(ctx, rank, f"{buf}[{rank}]")
-    ctx.m.access(ctx.agent, buf, rank, rect, "r")
-    value = _view(ctx, buf, rank, rect).clone()
+    value = _load(ctx, buf, rank, rect, "generic")
     yield STEP
     return value
 
@@ -66,9 +70,7 @@ def tile_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
 def tile_load_async(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     """TMA load of a tile of ``buf`` on ``rank``: reads through the async proxy, so plain (generic)
     writes are seen only if this agent ran ``fence_proxy_async`` after the wait that orders them."""
-    _same_node(ctx, rank, f"{buf}[{rank}]")
-    ctx.m.access(ctx.agent, buf, rank, rect, "r", proxy="async")
-    value = _view(ctx, buf, rank, rect).clone()
+    value = _load(ctx, buf, rank, rect, "async")
     yield STEP
     return value
 
@@ -138,39 +140,39 @@ def bulk_wait_read(ctx: Ctx) -> Gen:
     yield STEP
 
 
+def _signal(ctx: Ctx, sig: SigRef, op: str, value: int, release: bool) -> int:
+    _same_node(ctx, sig.rank, f"signal {sig}")
+    return ctx.m.signal(ctx.agent, sig, op, value, release=release)
+
+
 def signal_set_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.release.sys: every earlier write of this agent is visible to whoever acquires the
     value."""
-    _same_node(ctx, sig.rank, f"signal {sig}")
-    ctx.m.signal(ctx.agent, sig, "set", value, release=True)
+    _signal(ctx, sig, "set", value, release=True)
     yield STEP
 
 
 def signal_add_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """red.release.sys.add: like signal_set_release, for counters raised by several producers."""
-    _same_node(ctx, sig.rank, f"signal {sig}")
-    ctx.m.signal(ctx.agent, sig, "add", value, release=True)
+    _signal(ctx, sig, "add", value, release=True)
     yield STEP
 
 
 def signal_set_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.relaxed.sys: sets the value, orders nothing (an acquirer of it gains no ordering)."""
-    _same_node(ctx, sig.rank, f"signal {sig}")
-    ctx.m.signal(ctx.agent, sig, "set", value, release=False)
+    _signal(ctx, sig, "set", value, release=False)
     yield STEP
 
 
 def signal_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """red.relaxed.sys.add: adds, orders none of this agent's writes."""
-    _same_node(ctx, sig.rank, f"signal {sig}")
-    ctx.m.signal(ctx.agent, sig, "add", value, release=False)
+    _signal(ctx, sig, "add", value, release=False)
     yield STEP
 
 
 def fetch_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """atomicAdd (relaxed): adds in one step and returns the old value (e.g. a work ticket)."""
-    _same_node(ctx, sig.rank, f"signal {sig}")
-    old = ctx.m.signal(ctx.agent, sig, "add", value, release=False)
+    old = _signal(ctx, sig, "add", value, release=False)
     yield STEP
     return old
 
