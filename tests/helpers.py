@@ -101,13 +101,17 @@ def assert_close_exact(
     o = out.double()
     assert not torch.isnan(o).any(), f"{what}: NaN in the result (an unwritten tile)"
     acc = (terms + 2) * U_FP32 * 1.01 * mag
-    tol = U_BF16 * exact.abs() + (1 + U_BF16) * acc
-    err = (o - exact).abs()
-    bad = err > tol
+    assert_within(o, exact, U_BF16 * exact.abs() + (1 + U_BF16) * acc, what)
+
+
+def assert_within(got: torch.Tensor, exact: torch.Tensor, tol: torch.Tensor, what: str) -> None:
+    """Elementwise |got - exact| <= tol (exact: fp64 from the test); the failure names how many
+    elements are off and the first one, with its value, the exact value and its tolerance."""
+    bad = (got.double() - exact).abs() > tol
     if bad.any():
         i = tuple(int(x) for x in bad.nonzero()[0])
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {bad.numel()} elements off the fp64 value; first at "
-            f"{list(i)}: got {o[i].item():.6g}, exact {exact[i].item():.6g}, "
+            f"{list(i)}: got {got[i].item():.6g}, exact {exact[i].item():.6g}, "
             f"tol {tol[i].item():.3g}"
         )

@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 import mkernel
 from mkernel.errors import RaceError, TileWriteError
@@ -23,7 +21,9 @@ from mkernel.ops import ring_attention_backward as rb
 from mkernel.ops.ring_attention import attention, ring_attention
 from mkernel.ops.ring_attention_backward import ring_attention_backward
 from mkernel.protocol import RoleTables
-from tests.helpers import U_BF16, U_FP32, assert_pads_zero
+from tests.helpers import U_BF16, U_FP32, assert_pads_zero, assert_within
+from tests.test_ring_attention import _positions as rank_positions
+from tests.test_ring_attention import ring_cases
 
 
 def _inputs(W: int, B: int, S: int, Hq: int, Hkv: int, D: int = 64, seed: int = 0):
@@ -37,12 +37,8 @@ def _inputs(W: int, B: int, S: int, Hq: int, Hkv: int, D: int = 64, seed: int = 
 
 
 def _positions(W: int, S: int, layout: str) -> torch.Tensor:
-    """Global positions of the rank-major rows, as issue 12 defines the layouts."""
-    if layout == "contiguous":
-        return torch.arange(W * S)
-    h = S // 2
-    chunk = [list(range(c * h, (c + 1) * h)) for c in range(2 * W)]
-    return torch.tensor([p for r in range(W) for p in chunk[r] + chunk[2 * W - 1 - r]])
+    """Global positions of the rank-major rows (the forward test's, flattened)."""
+    return torch.tensor([p for rank in rank_positions(W, S, layout) for p in rank])
 
 
 def _exact(q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dlse=None):
@@ -120,14 +116,7 @@ def _assert_grads(got, q, k, v, dout, out, lse, causal, scale, layout, what, dls
     for name, g, x, (exact, tol) in zip("dq dk dv".split(), got, (q, k, v), want, strict=True):
         assert g.shape == x.shape and g.dtype == torch.bfloat16, f"{what}: {name}"
         assert not torch.isnan(g.float()).any(), f"{what}: NaN in {name} (an unwritten tile)"
-        bad = (g.double() - exact).abs() > tol
-        if bad.any():
-            i = tuple(int(j) for j in bad.nonzero()[0])
-            raise AssertionError(
-                f"{what}: {name}: {int(bad.sum())} of {bad.numel()} off the fp64 value; first at "
-                f"{list(i)}: got {g[i].item():.6g}, exact {exact[i].item():.6g}, "
-                f"tol {tol[i].item():.3g}"
-            )
+        assert_within(g, exact, tol, f"{what}: {name}")
 
 
 def _assert_workspace_zero(world) -> None:
@@ -137,32 +126,7 @@ def _assert_workspace_zero(world) -> None:
             assert not b.local.any(), "dkv_acc not back to zero"
 
 
-@settings(max_examples=20)
-@given(
-    W=st.integers(1, 4),
-    B=st.integers(1, 2),
-    S=st.integers(1, 20),
-    heads=st.sampled_from([(4, 2), (4, 1), (2, 2), (1, 1)]),
-    causal=st.booleans(),
-    layout=st.sampled_from(["contiguous", "zigzag"]),
-    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
-    sms=st.integers(2, 6),
-    seed=st.integers(0, 2**16),
-)
-@example(
-    W=4, B=1, S=18, heads=(4, 2), causal=True, layout="zigzag", overlap="intra_sm", sms=3, seed=0
-)
-@example(
-    W=3,
-    B=2,
-    S=17,
-    heads=(4, 1),
-    causal=True,
-    layout="contiguous",
-    overlap="inter_sm",
-    sms=4,
-    seed=1,
-)
+@ring_cases(max_examples=20)
 def test_every_rank_gets_its_gradients(W, B, S, heads, causal, layout, overlap, sms, seed):
     if layout == "zigzag":
         S += S % 2  # zigzag needs an even S_local
