@@ -60,17 +60,29 @@ from . import common
 Q_TILE = 16  # query rows per compute task (the GPU engine's would be 64 or 128)
 LAYOUTS = ("contiguous", "zigzag")
 HEAD_DIMS = (64, 128)
+# Declarations the backward (ring_attention_backward.py) shares: the inputs, the K/V ring's two
+# slots per rank and its landed / free signals.
+QKV = (
+    Buffer("q", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
+    Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+    Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+)
+KV_RING = (
+    Buffer("k_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 K slots"),
+    Buffer("v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 V slots"),
+)
+RING_PADS = (
+    Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
+    Pad("free", ("step",), ("W",), doc="my successor's readers of its step's slot are done"),
+)
 SPEC = OpSpec(
     name="ring_attention",
     doc="ring attention forward: K/V blocks travel the ring, online softmax per q tile",
     buffers=(
-        Buffer("q", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
-        Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-        Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        *QKV,
         Buffer("out", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("lse", "output", torch.float32, ("lse_rows", "seq"), "[B * Hq, S]"),
-        Buffer("k_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 K slots"),
-        Buffer("v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 V slots"),
+        *KV_RING,
         Buffer(
             "state",
             "symmetric",
@@ -80,8 +92,7 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        Pad("landed", ("step",), ("W",), counted=True, doc="the block of step is in my slot"),
-        Pad("free", ("step",), ("W",), doc="my successor's readers of its step's slot are done"),
+        *RING_PADS,
         Pad(
             "merged",
             ("qtile", "step", "kv"),

@@ -64,17 +64,14 @@ SPEC = OpSpec(
     doc="ring attention backward: K/V travel the ring, fp32 dK/dV partials travel with them",
     buffers=(
         Buffer("dout", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
-        Buffer("q", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
-        Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-        Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
+        *fwd.QKV,
         Buffer("out", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("lse", "input", torch.float32, ("lse_rows", "seq"), "[B * Hq, S]"),
         Buffer("dlse", "input", torch.float32, ("lse_rows", "seq"), "grad of lse (zeros: none)"),
         Buffer("dq", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("dk", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
         Buffer("dv", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-        Buffer("k_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 K slots"),
-        Buffer("v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 V slots"),
+        *fwd.KV_RING,
         Buffer(
             "state", "symmetric", torch.float32, ("state_rows", "state_cols"), "dQ acc [D], delta"
         ),
@@ -87,8 +84,7 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
-        Pad("free", ("step",), ("W",), doc="my successor's readers of its step's slot are done"),
+        *fwd.RING_PADS,
         Pad(
             "merged",
             ("qtile", "step", "kv"),
