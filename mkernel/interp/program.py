@@ -157,11 +157,12 @@ def run_plan(
         for t in ts
     }
     filled: dict[tuple[int, int, str], list[Task]] = {}  # (call, rank, role) -> the layout's tasks
+    laid_by_id: dict[tuple[int, int, str, int], Task] = {}  # the same, by (call, rank, role, id)
 
     def find(ctx, role: str, task_id: int) -> Task:
         if role not in device_roles:
             return by_id[(role, ctx.rank, task_id)]
-        return next(t for t in filled[(ctx.agent.call, ctx.rank, role)] if t.id == task_id)
+        return laid_by_id[(ctx.agent.call, ctx.rank, role, task_id)]
 
     def layout_phase(ctx, slot: int):
         flag = sig(BARRIER_PAD, ctx.rank, ctx.rank)  # barrier[0, rank]: no entry-barrier flag
@@ -180,6 +181,7 @@ def run_plan(
                         f"{waits} waits, {raises} raises: over the plan's {cap}"
                     )
                 filled[(ctx.agent.call, ctx.rank, role)] = tasks
+                laid_by_id.update({(ctx.agent.call, ctx.rank, role, t.id): t for t in tasks})
             if readers > 0:
                 yield from twins.signal_set_release(ctx, flag, 1)
         else:
