@@ -11,6 +11,7 @@ from ..errors import CommTimeout
 from ..protocol import (
     BARRIER_PAD,
     MAX_BARRIER_SLOTS,
+    OpSpec,
     buffer_shape,
     pad_shape,
 )
@@ -27,6 +28,20 @@ ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pai
 def check_world(world: Any) -> World:
     if not isinstance(world, World):
         raise TypeError(f"world must be an mkernel.World, got {type(world).__name__}")
+    return world
+
+
+def check_world_for(spec: OpSpec, world: Any) -> World:
+    """check_world, and for an op with no device kernel yet (``spec.device`` False) a CPU emulated
+    world: its plan runs only in the interpreter."""
+    world = check_world(world)
+    if not spec.device and world.on_gpu:
+        raise NotImplementedError(
+            f"{spec.name} has no GPU kernel yet: it runs in the CPU interpreter "
+            "(World.emulated(W), device='cpu')"
+        )
+    if not spec.device and not world.emulated_world:
+        raise NotImplementedError(f"{spec.name} runs in emulated worlds only (World.emulated(W))")
     return world
 
 
@@ -187,12 +202,7 @@ def run_op(
     runs; then the cached plan on the GPU (``run_gpu``, then the op's optional ``after_gpu``) or
     in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
     tiles the kernel end reads (``module.outputs(plan, rank)``)."""
-    world = check_world(world)
-    if world.on_gpu and not module.SPEC.device:
-        raise NotImplementedError(
-            f"{module.SPEC.name} has no GPU kernel yet: it runs in the CPU interpreter "
-            "(World.emulated(W), device='cpu')"
-        )
+    world = check_world_for(module.SPEC, world)
     schedule = check_schedule(schedule)
     s = module.shapes(*inputs.values(), world)
     check_faults(schedule, world)

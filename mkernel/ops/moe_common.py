@@ -154,19 +154,6 @@ def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Te
 # -- checks (before anything runs) ----------------------------------------------------------------
 
 
-def check_cpu_world(world: Any, op: str) -> World:
-    """The MoE ops run in the CPU interpreter of an emulated world only (no device kernel yet)."""
-    from .common import check_world
-
-    world = check_world(world)
-    if world.on_gpu or not world.emulated_world:
-        raise NotImplementedError(
-            f"{op} has no GPU kernel yet: it runs in the CPU interpreter "
-            "(World.emulated(W), device='cpu')"
-        )
-    return world
-
-
 def check_tensor(
     name: str, t: Any, world: World, form: str, dtypes: tuple[torch.dtype, ...]
 ) -> tuple[int, ...]:

@@ -49,7 +49,6 @@ from .moe_common import (
     Routing,
     Twins,
     check_columns,
-    check_cpu_world,
     check_ids,
     check_tensor,
     dispatch_result,
@@ -132,7 +131,7 @@ def prepare(
 ) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
     """Every check, then what one call runs: the cached plan, the routing (the host knows it in
     the emulated world: it sizes ``y`` and gives src and expert_offsets) and the buffers by name."""
-    world = check_cpu_world(world, SPEC.name)
+    world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(x, topk_ids, w1, world)
     common.check_faults(schedule, world)

@@ -36,7 +36,6 @@ from .moe_common import (
     MoeDispatch,
     Twins,
     check_columns,
-    check_cpu_world,
     check_tensor,
     gemm_tiles,
     max_rows,
@@ -134,7 +133,7 @@ def prepare(
     h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: Any, schedule: Any
 ) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
     """Every check, then the cached plan and the buffers by name of one call."""
-    world = check_cpu_world(world, SPEC.name)
+    world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(h, w2, dispatch, topk_weights, world)
     common.check_faults(schedule, world)

@@ -335,14 +335,7 @@ def ring_attention(
 
         return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
-    world = common.check_world(world)
-    if world.on_gpu and not SPEC.device:
-        raise NotImplementedError(
-            f"{SPEC.name} has no GPU kernel yet: it runs in the CPU interpreter "
-            "(World.emulated(W), device='cpu')"
-        )
-    if not world.emulated_world:
-        raise NotImplementedError(f"{SPEC.name} runs in emulated worlds only (World.emulated(W))")
+    world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(q, k, v, world, causal, layout)
     scale = check_scale(scale, s["head_dim"])

@@ -266,14 +266,7 @@ def run(
     """``ring_attention_backward`` with the gradient of lse too (``dlse``, fp32 like lse, or None):
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
     module = sys.modules[__name__]
-    world = common.check_world(world)
-    if world.on_gpu and not SPEC.device:
-        raise NotImplementedError(
-            f"{SPEC.name} has no GPU kernel yet: it runs in the CPU interpreter "
-            "(World.emulated(W), device='cpu')"
-        )
-    if not world.emulated_world:
-        raise NotImplementedError(f"{SPEC.name} runs in emulated worlds only (World.emulated(W))")
+    world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(dout, q, k, v, out, lse, world, causal, layout)
     scale = fwd.check_scale(scale, s["head_dim"])
