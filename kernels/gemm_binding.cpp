@@ -1,4 +1,5 @@
-// gemm_binding.cpp: pybind11 registration of the plain GEMM launcher (no torch headers).
+// gemm_binding.cpp: pybind11 registration of the plain and the grouped GEMM launchers (no torch
+// headers).
 // kernels/binding.cpp (the package's module) calls register_gemm(m); the dev harness does too.
 //
 // Python view:
@@ -14,6 +15,7 @@
 
 #include "../primitives/gemm/config.cuh"
 #include "gemm_args.h"
+#include "grouped_gemm_args.h"
 
 namespace py = pybind11;
 
@@ -68,4 +70,38 @@ void register_gemm(py::module_& m) {
       py::arg("config"));
   m.def("gemm_last_grid", &gemm_last_grid, "CTAs launched by the last launch_gemm call.");
   m.attr("gemm_num_configs") = mk::gemm::kNumConfigs;
+
+  py::class_<GroupedGemmArgs>(m, "GroupedGemmArgs",
+                              "Arguments of launch_grouped_gemm (pointers as integer addresses).")
+      .def(py::init<>())
+      .def_property(
+          "a", [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.a); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.a = reinterpret_cast<const void*>(v); })
+      .def_property(
+          "b", [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.b); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.b = reinterpret_cast<const void*>(v); })
+      .def_property(
+          "c", [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.c); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.c = reinterpret_cast<void*>(v); })
+      .def_property(
+          "offsets", [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.offsets); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.offsets = reinterpret_cast<const int32_t*>(v); })
+      .def_property(
+          "workspace",
+          [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.workspace); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.workspace = reinterpret_cast<int32_t*>(v); })
+      .def_readwrite("M", &GroupedGemmArgs::M)
+      .def_readwrite("N", &GroupedGemmArgs::N)
+      .def_readwrite("K", &GroupedGemmArgs::K)
+      .def_readwrite("G", &GroupedGemmArgs::G)
+      .def_readwrite("config", &GroupedGemmArgs::config)
+      .def_readwrite("num_sms", &GroupedGemmArgs::num_sms);
+  m.def(
+      "launch_grouped_gemm",
+      [](const GroupedGemmArgs& a, uintptr_t stream) {
+        return launch_grouped_gemm(a, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("args"), py::arg("stream"),
+      "C[rows of g] = A[rows of g] @ B[g] for every group g; returns a GroupedGemmStatus (0 = ok).");
+  m.def("grouped_gemm_status_string", &grouped_gemm_status_string, py::arg("status"));
 }

@@ -1,7 +1,8 @@
 """mkernel: multi-GPU kernels that fuse communication with computation.
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
-(``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE pair
+(``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE
+experts' ``grouped_gemm`` (one GPU, GEMM engine); the MoE pair
 ``moe_dispatch_gemm`` / ``moe_gemm_combine``, ``ring_attention`` / ``attention`` and
 ``ring_attention_backward``, CPU interpreter only so far), their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
@@ -13,6 +14,7 @@ from .ops.ag_gemm import ag_gemm
 from .ops.all_gather import all_gather
 from .ops.gemm_ar import gemm_ar
 from .ops.gemm_rs import gemm_rs
+from .ops.grouped_gemm import grouped_gemm
 from .ops.moe_common import MoeDispatch
 from .ops.moe_dispatch_gemm import moe_dispatch_gemm
 from .ops.moe_gemm_combine import moe_gemm_combine
@@ -32,6 +34,7 @@ __all__ = [
     "ag_gemm",
     "gemm_ar",
     "all_gather",
+    "grouped_gemm",
     "moe_dispatch_gemm",
     "moe_gemm_combine",
     "MoeDispatch",

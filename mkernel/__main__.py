@@ -59,6 +59,11 @@ def bench(name: str, args: list[str]) -> int:
 
         gemm.run()
         return 0
+    if name == "grouped":
+        from .bench import grouped
+
+        grouped.run()
+        return 0
     if name == "host":
         from .bench import host
 
@@ -72,7 +77,7 @@ def bench(name: str, args: list[str]) -> int:
         return 0
     print(
         f"unknown benchmark {name!r} "
-        "(known: gemm, host, p2p; tp runs under torchrun: -m mkernel.bench.tp)",
+        "(known: gemm, grouped, host, p2p; tp runs under torchrun: -m mkernel.bench.tp)",
         file=sys.stderr,
     )
     return 2

@@ -92,6 +92,7 @@ EXTENSION = ExtensionSpec(
         "kernels/binding.cpp",
         "kernels/gemm.cu",
         "kernels/gemm_binding.cpp",
+        "kernels/grouped_gemm.cu",
         "kernels/p2p.cu",
         *_fused_op_sources(),
     ),

@@ -288,6 +288,20 @@ def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     return min(TILE_CONFIGS.values(), key=cost)  # min keeps the first of equal costs
 
 
+def pick_grouped_tile(m: int, n: int, k: int, groups: int, sms: int = 132) -> TileConfig:
+    """pick_tile's rule for a grouped GEMM of ``groups`` groups over m rows in all (their sizes
+    live on the device, so each is taken as the mean m / groups): a group's last m-tile is partial,
+    which favours shorter tiles when groups are small (MoE decode)."""
+    del k
+    rows = max(1, -(-m // max(1, groups)))
+
+    def cost(c: TileConfig) -> Fraction:
+        tiles = groups * -(-rows // c.bm) * -(-n // c.bn)
+        return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
+
+    return min(TILE_CONFIGS.values(), key=cost)
+
+
 def grouped_order(
     tiles_m: int,
     tiles_n: int,

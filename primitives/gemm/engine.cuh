@@ -58,9 +58,13 @@ namespace mk::gemm {
 struct TileTask {
   int m0, n0;      // origin of the tile in C (A rows m0.., B columns n0..)
   int rows, cols;  // valid extent, <= BM, BN
+  int group = 0;   // grouped engines (kGroupedB): which matrix of B's batch the tile multiplies
 };
 
-template <class Cfg>
+// kGroupedB: B is a batch of matrices [G, K, N] (a 3D tensor map, box {64, 64, 1}) and each task
+// names its matrix (TileTask::group): the grouped GEMM of MoE experts. A rows of a tile past its
+// group's last row belong to the next group; they are computed and never stored (rows clips).
+template <class Cfg, bool kGroupedB = false>
 struct Engine {
   using Map = SmemMap<Cfg>;
   using Epi = WarpgroupEpilogue<Cfg::BN, Cfg::EPI_COLS>;
@@ -82,8 +86,9 @@ struct Engine {
 
   struct Params {
     CUtensorMap a, b;  // A [M,K] bf16 row-major, box {64, BM}; B [K,N] bf16 row-major, box {64, 64}
-    int M, N, K;
+    int M, N, K;       // (kGroupedB: B [G,K,N], box {64, 64, 1})
   };
+  static_assert(!kGroupedB || CLUSTER == 1, "grouped B: one CTA per cluster (no B multicast)");
 
   // The persistent template's engine contract (templates/engine_contract.cuh): the task of a plan
   // tile, the destination type, and the whole CTA's entry with its spare warp.
@@ -92,7 +97,7 @@ struct Engine {
   static constexpr int kSpareWarp = 1;  // warps 1..3 of warpgroup 0 take part in nothing
   template <class T>
   __device__ static Task task_of(const T& t) {
-    return Task{t.m0, t.n0, t.rows, t.cols};
+    return Task{t.m0, t.n0, t.rows, t.cols, 0};
   }
 
   // Every thread of the CTA: warpgroup 0 gives registers to the consumers (setmaxnreg is
@@ -194,7 +199,9 @@ struct Engine {
         tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
 #pragma unroll
         for (int c = chunk0; c < chunk0 + kChunks; ++c) {
-          if constexpr (CLUSTER == 1) {
+          if constexpr (kGroupedB) {
+            tma_load_3d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK, t.group);
+          } else if constexpr (CLUSTER == 1) {
             tma_load_2d(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK);
           } else {
             tma_load_2d_multicast(sb + c * Map::kBChunkBytes, &p.b, bar, t.n0 + 64 * c, kb * BK,

@@ -1,6 +1,7 @@
 // tma.cuh: the copy-engine operations the GEMM engine uses (sm_90a).
 //
-// Loads:  tma_load_2d() issues one cp.async.bulk.tensor 2D tile load global -> shared that completes
+// Loads:  tma_load_2d() (tma_load_3d(): a box of one matrix of a batch) issues one
+//         cp.async.bulk.tensor tile load global -> shared that completes
 //         on an mbarrier (the caller announced the bytes with mbar_arrive_expect_tx). Out-of-bounds
 //         elements of the box are zero-filled by the hardware and still count toward the bytes, so a
 //         clipped tile needs no special case. The tensor map must live in param/const/global space
@@ -34,6 +35,17 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* m
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_u32(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Box at (c0 = column, c1 = row, c2 = batch) of a 3D map (a batch of matrices, e.g. one expert's
+// weights per batch index): a box never crosses into the next batch; rows past the matrix zero-fill.
+__device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
 

@@ -1,4 +1,5 @@
-// tensor_map.h: host helper that encodes a CUtensorMap for a 2D bf16 row-major matrix, getting
+// tensor_map.h: host helpers that encode CUtensorMaps for bf16 tensors (a 2D row-major matrix, a
+// batch of them in 3D, or any rank up to 5 with explicit strides), getting
 // cuTensorMapEncodeTiled from the driver through the runtime's entry-point query, so that nothing
 // links libcuda. Header-only; include from host code (.cu or .cpp compiled with the CUDA runtime).
 //
@@ -10,7 +11,9 @@
 // The map addresses element (row, col) at ptr + row * row_pitch + col. Box coordinates passed to the
 // TMA load are {col, row}. Out-of-bounds box elements are zero-filled (OOB_FILL_NONE).
 // Requirements (checked): ptr 16-byte aligned, row_pitch * 2 a multiple of 16, box_cols * 2 <= the
-// swizzle span (when swizzled), box sides in 1..256.
+// swizzle span (when swizzled), box sides in 1..256. make_tensor_map_bf16_3d (a batch of matrices,
+// coordinates {col, row, batch}) and make_tensor_map_bf16_nd (dims innermost first, byte strides of
+// the outer dims) check the same and share one per-thread cache of encoded maps.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -65,12 +68,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 get_encode_tiled() {
   return fn;
 }
 
-inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols,
-                                   uint64_t row_pitch_elems, uint32_t box_rows, uint32_t box_cols,
-                                   int swizzle_bytes) {
-  if (rows < 1 || cols < 1 || rows > (1ull << 32) || cols > (1ull << 32)) return kTensorMapBadShape;
+// Rank-N bf16 tensor map (N in 1..5): dims[0] is the contiguous dimension; strides_bytes[i] is the
+// pitch of dimension i+1 in bytes (a multiple of 16); box[i] in 1..256 elements; OOB zero fill.
+inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
+                                   const uint64_t* dims, const uint64_t* strides_bytes,
+                                   const uint32_t* box, int swizzle_bytes) {
+  constexpr int kMaxRank = 5;
+  if (rank < 1 || rank > kMaxRank) return kTensorMapBadShape;
+  for (int i = 0; i < rank; ++i)
+    if (dims[i] < 1 || dims[i] > (1ull << 32)) return kTensorMapBadShape;
   if ((reinterpret_cast<uintptr_t>(ptr) & 15) != 0) return kTensorMapMisalignedPointer;
-  if (((row_pitch_elems * 2) & 15) != 0) return kTensorMapMisalignedPitch;
+  for (int i = 0; i + 1 < rank; ++i)
+    if ((strides_bytes[i] & 15) != 0) return kTensorMapMisalignedPitch;
   CUtensorMapSwizzle sw;
   switch (swizzle_bytes) {
     case 0: sw = CU_TENSOR_MAP_SWIZZLE_NONE; break;
@@ -79,40 +88,78 @@ inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t r
     case 128: sw = CU_TENSOR_MAP_SWIZZLE_128B; break;
     default: return kTensorMapBadSwizzle;
   }
-  if (box_rows < 1 || box_rows > 256 || box_cols < 1 || box_cols > 256) return kTensorMapBadBox;
-  if (swizzle_bytes != 0 && box_cols * 2 > (uint32_t)swizzle_bytes) return kTensorMapBadBox;
-  if (((box_cols * 2) & 15) != 0) return kTensorMapBadBox;
+  for (int i = 0; i < rank; ++i)
+    if (box[i] < 1 || box[i] > 256) return kTensorMapBadBox;
+  if (swizzle_bytes != 0 && box[0] * 2 > (uint32_t)swizzle_bytes) return kTensorMapBadBox;
+  if (((box[0] * 2) & 15) != 0) return kTensorMapBadBox;
   // NOTE: a call's operands are often the tensors of an earlier call (loops, the caching
   // allocator): the encoded map is a pure function of these inputs, so a small per-thread cache
   // saves the driver call (host time per launch matters for small calls).
   struct Entry {
     const void* ptr;
-    uint64_t rows, cols, pitch;
-    uint32_t box_rows, box_cols;
-    int swizzle;
+    int rank, swizzle;
+    uint64_t dims[kMaxRank], strides[kMaxRank];
+    uint32_t box[kMaxRank];
     CUtensorMap map;
   };
   thread_local Entry cache[64] = {};
-  const uintptr_t h = (reinterpret_cast<uintptr_t>(ptr) >> 4) ^ (rows * 31 + cols) ^ box_rows;
+  uintptr_t h = (reinterpret_cast<uintptr_t>(ptr) >> 4) ^ (uintptr_t)rank;
+  for (int i = 0; i < rank; ++i) h = h * 31 + dims[i] * 7 + box[i];
   Entry& e = cache[(h ^ (h >> 6) ^ (h >> 12)) & 63];
-  if (e.ptr == ptr && e.rows == rows && e.cols == cols && e.pitch == row_pitch_elems &&
-      e.box_rows == box_rows && e.box_cols == box_cols && e.swizzle == swizzle_bytes) {
+  bool hit = e.ptr == ptr && e.rank == rank && e.swizzle == swizzle_bytes;
+  for (int i = 0; hit && i < rank; ++i)
+    hit = e.dims[i] == dims[i] && e.box[i] == box[i] && (i + 1 == rank || e.strides[i] == strides_bytes[i]);
+  if (hit) {
     std::memcpy(map, &e.map, sizeof(CUtensorMap));
     return kTensorMapOk;
   }
   PFN_cuTensorMapEncodeTiled_v12000 encode = get_encode_tiled();
   if (encode == nullptr) return kTensorMapNoDriverEntryPoint;
-  cuuint64_t dims[2] = {cols, rows};
-  cuuint64_t strides[1] = {row_pitch_elems * 2};  // bytes, for dims 1..rank-1
-  cuuint32_t box[2] = {box_cols, box_rows};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
-                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  cuuint64_t cu_dims[kMaxRank], cu_strides[kMaxRank];
+  cuuint32_t cu_box[kMaxRank], elem_strides[kMaxRank];
+  for (int i = 0; i < rank; ++i) {
+    cu_dims[i] = dims[i];
+    cu_strides[i] = i + 1 < rank ? strides_bytes[i] : 0;
+    cu_box[i] = box[i];
+    elem_strides[i] = 1;
+  }
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank,
+                      const_cast<void*>(ptr), cu_dims, cu_strides, cu_box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return kTensorMapEncodeFailed;
-  e = Entry{ptr, rows, cols, row_pitch_elems, box_rows, box_cols, swizzle_bytes, {}};
+  e = Entry{};
+  e.ptr = ptr;
+  e.rank = rank;
+  e.swizzle = swizzle_bytes;
+  for (int i = 0; i < rank; ++i) {
+    e.dims[i] = dims[i];
+    e.strides[i] = i + 1 < rank ? strides_bytes[i] : 0;
+    e.box[i] = box[i];
+  }
   std::memcpy(&e.map, map, sizeof(CUtensorMap));
   return kTensorMapOk;
+}
+
+inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols,
+                                   uint64_t row_pitch_elems, uint32_t box_rows, uint32_t box_cols,
+                                   int swizzle_bytes) {
+  const uint64_t dims[2] = {cols, rows};
+  const uint64_t strides[1] = {row_pitch_elems * 2};
+  const uint32_t box[2] = {box_cols, box_rows};
+  return make_tensor_map_bf16_nd(map, ptr, 2, dims, strides, box, swizzle_bytes);
+}
+
+// A batch of `batches` row-major matrices [rows, cols], matrix b at ptr + b * batch_pitch_elems:
+// coordinates {col, row, batch}; the box is box_rows x box_cols of one matrix.
+inline int make_tensor_map_bf16_3d(CUtensorMap* map, const void* ptr, uint64_t batches,
+                                   uint64_t rows, uint64_t cols, uint64_t row_pitch_elems,
+                                   uint64_t batch_pitch_elems, uint32_t box_rows,
+                                   uint32_t box_cols, int swizzle_bytes) {
+  const uint64_t dims[3] = {cols, rows, batches};
+  const uint64_t strides[2] = {row_pitch_elems * 2, batch_pitch_elems * 2};
+  const uint32_t box[3] = {box_cols, box_rows, 1};
+  return make_tensor_map_bf16_nd(map, ptr, 3, dims, strides, box, swizzle_bytes);
 }
 
 }  // namespace mk::host

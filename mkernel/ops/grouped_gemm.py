@@ -1,0 +1,136 @@
+"""Grouped GEMM (the MoE experts' GEMM): API and reference side by side; device code in
+kernels/grouped_gemm.cu (the GEMM engine with a batched B, tasks found on the device).
+
+Unfused meaning (a [M, K], b [G, K, N], offsets [G + 1] int32 non-decreasing, offsets[0] >= 0,
+offsets[G] <= M)::
+
+    for g in range(G):
+        lo, hi = offsets[g], offsets[g + 1]
+        out[lo:hi] = (a[lo:hi].float() @ b[g].float()).bfloat16()
+
+Rows outside [offsets[0], offsets[G]) are not written (pass ``out`` to keep their values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import schedule
+from .common import extension
+
+__all__ = ["grouped_gemm", "reference"]
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 products per group, bf16 result; rows in no group are zero."""
+    offs = [int(x) for x in offsets.tolist()]
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16, device=a.device)
+    for g in range(b.shape[0]):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            out[lo:hi] = (a[lo:hi].float() @ b[g].float()).bfloat16()
+    return out
+
+
+def _check(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None
+) -> None:
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"grouped_gemm: {name} must be torch.bfloat16, got {x.dtype}")
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(
+            f"grouped_gemm: a must be [M, K] and b [G, K, N], got {tuple(a.shape)} and "
+            f"{tuple(b.shape)}"
+        )
+    m, k = a.shape
+    g, kb, n = b.shape
+    if kb != k:
+        raise ValueError(f"grouped_gemm: a is [M, {k}] but b is [G, {kb}, N]: K must agree")
+    if g < 1 or n < 1 or k < 1:
+        raise ValueError(f"grouped_gemm: G, N and K must be >= 1, got G={g}, N={n}, K={k}")
+    if offsets.dtype != torch.int32 or offsets.shape != (g + 1,):
+        raise ValueError(
+            f"grouped_gemm: offsets must be int32 [G + 1] = [{g + 1}], got {offsets.dtype} "
+            f"{tuple(offsets.shape)}"
+        )
+    if offsets.device.type == "cpu":  # checkable without a device synchronize
+        offs = offsets.tolist()
+        if (
+            offs[0] < 0
+            or offs[-1] > m
+            or any(x > y for x, y in zip(offs[:-1], offs[1:], strict=True))
+        ):
+            raise ValueError(
+                f"grouped_gemm: offsets must be non-decreasing within [0, M={m}], got {offs}"
+            )
+    elif offsets.device != a.device:
+        raise ValueError(f"grouped_gemm: offsets on {offsets.device}, a on {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"grouped_gemm: a on {a.device}, b on {b.device}")
+    if out is not None and (
+        out.shape != (m, n) or out.dtype != torch.bfloat16 or out.device != a.device
+    ):
+        raise ValueError(
+            f"grouped_gemm: out must be bfloat16 [{m}, {n}] on {a.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    for name, x in (("a", a), ("b", b), ("out", out)):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"grouped_gemm: {name} must be contiguous")
+    if a.is_cuda and (n % 8 or k % 8):
+        raise ValueError(f"grouped_gemm: N and K must be multiples of 8 on the GPU, got {n}, {k}")
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    tile: str | None = None,
+) -> torch.Tensor:
+    """out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g] for every group g.
+
+    a: [M, K] bf16, rows grouped (e.g. an MoE dispatch's rows, expert-major); b: [G, K, N] bf16,
+    one matrix per group; offsets: [G + 1] int32 row starts (``MoeDispatch.expert_offsets``), on
+    the CPU (checked) or on a's device (never read by the host: no synchronize, CUDA-graph safe;
+    out-of-range values are clamped on the device, so nothing outside a, b, out is touched).
+    Returns out [M, N] bf16, fp32 accumulation; rows in no group are not written (a new ``out``
+    holds garbage there). On the GPU one launch of the GEMM engine; ``tile`` names a
+    ``TILE_CONFIGS`` entry (default: ``schedule.pick_grouped_tile``). On the CPU: the reference.
+    """
+    _check(a, b, offsets, out)
+    if tile is not None and tile not in schedule.TILE_CONFIGS:
+        known = list(schedule.TILE_CONFIGS)
+        raise ValueError(f"grouped_gemm: tile {tile!r} unknown; known: {known}")
+    m, k = a.shape
+    g, _, n = b.shape
+    if not a.is_cuda:
+        ref = reference(a, b, offsets)
+        if out is None:
+            return ref
+        offs = offsets.tolist()
+        out[offs[0] : offs[-1]] = ref[offs[0] : offs[-1]]
+        return out
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    offsets = offsets.to(a.device, non_blocking=True)
+    if m == 0:
+        return out
+    ext = extension()
+    cfg = schedule.TILE_CONFIGS[tile] if tile else schedule.pick_grouped_tile(m, n, k, g)
+    workspace = torch.empty(g + 1, dtype=torch.int32, device=a.device)
+    args = ext.GroupedGemmArgs()
+    args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), out.data_ptr()
+    args.offsets, args.workspace = offsets.data_ptr(), workspace.data_ptr()
+    args.M, args.N, args.K, args.G = m, n, k, g
+    args.config = schedule.TILE_CONFIG_IDS[cfg.name]
+    if a.device.index != torch.cuda.current_device():  # the launch goes to the current device
+        with torch.cuda.device(a.device):
+            st = ext.launch_grouped_gemm(args, torch.cuda.current_stream().cuda_stream)
+    else:
+        st = ext.launch_grouped_gemm(args, torch.cuda.current_stream().cuda_stream)
+    if st:
+        raise RuntimeError(f"grouped_gemm: {ext.grouped_gemm_status_string(st)}")
+    return out
