@@ -95,6 +95,7 @@ void register_gemm(py::module_& m) {
       .def_readwrite("K", &GroupedGemmArgs::K)
       .def_readwrite("G", &GroupedGemmArgs::G)
       .def_readwrite("config", &GroupedGemmArgs::config)
+      .def_readwrite("out_kind", &GroupedGemmArgs::out_kind)
       .def_readwrite("num_sms", &GroupedGemmArgs::num_sms);
   m.def(
       "launch_grouped_gemm",

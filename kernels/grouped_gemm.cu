@@ -72,6 +72,7 @@ template <class Cfg>
 struct GroupedKernelParams {
   typename Engine<Cfg, true>::Params engine;  // a: [M, K]; b: [G, K, N] (3D map)
   void* c;
+  int kind;           // kStoreBF16 or kStoreF32
   CUtensorMap c_map;  // C as bf16 [M, N], box 64 x 64, 128B swizzle (configs with kEpiTma)
   bool use_c_map;
   const int32_t* offsets;      // [G + 1]
@@ -117,9 +118,10 @@ struct GroupedHooks {
   __device__ __forceinline__ Dest dest(int i) const {
     const TileTask t = task(i);
     Dest d;
-    d.ptr = static_cast<char*>(p.c) + ((long)t.m0 * p.engine.N + t.n0) * 2;
+    const long esize = p.kind == kStoreBF16 ? 2 : 4;
+    d.ptr = static_cast<char*>(p.c) + ((long)t.m0 * p.engine.N + t.n0) * esize;
     d.ld = p.engine.N;
-    d.kind = kStoreBF16;
+    d.kind = p.kind;
     if (p.use_c_map) {
       d.map = &p.c_map;
       d.map_col = t.n0;
@@ -159,7 +161,8 @@ int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
   p.engine.N = a.N;
   p.engine.K = a.K;
   p.c = a.c;
-  p.use_c_map = Cfg::EPI_MODE == kEpiTma &&
+  p.kind = a.out_kind;
+  p.use_c_map = Cfg::EPI_MODE == kEpiTma && a.out_kind == kStoreBF16 &&
                 mk::host::make_tensor_map_bf16_2d(&p.c_map, a.c, a.M, a.N, a.N, 64, 64, 128) ==
                     kTensorMapOk;  // else: row-copy passes
   p.offsets = a.offsets;
@@ -193,6 +196,7 @@ const char* grouped_gemm_status_string(int s) {
     case kGroupedBadConfig: return "unknown GEMM config id, or a clustered config";
     case kGroupedTensorMap: return "could not encode a TMA tensor map (cuTensorMapEncodeTiled)";
     case kGroupedLaunchFailed: return "CUDA launch failed";
+    case kGroupedBadKind: return "out_kind must be 0 (bf16 store) or 2 (fp32 store)";
     default: return "unknown status";
   }
 }
@@ -204,6 +208,7 @@ int launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.a == nullptr || a.b == nullptr || a.c == nullptr || a.offsets == nullptr ||
       a.workspace == nullptr || misaligned(a.a) || misaligned(a.b) || misaligned(a.c))
     return kGroupedBadPointer;
+  if (a.out_kind != kStoreBF16 && a.out_kind != kStoreF32) return kGroupedBadKind;
   if (a.M == 0) return kGroupedOk;  // no rows: nothing to compute or write
   const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
   if (num_sms < 1) return kGroupedLaunchFailed;

@@ -2,7 +2,8 @@
 //
 //   for g in 0..G-1:  C[lo_g:hi_g] = A[lo_g:hi_g] @ B[g]
 //     A [M, K] bf16 row-major, rows of group g at [lo_g, hi_g); B [G, K, N] bf16 (one matrix per
-//     group, e.g. one per local expert); C [M, N] bf16 row-major; fp32 accumulation.
+//     group, e.g. one per local expert); C [M, N] row-major, bf16 (out_kind 0) or fp32 (out_kind
+//     2: the accumulators as they are, e.g. for a weighted combine); fp32 accumulation.
 //     lo_g = clamp(offsets[g], 0, M), hi_g = clamp(offsets[g + 1], lo_g, M): whatever the device
 //     array holds, no tile reads or writes outside A, B, C; rows in no group are not written.
 // Two launches on `stream`: a one-CTA prefix pass writes tile_prefix[g] (tiles of groups < g, g in
@@ -17,11 +18,12 @@
 struct GroupedGemmArgs {
   const void* a = nullptr;            // [M, K] bf16, 16-byte aligned
   const void* b = nullptr;            // [G, K, N] bf16, 16-byte aligned
-  void* c = nullptr;                  // [M, N] bf16
+  void* c = nullptr;                  // [M, N] bf16 or fp32 (out_kind)
   const int32_t* offsets = nullptr;   // device int32 [G + 1]: group g's rows start at offsets[g]
   int32_t* workspace = nullptr;       // device int32 [G + 1], overwritten (the tile prefix)
   int M = 0, N = 0, K = 0, G = 0;     // M >= 0, N, K >= 1 and multiples of 8, G >= 1
   int config = -1;                    // mk::gemm config id with CLUSTER == 1
+  int out_kind = 0;                   // 0: bf16 store, 2: fp32 store
   int num_sms = 0;                    // 0: the device's multiprocessor count
 };
 
@@ -33,6 +35,7 @@ enum GroupedGemmStatus : int {
   kGroupedBadConfig = 4,     // unknown config id, or a clustered config
   kGroupedTensorMap = 5,     // cuTensorMapEncodeTiled unavailable or failed
   kGroupedLaunchFailed = 6,  // a CUDA runtime error at launch
+  kGroupedBadKind = 7,       // out_kind not 0 or 2
 };
 
 const char* grouped_gemm_status_string(int status);

@@ -81,10 +81,24 @@ def test_bad_input_is_named(change, error, match):
 
 def test_bad_out_and_tile_are_named():
     a, b, offsets = randn_bf16(6, 8), randn_bf16(2, 8, 16), _offsets([2, 4])
-    with pytest.raises(ValueError, match=r"out must be bfloat16 \[6, 16\]"):
+    with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \[6, 16\]"):
         mkernel.grouped_gemm(a, b, offsets, out=torch.empty(6, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="tile 'huge' unknown"):
         mkernel.grouped_gemm(a, b, offsets, tile="huge")
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        mkernel.grouped_gemm(a, b, offsets, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"out must be torch.float32"):
+        mkernel.grouped_gemm(
+            a, b, offsets, out_dtype=torch.float32, out=torch.empty(6, 16).bfloat16()
+        )
+
+
+def test_fp32_out_is_the_unrounded_product():
+    a, b, offsets = randn_bf16(7, 8), randn_bf16(2, 8, 16), _offsets([3, 4])
+    out = mkernel.grouped_gemm(a, b, offsets, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = torch.cat([a[:3].double() @ b[0].double(), a[3:].double() @ b[1].double()])
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_tile_follows_group_size():

@@ -21,19 +21,28 @@ from .common import extension
 __all__ = ["grouped_gemm", "reference"]
 
 
-def reference(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """fp32 products per group, bf16 result; rows in no group are zero."""
+def reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """fp32 products per group, rounded to ``out_dtype``; rows in no group are zero."""
     offs = [int(x) for x in offsets.tolist()]
-    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16, device=a.device)
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype, device=a.device)
     for g in range(b.shape[0]):
         lo, hi = offs[g], offs[g + 1]
         if hi > lo:
-            out[lo:hi] = (a[lo:hi].float() @ b[g].float()).bfloat16()
+            out[lo:hi] = (a[lo:hi].float() @ b[g].float()).to(out_dtype)
     return out
 
 
 def _check(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> None:
     for name, x in (("a", a), ("b", b)):
         if x.dtype != torch.bfloat16:
@@ -68,11 +77,13 @@ def _check(
         raise ValueError(f"grouped_gemm: offsets on {offsets.device}, a on {a.device}")
     if b.device != a.device:
         raise ValueError(f"grouped_gemm: a on {a.device}, b on {b.device}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError("grouped_gemm: out_dtype must be torch.bfloat16 or torch.float32")
     if out is not None and (
-        out.shape != (m, n) or out.dtype != torch.bfloat16 or out.device != a.device
+        out.shape != (m, n) or out.dtype != out_dtype or out.device != a.device
     ):
         raise ValueError(
-            f"grouped_gemm: out must be bfloat16 [{m}, {n}] on {a.device}, got {out.dtype} "
+            f"grouped_gemm: out must be {out_dtype} [{m}, {n}] on {a.device}, got {out.dtype} "
             f"{tuple(out.shape)} on {out.device}"
         )
     for name, x in (("a", a), ("b", b), ("out", out)):
@@ -88,6 +99,7 @@ def grouped_gemm(
     offsets: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
     tile: str | None = None,
 ) -> torch.Tensor:
     """out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g] for every group g.
@@ -96,25 +108,26 @@ def grouped_gemm(
     one matrix per group; offsets: [G + 1] int32 row starts (``MoeDispatch.expert_offsets``), on
     the CPU (checked) or on a's device (never read by the host: no synchronize, CUDA-graph safe;
     out-of-range values are clamped on the device, so nothing outside a, b, out is touched).
-    Returns out [M, N] bf16, fp32 accumulation; rows in no group are not written (a new ``out``
-    holds garbage there). On the GPU one launch of the GEMM engine; ``tile`` names a
-    ``TILE_CONFIGS`` entry (default: ``schedule.pick_grouped_tile``). On the CPU: the reference.
+    Returns out [M, N] of ``out_dtype`` (bf16, or fp32: the accumulators unrounded), fp32
+    accumulation; rows in no group are not written (a new ``out`` holds garbage there). On the
+    GPU one launch of the GEMM engine; ``tile`` names a ``TILE_CONFIGS`` entry (default:
+    ``schedule.pick_grouped_tile``). On the CPU: the reference.
     """
-    _check(a, b, offsets, out)
+    _check(a, b, offsets, out, out_dtype)
     if tile is not None and tile not in schedule.TILE_CONFIGS:
         known = list(schedule.TILE_CONFIGS)
         raise ValueError(f"grouped_gemm: tile {tile!r} unknown; known: {known}")
     m, k = a.shape
     g, _, n = b.shape
     if not a.is_cuda:
-        ref = reference(a, b, offsets)
+        ref = reference(a, b, offsets, out_dtype)
         if out is None:
             return ref
         offs = offsets.tolist()
         out[offs[0] : offs[-1]] = ref[offs[0] : offs[-1]]
         return out
     if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     offsets = offsets.to(a.device, non_blocking=True)
     if m == 0:
         return out
@@ -126,6 +139,7 @@ def grouped_gemm(
     args.offsets, args.workspace = offsets.data_ptr(), workspace.data_ptr()
     args.M, args.N, args.K, args.G = m, n, k, g
     args.config = schedule.TILE_CONFIG_IDS[cfg.name]
+    args.out_kind = 0 if out_dtype == torch.bfloat16 else 2  # DestKind kStoreBF16 / kStoreF32
     if a.device.index != torch.cuda.current_device():  # the launch goes to the current device
         with torch.cuda.device(a.device):
             st = ext.launch_grouped_gemm(args, torch.cuda.current_stream().cuda_stream)

@@ -64,6 +64,21 @@ def test_groups_against_reference(tile, case):
     assert torch.isnan(big[3 + m - 3 :].float()).all(), "rows after the groups were written"
 
 
+@pytest.mark.parametrize("tile", list(schedule.TILE_CONFIGS))
+def test_fp32_out_is_the_unrounded_product(tile):
+    sizes, k, n = CASES[0]
+    a, b, offsets = _inputs(sizes, k, n, lead=2, tail=1, seed=3)
+    out = torch.full((a.shape[0], n), float("nan"), device=DEV)
+    mkernel.grouped_gemm(a, b, offsets, out=out, out_dtype=torch.float32, tile=tile)
+    offs = offsets.tolist()
+    for e in range(len(sizes)):
+        lo, hi = offs[e], offs[e + 1]
+        exact = a[lo:hi].double() @ b[e].double()
+        bound = (a[lo:hi].double().abs() @ b[e].double().abs()) * (k * 2.0**-23) + 1e-30
+        assert ((out[lo:hi].double() - exact).abs() <= bound).all(), f"group {e}"
+    assert torch.isnan(out[:2]).all() and torch.isnan(out[-1:]).all()
+
+
 def test_against_torch_grouped_mm():
     sizes = [random.Random(3).randrange(64, 512) for _ in range(8)]
     a, b, offsets = _inputs(sizes, 1024, 512, seed=11)
