@@ -2,9 +2,10 @@
 
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
 (``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE
-experts' ``grouped_gemm`` (one GPU, GEMM engine); the MoE pair
-``moe_dispatch_gemm`` / ``moe_gemm_combine``, ``ring_attention`` / ``attention`` and
-``ring_attention_backward``, CPU interpreter only so far), their unfused references
+experts' ``grouped_gemm`` (one GPU, GEMM engine); the MoE pair ``moe_dispatch_gemm`` /
+``moe_gemm_combine`` (fused in the CPU interpreter, unfused on a GPU world so far),
+``ring_attention`` / ``attention`` and ``ring_attention_backward``, CPU interpreter only so far),
+their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 

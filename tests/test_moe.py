@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import mkernel
 from mkernel.errors import CommTimeout, RaceError, TileWriteError
 from mkernel.interp.program import run_plan
-from mkernel.ops import common
+from mkernel.ops import common, moe_gpu
 from mkernel.ops import moe_dispatch_gemm as mdg
 from mkernel.ops import moe_gemm_combine as mgc
 from mkernel.ops.moe_common import route
@@ -341,16 +341,44 @@ def test_bad_combine_input_is_named_before_anything_runs():
     assert_pads_zero(world)
 
 
-def test_gpu_worlds_are_refused_before_anything_runs():
-    gpu = mkernel.World(size=2, device=torch.device("cuda"), kind="emulated")
-    with pytest.raises(NotImplementedError, match="moe_dispatch_gemm has no GPU kernel yet"):
-        dispatch(None, None, None, gpu)
-    with pytest.raises(NotImplementedError, match="moe_gemm_combine has no GPU kernel yet"):
-        combine(None, None, None, None, gpu)
+def test_distributed_worlds_are_refused_before_anything_runs():
+    dist = mkernel.World(size=2, device=torch.device("cpu"), kind="distributed")
+    with pytest.raises(NotImplementedError, match="moe_dispatch_gemm runs in emulated worlds"):
+        dispatch(None, None, None, dist)
+    with pytest.raises(NotImplementedError, match="moe_gemm_combine runs in emulated worlds"):
+        combine(None, None, None, None, dist)
     assert not mdg.SPEC.device and not mgc.SPEC.device
     from mkernel.ops import registry
 
     assert "moe_dispatch_gemm" not in registry.device_names()  # the build skips them
+
+
+@settings(max_examples=40)
+@given(
+    W=st.integers(1, 4),
+    T=st.integers(0, 9),
+    E=st.integers(1, 3),
+    k=st.sampled_from([1, 2, 8]),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**16),
+)
+def test_gpu_path_rows_and_sums(W, T, E, k, mode, seed):
+    """The GPU path's routing (a device sort), gather and slot-order combine, run here with the
+    grouped GEMM's CPU reference: the same rows, offsets and sums as the protocol's."""
+    assume(mode != "rank0" or k <= E)
+    k = min(k, W * E)
+    world = mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, seed)
+    weights = weights[..., :k].contiguous()
+    ids = routing(W, T, E, k, mode, seed)
+    what = f"gpu path W={W} T={T} E={E} k={k} {mode}"
+    res = moe_gpu.dispatch(x, ids.to(torch.int32), w1, H, world)
+    check_dispatch(res, x, ids, w1, E, what)
+    h = [torch.relu(y) for y in res.y]
+    out = moe_gpu.combine(h, w2, res, weights)
+    exact, mag = expected_out(h, w2, ids, weights, E)
+    assert_close_exact(out, exact, mag, INTER + k, f"{what}: out")
+    assert bool((out[(ids < 0).all(dim=-1)] == 0).all()), f"{what}: a token routed nowhere"
 
 
 # -- planted protocol mistakes --------------------------------------------------------------------

@@ -10,7 +10,8 @@
 # 3. the layout phase: how many tasks a rank runs depends on the routing, so the plan only holds
 #    room (`Capacity`) and the op's layout twin makes the tasks at the start of every call.
 #
-# Runs on a laptop: both ops run in the CPU interpreter (they have no GPU kernel yet: docs/moe.md).
+# Runs on a laptop: both ops run in the CPU interpreter (on a GPU world they run unfused, on the
+# grouped GEMM engine; the fused kernels are not built yet: docs/moe.md).
 
 # %%
 import torch

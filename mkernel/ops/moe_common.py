@@ -154,6 +154,18 @@ def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Te
 # -- checks (before anything runs) ----------------------------------------------------------------
 
 
+def on_gpu_path(name: str, world: Any) -> bool:
+    """Which path a call takes: True for an emulated world on a GPU (the unfused GPU path,
+    moe_gpu.py), False for one on the CPU (the interpreter runs the protocol). A distributed world
+    is refused: neither path exchanges tokens between processes yet."""
+    from .common import check_world
+
+    world = check_world(world)
+    if not world.emulated_world:
+        raise NotImplementedError(f"{name} runs in emulated worlds only so far (World.emulated(W))")
+    return world.on_gpu
+
+
 def check_tensor(
     name: str, t: Any, world: World, form: str, dtypes: tuple[torch.dtype, ...]
 ) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """MoE dispatch fused with the first grouped GEMM (expert parallelism): API, plan, layout and
-data-movement twins, reference. CPU interpreter only for now (``SPEC.device = False``: no grouped-
-GEMM engine on the device yet); docs/moe.md has the picture and what the GPU version needs.
+data-movement twins, reference. Fused in the CPU interpreter only for now (``SPEC.device = False``:
+no fused kernel yet); in an emulated world on a GPU it runs unfused (moe_gpu.py: device routing,
+grouped GEMM engine). docs/moe.md has the picture and what the fused GPU version needs.
 
 Unfused meaning, per destination rank d of W (E_local experts per rank, global id d * E_local + e)::
 
@@ -43,7 +44,7 @@ from ..interp import twins
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..world import World
-from . import common
+from . import common, moe_gpu
 from .moe_common import (
     MoeDispatch,
     Routing,
@@ -54,6 +55,7 @@ from .moe_common import (
     dispatch_result,
     gemm_tiles,
     max_rows,
+    on_gpu_path,
     route,
     tile_rows,
 )
@@ -168,8 +170,9 @@ def moe_dispatch_gemm(
         topk_ids: int32 or int64, per rank [T, k]: global expert ids in [0, E), E = W * E_local,
             or -1 for an unused slot; a token's ids are distinct; 1 <= k <= E.
         w1: bf16, per rank [E_local, H, I]: this rank's experts; I a multiple of 8.
-        world: an emulated World on the CPU (no GPU kernel yet: a GPU world raises
-            NotImplementedError before anything runs).
+        world: an emulated World: on the CPU the interpreter runs the fused protocol, on a GPU
+            the unfused path (moe_gpu.py); a distributed world raises NotImplementedError before
+            anything runs.
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, default
             64, seed).
 
@@ -179,6 +182,11 @@ def moe_dispatch_gemm(
         TypeError / ValueError naming the argument before anything runs, CommTimeout if a wait
         passes the world's deadline.
     """
+    if on_gpu_path(SPEC.name, world):
+        common.check_schedule(schedule)
+        s = shapes(x, topk_ids, w1, world)
+        ids = topk_ids.to(torch.int32).contiguous()
+        return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
     world, schedule, plan, routing, buffers = prepare(x, topk_ids, w1, world, schedule)
     tw = twins_of(plan, routing)
     common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "y")
@@ -270,7 +278,8 @@ def reference(
                     y.append(x[s, t].float() @ w1[d, e].float())
                     src.append((s, t, j))
             off.append(len(src))
-        ys.append((torch.stack(y) if y else torch.zeros(0, w1.shape[-1])).bfloat16())
-        srcs.append(torch.tensor(src, dtype=torch.int32).reshape(-1, 3))
-        offs.append(torch.tensor(off, dtype=torch.int32))
+        dev = x.device
+        ys.append((torch.stack(y) if y else torch.zeros(0, w1.shape[-1], device=dev)).bfloat16())
+        srcs.append(torch.tensor(src, dtype=torch.int32, device=dev).reshape(-1, 3))
+        offs.append(torch.tensor(off, dtype=torch.int32, device=dev))
     return MoeDispatch(ys, srcs, offs, world, ids.clone(), x.shape[-1])

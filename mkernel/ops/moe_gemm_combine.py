@@ -1,6 +1,7 @@
 """The second grouped GEMM of an MoE layer fused with the combine (expert parallelism): API, plan,
-layout and data-movement twins, reference. The mirror of moe_dispatch_gemm.py; CPU interpreter only
-for now (``SPEC.device = False``); docs/moe.md has the picture.
+layout and data-movement twins, reference. The mirror of moe_dispatch_gemm.py; fused in the CPU
+interpreter only for now (``SPEC.device = False``; on a GPU world unfused: moe_gpu.py); docs/moe.md
+has the picture.
 
 Unfused meaning, per source rank s (h_d: rows of destination d in the dispatch's order, the row of
 (s, t, j) holding the token's activation for expert e = topk_ids[s][t, j] of rank d)::
@@ -31,7 +32,7 @@ from ..interp import twins
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..world import World
-from . import common
+from . import common, moe_gpu
 from .moe_common import (
     MoeDispatch,
     Twins,
@@ -39,6 +40,7 @@ from .moe_common import (
     check_tensor,
     gemm_tiles,
     max_rows,
+    on_gpu_path,
     stacked,
     tile_rows,
 )
@@ -175,13 +177,17 @@ def moe_gemm_combine(
         w2: bf16, per rank [E_local, I, H] (emulated world: [W, E_local, I, H]).
         dispatch: the MoeDispatch of ``moe_dispatch_gemm`` in this world.
         topk_weights: fp32, per rank [T, k]: the weight of each slot (unused slots are ignored).
-        world: the dispatch's World (CPU interpreter only for now).
+        world: the dispatch's World (emulated; on a GPU the unfused path, moe_gpu.py).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, seed).
 
     Returns:
         bf16, per rank [T, H] (emulated: [W, T, H]). Raises TypeError / ValueError naming the
         argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
+    if on_gpu_path(SPEC.name, world):
+        common.check_schedule(schedule)
+        shapes(h, w2, dispatch, topk_weights, world)
+        return moe_gpu.combine(list(h), w2, dispatch, topk_weights)
     world, schedule, plan, buffers = prepare(h, w2, dispatch, topk_weights, world, schedule)
     tw = twins_of(plan, dispatch)
     common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "out")
@@ -263,7 +269,7 @@ def reference(
     """The unfused reference (emulated worlds): every row's fp32 product, weighted into its token's
     fp32 sum, one bf16 rounding."""
     W, T, H = world.size, dispatch.topk_ids.shape[1], dispatch.hidden
-    acc = torch.zeros(W, T, H, dtype=torch.float32)
+    acc = torch.zeros(W, T, H, dtype=torch.float32, device=w2.device)
     for d in range(W):
         offs = dispatch.expert_offsets[d].tolist()
         for e in range(len(offs) - 1):
