@@ -90,6 +90,10 @@ void register_gemm(py::module_& m) {
           "workspace",
           [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.workspace); },
           [](GroupedGemmArgs& g, uintptr_t v) { g.workspace = reinterpret_cast<int32_t*>(v); })
+      .def_property(
+          "a_rows", [](const GroupedGemmArgs& g) { return reinterpret_cast<uintptr_t>(g.a_rows); },
+          [](GroupedGemmArgs& g, uintptr_t v) { g.a_rows = reinterpret_cast<const int32_t*>(v); })
+      .def_readwrite("a_src_rows", &GroupedGemmArgs::a_src_rows)
       .def_readwrite("M", &GroupedGemmArgs::M)
       .def_readwrite("N", &GroupedGemmArgs::N)
       .def_readwrite("K", &GroupedGemmArgs::K)

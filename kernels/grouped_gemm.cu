@@ -1,5 +1,6 @@
 // grouped_gemm.cu: the grouped GEMM op (MoE experts), a persistent kernel that drives
-// mk::gemm::Engine<Cfg, /*kGroupedB=*/true> over tiles whose group sizes live only on the device.
+// mk::gemm::Engine<Cfg, /*kGroupedB=*/true, kGatherA> over tiles whose group sizes live only on the
+// device; with a_rows, A's rows are gathered by index (MoE rows straight from the tokens).
 //
 //   launch 1: tile_prefix_kernel, one CTA: tile_prefix[g] = sum over groups < g of
 //             ceil(rows_g / BM) * tiles_n (a block scan; G may be any size)
@@ -68,9 +69,9 @@ __global__ void __launch_bounds__(kPrefixThreads)
   if (t == kPrefixThreads - 1) tile_prefix[G] = sums[t];
 }
 
-template <class Cfg>
+template <class Cfg, bool kGather>
 struct GroupedKernelParams {
-  typename Engine<Cfg, true>::Params engine;  // a: [M, K]; b: [G, K, N] (3D map)
+  typename Engine<Cfg, true, kGather>::Params engine;  // a: [M, K] (or gathered); b: [G, K, N]
   void* c;
   int kind;           // kStoreBF16 or kStoreF32
   CUtensorMap c_map;  // C as bf16 [M, N], box 64 x 64, 128B swizzle (configs with kEpiTma)
@@ -81,9 +82,9 @@ struct GroupedKernelParams {
 };
 
 // Hooks of the grouped GEMM: tasks from the device's tile prefix, no waits, no signals.
-template <class Cfg>
+template <class Cfg, bool kGather>
 struct GroupedHooks {
-  const GroupedKernelParams<Cfg>& p;
+  const GroupedKernelParams<Cfg, kGather>& p;
   int total;  // tile_prefix[G]
   __device__ __forceinline__ bool signals() const { return false; }
   static constexpr bool kDeferAfterStore = true;
@@ -132,13 +133,13 @@ struct GroupedHooks {
   __device__ __forceinline__ void after_store(int) const {}
 };
 
-template <class Cfg>
+template <class Cfg, bool kGather>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ GroupedKernelParams<Cfg> p) {
+    grouped_gemm_kernel(const __grid_constant__ GroupedKernelParams<Cfg, kGather> p) {
   extern __shared__ __align__(1024) char smem[];
-  GroupedHooks<Cfg> hooks{p, __ldg(p.tile_prefix + p.G)};
+  GroupedHooks<Cfg, kGather> hooks{p, __ldg(p.tile_prefix + p.G)};
   if (hooks.num_tasks() == 0) return;  // the whole CTA: no barrier is ever used
-  Engine<Cfg, true>::run_cta(p.engine, smem, hooks, [] {});
+  Engine<Cfg, true, kGather>::run_cta(p.engine, smem, hooks, [] {});
 }
 
 int num_sms_of_current_device() {
@@ -148,15 +149,19 @@ int num_sms_of_current_device() {
   return n;
 }
 
-template <class Cfg>
+template <class Cfg, bool kGather>
 int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
-  GroupedKernelParams<Cfg> p{};
+  GroupedKernelParams<Cfg, kGather> p{};
   using mk::host::kTensorMapOk;
-  if (mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.M, a.K, a.K, Cfg::BM, 64, 128) !=
-          kTensorMapOk ||
+  if ((!kGather && mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.M, a.K, a.K, Cfg::BM, 64,
+                                                     128) != kTensorMapOk) ||
       mk::host::make_tensor_map_bf16_3d(&p.engine.b, a.b, a.G, a.K, a.N, a.N, (uint64_t)a.K * a.N,
                                         64, 64, 128) != kTensorMapOk)
     return kGroupedTensorMap;
+  p.engine.a_src = a.a;
+  p.engine.a_rows = a.a_rows;
+  p.engine.lda = a.K;
+  p.engine.a_src_rows = a.a_src_rows;
   p.engine.M = a.M;
   p.engine.N = a.N;
   p.engine.K = a.K;
@@ -170,7 +175,7 @@ int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
   p.G = a.G;
   p.tiles_n = (a.N + Cfg::BN - 1) / Cfg::BN;
 
-  auto* kernel = grouped_gemm_kernel<Cfg>;
+  auto* kernel = grouped_gemm_kernel<Cfg, kGather>;
   static bool attr_set = false;  // NOTE: per process; fine for one device kind
   if (!attr_set) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -209,13 +214,21 @@ int launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
       a.workspace == nullptr || misaligned(a.a) || misaligned(a.b) || misaligned(a.c))
     return kGroupedBadPointer;
   if (a.out_kind != kStoreBF16 && a.out_kind != kStoreF32) return kGroupedBadKind;
+  if (a.a_rows != nullptr && a.a_src_rows < 1) return kGroupedBadShape;
   if (a.M == 0) return kGroupedOk;  // no rows: nothing to compute or write
   const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
   if (num_sms < 1) return kGroupedLaunchFailed;
+  const bool gather = a.a_rows != nullptr;
   switch (a.config) {
-    case Tile128x256x64::kId: return launch<Tile128x256x64>(a, stream, num_sms);
-    case Tile128x128x64::kId: return launch<Tile128x128x64>(a, stream, num_sms);
-    case Tile64x128x64::kId: return launch<Tile64x128x64>(a, stream, num_sms);
+    case Tile128x256x64::kId:
+      return gather ? launch<Tile128x256x64, true>(a, stream, num_sms)
+                    : launch<Tile128x256x64, false>(a, stream, num_sms);
+    case Tile128x128x64::kId:
+      return gather ? launch<Tile128x128x64, true>(a, stream, num_sms)
+                    : launch<Tile128x128x64, false>(a, stream, num_sms);
+    case Tile64x128x64::kId:
+      return gather ? launch<Tile64x128x64, true>(a, stream, num_sms)
+                    : launch<Tile64x128x64, false>(a, stream, num_sms);
     default: return kGroupedBadConfig;
   }
 }

@@ -4,6 +4,8 @@
 //     A [M, K] bf16 row-major, rows of group g at [lo_g, hi_g); B [G, K, N] bf16 (one matrix per
 //     group, e.g. one per local expert); C [M, N] row-major, bf16 (out_kind 0) or fp32 (out_kind
 //     2: the accumulators as they are, e.g. for a weighted combine); fp32 accumulation.
+//     With a_rows (gather): row m of A is row a_rows[m] of a [a_src_rows, K] (clamped into it), so
+//     M counts the gathered rows (e.g. an MoE rank's (token, slot) rows, gathered from its tokens).
 //     lo_g = clamp(offsets[g], 0, M), hi_g = clamp(offsets[g + 1], lo_g, M): whatever the device
 //     array holds, no tile reads or writes outside A, B, C; rows in no group are not written.
 // Two launches on `stream`: a one-CTA prefix pass writes tile_prefix[g] (tiles of groups < g, g in
@@ -16,7 +18,9 @@
 #include <cstdint>
 
 struct GroupedGemmArgs {
-  const void* a = nullptr;            // [M, K] bf16, 16-byte aligned
+  const void* a = nullptr;            // [M, K] bf16 (gather: [a_src_rows, K]), 16-byte aligned
+  const int32_t* a_rows = nullptr;    // device int32 [M], or nullptr: A's rows in order
+  int a_src_rows = 0;                 // rows of a when gathering (>= 1)
   const void* b = nullptr;            // [G, K, N] bf16, 16-byte aligned
   void* c = nullptr;                  // [M, N] bf16 or fp32 (out_kind)
   const int32_t* offsets = nullptr;   // device int32 [G + 1]: group g's rows start at offsets[g]
@@ -29,7 +33,7 @@ struct GroupedGemmArgs {
 
 enum GroupedGemmStatus : int {
   kGroupedOk = 0,
-  kGroupedBadShape = 1,      // N, K or G < 1, or M < 0
+  kGroupedBadShape = 1,      // N, K or G < 1, M < 0, or a_src_rows < 1 with a_rows
   kGroupedBadAlignment = 2,  // N % 8 != 0 or K % 8 != 0
   kGroupedBadPointer = 3,    // a null pointer, or a / b / c not 16-byte aligned
   kGroupedBadConfig = 4,     // unknown config id, or a clustered config

@@ -45,6 +45,30 @@ def test_groups_multiply_their_own_matrix(sizes, k, n, lead, seed):
     assert not fresh[:lead].any() and not fresh[row:].any()
 
 
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    src_rows=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_rows(sizes, src_rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, b = randn_bf16(src_rows, 8, generator=g), randn_bf16(len(sizes), 8, 16, generator=g)
+    rows = torch.randint(0, src_rows, (sum(sizes),), generator=g, dtype=torch.int32)
+    offsets = _offsets(sizes)
+    got = mkernel.grouped_gemm(a, b, offsets, rows=rows)
+    assert torch.equal(got, mkernel.grouped_gemm(a[rows.long()], b, offsets))
+
+
+def test_bad_rows_are_named():
+    a, b, offsets = randn_bf16(6, 8), randn_bf16(2, 8, 16), _offsets([2, 4])
+    with pytest.raises(ValueError, match="rows must be int32"):
+        mkernel.grouped_gemm(a, b, offsets, rows=torch.arange(6))
+    with pytest.raises(ValueError, match=r"rows must index a's 6 rows, got \[1, 6\]"):
+        mkernel.grouped_gemm(a, b, offsets, rows=torch.arange(7, dtype=torch.int32)[1:] % 7)
+    with pytest.raises(ValueError, match=r"M=5"):  # offsets count the gathered rows
+        mkernel.grouped_gemm(a, b, offsets, rows=torch.zeros(5, dtype=torch.int32))
+
+
 def test_reference_is_exported():
     a, b = randn_bf16(5, 8), randn_bf16(2, 8, 8)
     offsets = _offsets([2, 3])

@@ -5,7 +5,8 @@ on the same rows, groups and weights, interleaved in rounds (timing.interleaved_
 against each other first. Shapes: the dense-like 8 x 2048 rows (7168 -> 2048) and 16 x 1024
 (4096 -> 1408) of FACTS.md, and the DeepSeek-V3-like expert layer (4096 tokens x top-8 = 32768
 rows per rank, H = 7168, I = 2048) with the experts of one rank at W = 1 (256) and W = 2 (128),
-uniform and Zipf-skewed routing, up (H -> I) and down (I -> H) projections. Writes
+uniform and Zipf-skewed routing, up (H -> I) and down (I -> H) projections, and rows gathered
+from the tokens by index (ours in the A loads, torch by index_select first). Writes
 benchmarks/results/grouped_<date>.json.
 """
 
@@ -27,12 +28,15 @@ SHAPES = [
     ("moe_e128_up", 128, 32768, 7168, 2048, "uniform"),
     ("moe_e128_up_zipf", 128, 32768, 7168, 2048, "zipf"),
     ("moe_e128_down", 128, 32768, 2048, 7168, "uniform"),
+    ("moe_e128_up_gather", 128, 32768, 7168, 2048, "gather"),
 ]
 
 
 def group_sizes(groups: int, rows: int, routing: str, seed: int = 0) -> list[int]:
     """Rows per group: equal ("even"), or the counts of top-8 routing of rows / 8 tokens over the
     groups with uniform or Zipf (weight 1 / (rank + 1)) expert popularity."""
+    if routing == "gather":
+        routing = "uniform"
     if routing == "even":
         return [rows // groups] * groups
     g = torch.Generator().manual_seed(seed)
@@ -52,16 +56,32 @@ def _measure(name: str, groups: int, rows: int, k: int, n: int, routing: str) ->
     a = [torch.randn(rows, k, device="cuda").bfloat16() for _ in range(sets)]
     b = [torch.randn(groups, k, n, device="cuda").bfloat16() for _ in range(sets)]
     c = [torch.empty(rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-    ours = mkernel.grouped_gemm(a[0], b[0], offsets, out=c[0])
-    theirs = torch._grouped_mm(a[0], b[0], offs=ends)
+    gather = None
+    if routing == "gather":  # rows gathered from rows / 4 tokens: ours by the engine's A loads,
+        # torch's by index_select first (the unfused MoE dispatch's permutation)
+        tokens = [torch.randn(rows // 4, k, device="cuda").bfloat16() for _ in range(sets)]
+        gather = torch.randint(0, rows // 4, (rows,), device="cuda", dtype=torch.int32)
+        index = gather.long()
+
+        def ours_fn(i):
+            return mkernel.grouped_gemm(tokens[i], b[i], offsets, out=c[i], rows=gather)
+
+        def torch_fn(i):
+            return torch._grouped_mm(tokens[i].index_select(0, index), b[i], offs=ends)
+    else:
+
+        def ours_fn(i):
+            return mkernel.grouped_gemm(a[i], b[i], offsets, out=c[i])
+
+        def torch_fn(i):
+            return torch._grouped_mm(a[i], b[i], offs=ends)
+
+    ours, theirs = ours_fn(0), torch_fn(0)
     err = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
     if not err < 1e-2:
         raise AssertionError(f"{name}: grouped_gemm vs torch._grouped_mm relative error {err}")
     ms = interleaved_ms(
-        {
-            "ours": lambda i: mkernel.grouped_gemm(a[i], b[i], offsets, out=c[i]),
-            "torch": lambda i: torch._grouped_mm(a[i], b[i], offs=ends),
-        },
+        {"ours": ours_fn, "torch": torch_fn},
         sets,
     )
     flop = 2 * rows * k * n

@@ -8,7 +8,9 @@ offsets[G] <= M)::
         lo, hi = offsets[g], offsets[g + 1]
         out[lo:hi] = (a[lo:hi].float() @ b[g].float()).bfloat16()
 
-Rows outside [offsets[0], offsets[G]) are not written (pass ``out`` to keep their values).
+Rows outside [offsets[0], offsets[G]) are not written (pass ``out`` to keep their values). With
+``rows`` (int32 [M']), A's row m is ``a[rows[m]]`` (gathered on the device, e.g. an MoE rank's
+(token, slot) rows straight from its tokens), and out and offsets count those M' rows.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _check(
     offsets: torch.Tensor,
     out: torch.Tensor | None,
     out_dtype: torch.dtype,
+    rows: torch.Tensor | None,
 ) -> None:
     for name, x in (("a", a), ("b", b)):
         if x.dtype != torch.bfloat16:
@@ -53,6 +56,20 @@ def _check(
             f"{tuple(b.shape)}"
         )
     m, k = a.shape
+    if rows is not None:
+        if rows.dtype != torch.int32 or rows.dim() != 1:
+            raise ValueError(
+                f"grouped_gemm: rows must be int32 [M'], got {rows.dtype} {tuple(rows.shape)}"
+            )
+        if rows.device.type == "cpu" and rows.numel():
+            lo, hi = int(rows.min()), int(rows.max())
+            if lo < 0 or hi >= m:
+                raise ValueError(f"grouped_gemm: rows must index a's {m} rows, got [{lo}, {hi}]")
+        elif rows.device.type != "cpu" and rows.device != a.device:
+            raise ValueError(f"grouped_gemm: rows on {rows.device}, a on {a.device}")
+        if rows.numel() and m == 0:
+            raise ValueError("grouped_gemm: rows index an empty a")
+        m = rows.numel()
     g, kb, n = b.shape
     if kb != k:
         raise ValueError(f"grouped_gemm: a is [M, {k}] but b is [G, {kb}, N]: K must agree")
@@ -100,6 +117,7 @@ def grouped_gemm(
     *,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    rows: torch.Tensor | None = None,
     tile: str | None = None,
 ) -> torch.Tensor:
     """out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g] for every group g.
@@ -111,15 +129,20 @@ def grouped_gemm(
     Returns out [M, N] of ``out_dtype`` (bf16, or fp32: the accumulators unrounded), fp32
     accumulation; rows in no group are not written (a new ``out`` holds garbage there). On the
     GPU one launch of the GEMM engine; ``tile`` names a ``TILE_CONFIGS`` entry (default:
-    ``schedule.pick_grouped_tile``). On the CPU: the reference.
+    ``schedule.pick_grouped_tile``). On the CPU: the reference. ``rows`` (int32 [M'], on the CPU
+    (checked) or on a's device (clamped into a's rows there)): gather A's rows by index; out is
+    then [M', N] and offsets count those rows.
     """
-    _check(a, b, offsets, out, out_dtype)
+    _check(a, b, offsets, out, out_dtype, rows)
     if tile is not None and tile not in schedule.TILE_CONFIGS:
         known = list(schedule.TILE_CONFIGS)
         raise ValueError(f"grouped_gemm: tile {tile!r} unknown; known: {known}")
-    m, k = a.shape
+    k = a.shape[1]
+    m = a.shape[0] if rows is None else rows.numel()
     g, _, n = b.shape
     if not a.is_cuda:
+        if rows is not None:
+            a = a[rows.long()]
         ref = reference(a, b, offsets, out_dtype)
         if out is None:
             return ref
@@ -129,6 +152,8 @@ def grouped_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     offsets = offsets.to(a.device, non_blocking=True)
+    if rows is not None:
+        rows = rows.to(a.device, non_blocking=True)
     if m == 0:
         return out
     ext = extension()
@@ -138,6 +163,8 @@ def grouped_gemm(
     args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), out.data_ptr()
     args.offsets, args.workspace = offsets.data_ptr(), workspace.data_ptr()
     args.M, args.N, args.K, args.G = m, n, k, g
+    if rows is not None:
+        args.a_rows, args.a_src_rows = rows.data_ptr(), a.shape[0]
     args.config = schedule.TILE_CONFIG_IDS[cfg.name]
     args.out_kind = 0 if out_dtype == torch.bfloat16 else 2  # DestKind kStoreBF16 / kStoreF32
     if a.device.index != torch.cuda.current_device():  # the launch goes to the current device

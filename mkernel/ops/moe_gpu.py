@@ -1,8 +1,9 @@
 """The MoE pair on the GPU, not yet fused: the routing sorted on the device, the dispatch as a row
 gather, each rank's experts on the grouped GEMM engine (kernels/grouped_gemm.cu), the combine as a
-weighted sum in fp32 in slot order. Same results and row order as the interpreter's protocol
-(moe_dispatch_gemm.py, moe_gemm_combine.py); no communication overlaps a GEMM here, which is what
-the fused kernels of issue 11 are for. Emulated worlds on one GPU.
+weighted sum in fp32 in slot order. The dispatch's rows are gathered from the tokens by the grouped
+GEMM's A loads (``rows=``): no expanded copy of x. Same results and row order as the interpreter's
+protocol (moe_dispatch_gemm.py, moe_gemm_combine.py); no communication overlaps a GEMM here, which
+is what the fused kernels of issue 11 are for. Emulated worlds on one GPU.
 
 Row order (moe_common.py): the rows of rank d are the (source, token, slot) entries routed to its
 experts, by local expert, then source, token, slot. With the routing ids flattened to
@@ -76,8 +77,8 @@ def dispatch(
     ys, srcs, offsets = [], [], []
     for d in range(W):
         offs = torch.tensor(r.offsets[d], dtype=torch.int32, device=x.device)
-        a = tokens.index_select(0, r.rows_of(d) // k)  # the token of each row, expert-major
-        ys.append(grouped_gemm(a, w1[d], offs))
+        token_of_row = (r.rows_of(d) // k).to(torch.int32)  # gathered by the engine's A loads
+        ys.append(grouped_gemm(tokens, w1[d], offs, rows=token_of_row))
         srcs.append(r.src_of(d))
         offsets.append(offs)
     return MoeDispatch(ys, srcs, offsets, world, ids.clone(), hidden)

@@ -64,7 +64,11 @@ struct TileTask {
 // kGroupedB: B is a batch of matrices [G, K, N] (a 3D tensor map, box {64, 64, 1}) and each task
 // names its matrix (TileTask::group): the grouped GEMM of MoE experts. A rows of a tile past its
 // group's last row belong to the next group; they are computed and never stored (rows clips).
-template <class Cfg, bool kGroupedB = false>
+// kGatherA: row r of the tile's A is row a_rows[m0 + r] of Params::a_src (MoE rows gathered from
+// the tokens): warps 2 and 3 copy it with 16-byte cp.async into the swizzled stage (the layout TMA
+// writes), the producer's TMA loads only B, and both complete on the stage's full barrier. Rows
+// past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
+template <class Cfg, bool kGroupedB = false, bool kGatherA = false>
 struct Engine {
   using Map = SmemMap<Cfg>;
   using Epi = WarpgroupEpilogue<Cfg::BN, Cfg::EPI_COLS>;
@@ -82,13 +86,23 @@ struct Engine {
   static constexpr bool kStaging = Cfg::EPI_MODE == kEpiStaged || Cfg::EPI_MODE == kEpiTma;
   // bf16 tiles with a Dest::map leave as TMA tensor stores (fused launchers build the maps).
   static constexpr bool kTmaStore = Cfg::EPI_MODE == kEpiTma;
-  static constexpr uint32_t kStageTxBytes = (uint32_t)(Map::kABytesPerStage + Map::kBBytesPerStage);
+  static constexpr uint32_t kStageTxBytes =
+      (uint32_t)((kGatherA ? 0 : Map::kABytesPerStage) + Map::kBBytesPerStage);
 
   struct Params {
     CUtensorMap a, b;  // A [M,K] bf16 row-major, box {64, BM}; B [K,N] bf16 row-major, box {64, 64}
     int M, N, K;       // (kGroupedB: B [G,K,N], box {64, 64, 1})
+    // kGatherA only (the map `a` is then unused): A row m is a_src row a_rows[m], pitch lda.
+    const void* a_src;
+    const int32_t* a_rows;  // [M]
+    long lda;
+    int a_src_rows;
   };
   static_assert(!kGroupedB || CLUSTER == 1, "grouped B: one CTA per cluster (no B multicast)");
+  static_assert(!kGatherA || CLUSTER == 1, "gathered A: one CTA per cluster");
+  static constexpr int kGatherThreads = kGatherA ? 64 : 0;  // warps 2 and 3
+  // Threads that meet at kBarInit: the producer warp, the gather warps, the consumers.
+  static constexpr int kInitThreads = 32 + kGatherThreads + 128 * CONSUMERS;
 
   // The persistent template's engine contract (templates/engine_contract.cuh): the task of a plan
   // tile, the destination type, and the whole CTA's entry with its spare warp.
@@ -112,6 +126,8 @@ struct Engine {
         run(p, smem, hooks);
       } else if (warp == kSpareWarp) {
         spare();
+      } else if constexpr (kGatherA) {
+        gather(p, smem, hooks);  // warps 2, 3
       }
     } else {
       if constexpr (kConsumerRegs > 0) setmaxnreg_inc<kConsumerRegs>();
@@ -127,7 +143,7 @@ struct Engine {
       if (threadIdx.x == 0) init_barriers(smem);
       __syncwarp();
       // NOTE: the producer warp and the consumers come from different role branches of the caller.
-      named_barrier_sync_unaligned(kBarInit, 32 + 128 * CONSUMERS);
+      named_barrier_sync_unaligned(kBarInit, kInitThreads);
     }
     if (threadIdx.x < 128) {
       if (threadIdx.x == 0) producer(p, smem, hooks, full, empty);
@@ -156,7 +172,8 @@ struct Engine {
     if (smem_u32(smem) % kSmemAlign != 0) __trap();
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);  // this CTA's producer's arrive_expect_tx
+      // this CTA's producer's arrive_expect_tx (+ one cp.async arrival per gather thread)
+      mbar_init(&full[s], 1 + kGatherThreads);
       mbar_init(&empty[s],
                 4 * CONSUMERS * CLUSTER);  // lane 0 of every consumer warp in the cluster
     }
@@ -196,7 +213,7 @@ struct Engine {
         char* sa = smem + Map::kAOffset + ps.stage * Map::kABytesPerStage;  // [BM, 64] sw128
         char* sb =
             smem + Map::kBOffset + ps.stage * Map::kBBytesPerStage;  // BN/64 x [64, 64] sw128
-        tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
+        if constexpr (!kGatherA) tma_load_2d(sa, &p.a, bar, kb * BK, t.m0);
 #pragma unroll
         for (int c = chunk0; c < chunk0 + kChunks; ++c) {
           if constexpr (kGroupedB) {
@@ -208,6 +225,41 @@ struct Engine {
                                   (uint16_t)((1u << CLUSTER) - 1));
           }
         }
+        ps.advance();
+      }
+    }
+  }
+
+  // Warps 2, 3 (kGatherA): A rows by index into the stage, in the producer's task and stage order.
+  // Thread g copies 16-byte chunk c = g % 8 of rows g / 8 + 8 i: with 128-byte rows in 1024-byte
+  // swizzle atoms, chunk c of row r sits at r * 128 + ((c ^ (r % 8)) * 16), and r % 8 = g / 8.
+  template <class Hooks>
+  __device__ static void gather(const Params& p, char* smem, Hooks& hooks) {
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
+    uint64_t* empty = full + STAGES;
+    named_barrier_sync_unaligned(kBarInit, kInitThreads);  // the barriers are initialised
+    const int g = threadIdx.x - 64, c = g % 8, r0 = g / 8;
+    const uint32_t a_base = smem_u32(smem + Map::kAOffset) + r0 * 128 + ((c ^ r0) << 4);
+    const char* src = static_cast<const char*>(p.a_src);
+    const int nk = (p.K + BK - 1) / BK;
+    PipeState<STAGES> ps;
+    const int ntasks = hooks.num_tasks();
+    for (int i = 0; i < ntasks; ++i) {
+      const TileTask t = hooks.task(i);
+      for (int kb = 0; kb < nk; ++kb) {
+        const int col = kb * BK + c * 8;
+        const int col_bytes = col < p.K ? 16 : 0;
+        mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
+        const uint32_t dst = a_base + ps.stage * Map::kABytesPerStage;
+#pragma unroll 1
+        for (int r = r0; r < BM; r += 8) {
+          const bool valid = r < t.rows;
+          int row = valid ? __ldg(p.a_rows + t.m0 + r) : 0;
+          row = min(max(row, 0), p.a_src_rows - 1);
+          const char* from = src + ((long)row * p.lda + (col_bytes ? col : 0)) * 2;
+          cp_async_16(dst + (r - r0) * 128, from, valid ? col_bytes : 0);
+        }
+        cp_async_arrive_noinc(&full[ps.stage]);
         ps.advance();
       }
     }
@@ -260,6 +312,7 @@ struct Engine {
       int prev_stage = 0;
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&full[ps.stage], ps.phase);
+        if constexpr (kGatherA) fence_proxy_async_smem();  // cp.async rows -> wgmma's async reads
         const uint64_t da = desc_k_major_sw128(a_base + ps.stage * Map::kABytesPerStage);
         const uint64_t db =
             desc_mn_major_sw128(b_base + ps.stage * Map::kBBytesPerStage, Map::kBChunkBytes);

@@ -49,4 +49,20 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// Gathered A rows (Engine kGatherA): one 16-byte cp.async global -> shared; src_bytes < 16 zero-fills
+// the rest (0: a zero chunk, for rows past the tile's valid rows and k past K). The writes are
+// generic-proxy: a reader through the async proxy (wgmma) fences after the mbarrier that publishes
+// them (fence_proxy_async_smem).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+// The mbarrier's arrival when all of this thread's earlier cp.async copies have landed; counts as
+// one of the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
+               : "memory");
+}
+
 }  // namespace mk::gemm
