@@ -1,0 +1,125 @@
+"""The attention forward engine (issue 12) against torch SDPA's cuDNN and FlashAttention backends.
+
+``python3 -m mkernel.bench.attention``: B=1, H=32, D=128 bf16; S in {2048, 8192} full and causal,
+S=32768 causal. Every version (our three consumer schedules, SDPA cuDNN, SDPA flash) is checked
+against SDPA flash once, then timed INTERLEAVED: each round runs every version once per shape (one
+measurement = a few back-to-back calls between CUDA events, so that it lasts >= ~2 ms), and the
+result is the median over rounds. TFLOP/s counts 4 * B * H * S^2 * D for full attention and half of
+that for causal. Prints a table and writes attention_<date>.json under $MKERNEL_BENCH_DIR
+(default benchmarks/results). Takes well under a minute on an H100 / H200.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import attention_ext
+from .timing import save, table
+
+B, H, D = 1, 32, 128
+SHAPES = [(2048, False), (2048, True), (8192, False), (8192, True), (32768, True)]
+ROUNDS = 15
+WARMUP = 3
+TARGET_MS = 2.0  # one measurement lasts about this long
+
+
+def flops(S: int, causal: bool) -> float:
+    full = 4.0 * B * H * S * S * D
+    return full / 2 if causal else full
+
+
+def _sdpa(backend: SDPBackend, q, k, v, causal: bool) -> torch.Tensor:
+    # SDPA takes [B, H, S, D]: transposed views of our [B, S, H, D] tensors (no copies).
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+        ).transpose(1, 2)
+
+
+def _versions(q, k, v, causal: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, q.shape[1], device="cuda", dtype=torch.float32)
+    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    for variant in attention_ext.VARIANTS:
+        fns[f"mk_{variant}"] = lambda variant=variant: attention_ext.attention_forward(
+            q, k, v, causal, None, variant=variant, out=out, lse=lse
+        )[0]
+    fns["cudnn"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
+    fns["flash"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
+    return fns
+
+
+def _event_ms(fn: Callable[[], object], reps: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def run(save_json: bool = True) -> list[dict]:
+    attention_ext.load()
+    cases = []
+    for S, causal in SHAPES:
+        q, k, v = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(3))
+        fns = _versions(q, k, v, causal)
+        try:
+            ref = fns["flash"]().float()
+        except RuntimeError:  # no flash backend: compare with cuDNN instead
+            ref = fns["cudnn"]().float()
+        errs, reps = {}, {}
+        for name, fn in list(fns.items()):
+            try:
+                got = fn().float()
+                errs[name] = float((got - ref).abs().max())
+                for _ in range(WARMUP):
+                    fn()
+                reps[name] = max(1, round(TARGET_MS / max(_event_ms(fn, 1), 1e-3)))
+            except RuntimeError as exc:  # a backend this torch / GPU lacks
+                print(f"S={S} causal={causal}: {name} unavailable ({exc})", file=sys.stderr)
+                del fns[name]
+        cases.append((S, causal, fns, errs, reps, {name: [] for name in fns}))
+    for _ in range(ROUNDS):
+        for _S, _causal, fns, _errs, reps, times in cases:
+            for name, fn in fns.items():
+                times[name].append(_event_ms(fn, reps[name]))
+    rows = []
+    for S, causal, fns, errs, _reps, times in cases:
+        row: dict = {"S": S, "causal": causal, "B": B, "H": H, "D": D}
+        for name in fns:
+            ms = statistics.median(times[name])
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = flops(S, causal) / ms / 1e9
+            row[f"{name}_maxerr_vs_flash"] = errs[name]
+        best = max((n for n in fns if n.startswith("mk_")), key=lambda n: row[f"{n}_tflops"])
+        row["best_mk"] = best
+        if "cudnn_ms" in row:
+            row["ratio_vs_cudnn"] = row["cudnn_ms"] / row[f"{best}_ms"]
+        rows.append(row)
+    names = [n for n in cases[0][2]]
+    cols = ["S", "causal", *(f"{n}_tflops" for n in names), "best_mk", "ratio_vs_cudnn"]
+    print(table(rows, cols))
+    print("max |out - flash|:", {(r["S"], r["causal"]): _errs_of(r) for r in rows})
+    if save_json:
+        print("saved", save("attention", rows))
+    return rows
+
+
+def _errs_of(row: dict) -> dict[str, float]:
+    suffix = "_maxerr_vs_flash"
+    return {k[: -len(suffix)]: round(v, 4) for k, v in row.items() if k.endswith(suffix)}
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
+        sys.exit(1)
+    run()
