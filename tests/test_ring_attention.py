@@ -10,16 +10,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import types
+import unittest.mock
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import mkernel
 from mkernel.errors import RaceError, TileWriteError
 from mkernel.interp import program, twins
-from mkernel.ops import common
+from mkernel.ops import common, ring_attention_gpu
 from mkernel.ops import ring_attention as ra
 from mkernel.ops.ring_attention import attention, ring_attention
 from mkernel.protocol import RoleTables
@@ -44,9 +46,11 @@ def _positions(W: int, S: int, layout: str) -> list[list[int]]:
     return [chunk[r] + chunk[2 * W - 1 - r] for r in range(W)]
 
 
-def _exact(q, k, v, causal: bool, scale: float, layout: str):
+def _exact(q, k, v, causal: bool, scale: float, layout: str, p_bf16: bool = False):
     """fp64 attention over every rank's rows at their global positions: per rank (out [W, B, S,
-    Hq, D], lse [W, B, Hq, S]) and the tolerances of an fp32 computation rounded to bf16."""
+    Hq, D], lse [W, B, Hq, S]) and the tolerances of an fp32 computation rounded to bf16.
+    ``p_bf16``: the probabilities are rounded to bf16 before P @ V (the GPU engine's wgmma takes
+    bf16 operands, as every FlashAttention-style kernel does): one more U_BF16 * P @ |V|."""
     W, B, S, Hq, D = q.shape
     group = Hq // k.shape[3]
     pos = torch.tensor(_positions(W, S, layout)).reshape(-1)  # rank-major rows
@@ -71,6 +75,8 @@ def _exact(q, k, v, causal: bool, scale: float, layout: str):
     e = s_err.amax(dim=-1)  # [B, H, n]
     terms = W * S + 8 * W + 16  # fp32 sums over the keys, the merges' rescaling, exp, division
     out_tol = U_BF16 * out.abs() + (4 * e.transpose(1, 2)[..., None] + terms * U_FP32) * mag
+    if p_bf16:
+        out_tol = out_tol + U_BF16 * mag
     lse_tol = 3 * e + terms * U_FP32 + 2 * U_FP32 * lse.abs()
 
     def per_rank(x, dim):  # rank-major rows back to [W, ...]
@@ -84,13 +90,13 @@ def _exact(q, k, v, causal: bool, scale: float, layout: str):
     )
 
 
-def _assert_attention(out, lse, q, k, v, causal, scale, layout, what: str) -> None:
+def _assert_attention(out, lse, q, k, v, causal, scale, layout, what: str, p_bf16=False) -> None:
     W, B, S, Hq, D = q.shape
     assert out.shape == (W, B, S, Hq, D) and out.dtype == torch.bfloat16, what
     assert lse.shape == (W, B, Hq, S) and lse.dtype == torch.float32, what
     assert not torch.isnan(out.float()).any(), f"{what}: NaN in out (an unwritten tile)"
     assert not torch.isnan(lse).any(), f"{what}: NaN in lse (an unwritten tile)"
-    x_out, x_lse, out_tol, lse_tol = _exact(q, k, v, causal, scale, layout)
+    x_out, x_lse, out_tol, lse_tol = _exact(q, k, v, causal, scale, layout, p_bf16)
     for name, got, want, tol in (("out", out, x_out, out_tol), ("lse", lse, x_lse, lse_tol)):
         assert_within(got, want, tol, f"{what}: {name}")
 
@@ -282,6 +288,36 @@ def test_bad_input_is_named_before_anything_runs():
         attention(torch.empty(q[0].shape, dtype=q.dtype, device="meta"), k[0], v[0])
     with pytest.raises(ValueError, match="D \\(last dim"):
         attention(*(x[0, ..., :32].contiguous() for x in (q, k, v)))
+
+
+def _fake_engine_forward(q, k, v, causal, scale, out_f32=None):
+    """The engine's contract (mkernel.attention_ext.attention_forward) computed in fp32 on the
+    CPU: top-left causal mask, natural-log lse, O unrounded into out_f32."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (x.float().repeat_interleave(group, 2) for x in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), kk) * scale
+    if causal:
+        i, j = torch.arange(q.shape[1]), torch.arange(k.shape[1])
+        s = s.masked_fill(j[None, :] > i[:, None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("bhij,bjhd->bihd", torch.exp(s - lse[..., None]), vv)
+    if out_f32 is not None:
+        out_f32.copy_(o)
+    return o.bfloat16(), lse
+
+
+@ring_cases(max_examples=25)
+def test_gpu_path_chunks_and_merges(W, B, S, heads, causal, layout, overlap, sms, seed):
+    """The unfused GPU path's plan (ring_attention_gpu.py: which key chunks each query chunk sees,
+    at most two engine calls, fp32 lse merges) with the engine's contract computed on the CPU."""
+    del overlap, sms
+    assume(layout == "contiguous" or S % 2 == 0)
+    q, k, v = _inputs(W, B, S, *heads, seed=seed)
+    scale = 1 / math.sqrt(64)
+    fake = types.SimpleNamespace(attention_forward=_fake_engine_forward)
+    with unittest.mock.patch.object(ring_attention_gpu, "_engine", lambda: fake):
+        out, lse = ring_attention_gpu.forward(q, k, v, causal, scale, layout == "zigzag")
+    _assert_attention(out, lse, q, k, v, causal, scale, layout, f"gpu path W={W} S={S}")
 
 
 # -- planted protocol mistakes ---------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Ring attention, forward (issue 12): API, plan, data-movement twins and reference, side by side.
-CPU interpreter only for now (``SPEC.device`` is False: no attention engine, no kernels/*.cu); the
-plan below is what the GPU engine will execute when it plugs into the template.
+Fused in the CPU interpreter only for now (``SPEC.device`` is False: no fused kernel, no
+kernels/ring_attention.cu); the plan below is what the GPU kernel will execute when the attention
+engine (primitives/attention/engine.cuh) plugs into the template. In an emulated world on a GPU
+it runs unfused (ring_attention_gpu.py: the engine per block, log-sum-exp merge in fp32).
 
 Unfused meaning, per rank r of W (q: [B, S, Hq, D], k, v: [B, S, Hkv, D], bf16; S = S_local)::
 
@@ -36,10 +38,11 @@ sent (contiguous: the ring never wraps, the last rank sends nothing).
     (no send waits for free here: with W >= 4, rank r's send of step 2 refills r+1's slot 1 after
      r+1's readers of step 1 have raised free[1] on r)
 
-GPU mapping (not built): a CTA owns a q tile for all its steps (state in registers, the ``merged``
-chain is then program order), its producer warp TMA-loads each block from the slot the plan's wait
-names while the wgmma consumer warpgroups work on the previous one; the comm role's bulk copies
-are cp.async.bulk global -> shared -> peer global, as ``tile_send_bulk`` models here.
+GPU mapping (the fused kernel, not built): a CTA owns a q tile for all its steps (state in
+registers, the ``merged`` chain is then program order), its producer warp TMA-loads each block from
+the slot the plan's wait names while the wgmma consumer warpgroups work on the previous one; the
+comm role's bulk copies are cp.async.bulk global -> shared -> peer global, as ``tile_send_bulk``
+models here.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, build_plan
 from ..world import World
-from . import common
+from . import common, ring_attention_gpu
 
 Q_TILE = 16  # query rows per compute task (the GPU engine's would be 64 or 128)
 LAYOUTS = ("contiguous", "zigzag")
@@ -323,8 +326,9 @@ def ring_attention(
     Returns:
         (out, lse): out bf16 per rank [B, S_local, Hq, D]; lse fp32 per rank [B, Hq, S_local],
         the natural log of each row's softmax denominator (scaled scores). Raises TypeError /
-        ValueError naming the argument before anything runs; NotImplementedError on a GPU world
-        (no attention engine yet); CommTimeout if a wait passes the world's deadline.
+        ValueError naming the argument before anything runs; NotImplementedError on a distributed
+        world; CommTimeout if a wait passes the world's deadline. In an emulated world on a GPU
+        it runs unfused (ring_attention_gpu.py: the attention engine per block, lse merge).
         Differentiable: when q, k or v require grad, ``out.backward(g)`` runs
         ``ring_attention_backward`` (mkernel/ops/ring_attention_backward.py; lse's gradient too).
     """
@@ -335,6 +339,12 @@ def ring_attention(
 
         return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
+    world = common.check_world(world)
+    if world.on_gpu and world.emulated_world:  # the engine per block, unfused (ring_attention_gpu)
+        common.check_schedule(schedule)
+        s = shapes(q, k, v, world, causal, layout)
+        scale = check_scale(scale, s["head_dim"])
+        return ring_attention_gpu.forward(q, k, v, causal, scale, layout == "zigzag")
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(q, k, v, world, causal, layout)
@@ -370,6 +380,11 @@ def _solo_world() -> World:
     return World.emulated(1)
 
 
+@functools.cache
+def _solo_gpu_world(device: torch.device) -> World:
+    return World.emulated(1, device=device)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -378,15 +393,21 @@ def attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention: ``ring_attention`` on one rank, without a world. q [B, S, Hq, D], k, v
-    [B, S, Hkv, D], bf16 CPU tensors (run in a 1-rank emulated world); returns (out [B, S, Hq, D]
-    bf16, lse [B, Hq, S] fp32)."""
+    [B, S, Hkv, D], bf16; returns (out [B, S, Hq, D] bf16, lse [B, Hq, S] fp32). CUDA tensors
+    run on the attention engine (one launch; docs/ring_attention.md has its speed), CPU tensors
+    in the interpreter (a 1-rank emulated world)."""
+    lift = lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        world = _solo_gpu_world(q.device)
+        s = shapes(lift(q), lift(k), lift(v), world, causal)
+        scale = check_scale(scale, s["head_dim"])
+        return ring_attention_gpu.attention(q, k, v, causal, scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise NotImplementedError(
-                f"attention: {name} is on {t.device}; there is no GPU attention engine yet "
-                "(CPU tensors run in the interpreter)"
+                f"attention: {name} is on {t.device}; CUDA tensors run on the attention engine, "
+                "CPU tensors in the interpreter"
             )
-    lift = lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t  # noqa: E731
     out, lse = ring_attention(lift(q), lift(k), lift(v), _solo_world(), causal, scale)
     return out[0], lse[0]
 

@@ -1,0 +1,95 @@
+"""Ring attention's forward on one GPU, not yet fused: the attention engine
+(primitives/attention/engine.cuh, ``mkernel.attention_ext``) on the blocks each query chunk sees,
+merged by log-sum-exp in fp32. ``attention`` on CUDA tensors is the one-rank case (one engine call).
+Emulated worlds on one GPU; the K/V blocks do not travel a ring here (every rank's blocks are in
+one memory), which is what the fused kernel of issue 12 is for.
+
+Chunks (ring_attention.py ``positions``): "contiguous" gives rank r one chunk, global index r, of
+S_local rows; "zigzag" gives it chunks r and 2W-1-r of S_local / 2 rows (local rows [0, S/2) and
+[S/2, S)). Causal: a query chunk sees the key chunks of lower global index in full and its own
+chunk causally (the diagonal, top-left aligned since both have the same length), none above. So
+each query chunk needs at most two engine calls: one over the concatenation of all the chunks it
+sees in full, one causal on its own chunk; non-causal, one call over every rank's K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _engine():
+    # NOTE: imported on first use: mkernel.attention_ext -> mkernel.jit -> the op registry, which
+    # imports this op's module while it is being imported.
+    from .. import attention_ext
+
+    return attention_ext
+
+
+def chunks(rank: int, world_size: int, seq: int, zigzag: bool) -> list[tuple[int, int, int]]:
+    """(global chunk index, first local row, rows) of each chunk rank ``rank`` holds."""
+    if not zigzag:
+        return [(rank, 0, seq)]
+    half = seq // 2
+    return [(rank, 0, half), (2 * world_size - 1 - rank, half, half)]
+
+
+def _merge(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial results over disjoint keys (o [B, n, H, D] fp32 normalised, lse [B, H, n]) as
+    one: weights exp(lse_i - lse), fp32."""
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse).transpose(1, 2).unsqueeze(-1)  # [B, n, H, 1]
+    w2 = torch.exp(l2 - lse).transpose(1, 2).unsqueeze(-1)
+    return o1 * w1 + o2 * w2, lse
+
+
+def _call(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One engine call: (o fp32 [B, n, Hq, D], lse [B, Hq, n])."""
+    o32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _, lse = _engine().attention_forward(q, k, v, causal, scale, out_f32=o32)
+    return o32, lse
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ring_attention in an emulated world on the GPU (checked operands [W, B, S, H, D])."""
+    W, B, S, Hq, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(W, B, Hq, S, dtype=torch.float32, device=q.device)
+    kv_chunks = {}  # global chunk index -> (k, v) rows of that chunk
+    for p in range(W):
+        for g, r0, n in chunks(p, W, S, zigzag):
+            kv_chunks[g] = (k[p, :, r0 : r0 + n], v[p, :, r0 : r0 + n])
+    order = sorted(kv_chunks)
+    for r in range(W):
+        for g, r0, n in chunks(r, W, S, zigzag):
+            qc = q[r, :, r0 : r0 + n].contiguous()
+            seen = [c for c in order if c < g] if causal else order
+            parts = []
+            if seen:
+                kf = torch.cat([kv_chunks[c][0] for c in seen], dim=1).contiguous()
+                vf = torch.cat([kv_chunks[c][1] for c in seen], dim=1).contiguous()
+                parts.append(_call(qc, kf, vf, False, scale))
+            if causal:
+                kd, vd = (t.contiguous() for t in kv_chunks[g])
+                parts.append(_call(qc, kd, vd, True, scale))
+            o, ls = parts[0]
+            for o2, l2 in parts[1:]:
+                o, ls = _merge(o, ls, o2, l2)
+            out[r, :, r0 : r0 + n] = o.to(torch.bfloat16)
+            lse[r, :, :, r0 : r0 + n] = ls
+    return out, lse
+
+
+def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention on the GPU (checked operands [B, S, H, D]): one engine call."""
+    return _engine().attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), causal, scale
+    )
