@@ -66,7 +66,8 @@ struct TileTask {
 // group's last row belong to the next group; they are computed and never stored (rows clips).
 // kGatherA: row r of the tile's A is row a_rows[m0 + r] of Params::a_src (MoE rows gathered from
 // the tokens): warps 2 and 3 copy it with 16-byte cp.async into the swizzled stage (the layout TMA
-// writes), the producer's TMA loads only B, and both complete on the stage's full barrier. Rows
+// writes), the producer's TMA loads only B, and both complete on the stage's full barrier. NOTE:
+// cp.async writes are generic-proxy: each consumer fences to the async proxy before its wgmmas. Rows
 // past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
 template <class Cfg, bool kGroupedB = false, bool kGatherA = false>
 struct Engine {
@@ -231,33 +232,48 @@ struct Engine {
   }
 
   // Warps 2, 3 (kGatherA): A rows by index into the stage, in the producer's task and stage order.
-  // Thread g copies 16-byte chunk c = g % 8 of rows g / 8 + 8 i: with 128-byte rows in 1024-byte
-  // swizzle atoms, chunk c of row r sits at r * 128 + ((c ^ (r % 8)) * 16), and r % 8 = g / 8.
+  // Thread g owns rows g, g + 64, ... of every tile: their indices are read once per task (a
+  // dependent load per row per stage would stall the ring), then each stage copies the rows'
+  // eight 16-byte chunks. With 128-byte rows in 1024-byte swizzle atoms, chunk c of row r sits at
+  // r * 128 + ((c ^ (r % 8)) * 16): the layout TMA's 128B swizzle writes.
   template <class Hooks>
   __device__ static void gather(const Params& p, char* smem, Hooks& hooks) {
+    constexpr int kRowsPer = BM / kGatherThreads;
+    static_assert(BM % kGatherThreads == 0, "whole rows per gather thread");
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
     uint64_t* empty = full + STAGES;
     named_barrier_sync_unaligned(kBarInit, kInitThreads);  // the barriers are initialised
-    const int g = threadIdx.x - 64, c = g % 8, r0 = g / 8;
-    const uint32_t a_base = smem_u32(smem + Map::kAOffset) + r0 * 128 + ((c ^ r0) << 4);
+    const int g = threadIdx.x - 64;
+    const uint32_t a_base = smem_u32(smem + Map::kAOffset) + g * 128;  // row g of each stage
     const char* src = static_cast<const char*>(p.a_src);
     const int nk = (p.K + BK - 1) / BK;
     PipeState<STAGES> ps;
     const int ntasks = hooks.num_tasks();
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
+      const char* row_src[kRowsPer];
+      bool valid[kRowsPer];
+#pragma unroll
+      for (int j = 0; j < kRowsPer; ++j) {
+        const int r = g + j * kGatherThreads;
+        valid[j] = r < t.rows;
+        const int row = valid[j] ? __ldg(p.a_rows + t.m0 + r) : 0;
+        row_src[j] = src + (long)min(max(row, 0), p.a_src_rows - 1) * p.lda * 2;
+      }
       for (int kb = 0; kb < nk; ++kb) {
-        const int col = kb * BK + c * 8;
-        const int col_bytes = col < p.K ? 16 : 0;
         mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
-        const uint32_t dst = a_base + ps.stage * Map::kABytesPerStage;
-#pragma unroll 1
-        for (int r = r0; r < BM; r += 8) {
-          const bool valid = r < t.rows;
-          int row = valid ? __ldg(p.a_rows + t.m0 + r) : 0;
-          row = min(max(row, 0), p.a_src_rows - 1);
-          const char* from = src + ((long)row * p.lda + (col_bytes ? col : 0)) * 2;
-          cp_async_16(dst + (r - r0) * 128, from, valid ? col_bytes : 0);
+        const uint32_t stage = a_base + ps.stage * Map::kABytesPerStage;
+#pragma unroll
+        for (int j = 0; j < kRowsPer; ++j) {
+          // rows g + 64 j: r % 8 == g % 8
+          const uint32_t dst = stage + j * kGatherThreads * 128;
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const int col = kb * BK + c * 8;
+            const bool live = valid[j] && col < p.K;
+            cp_async_16(dst + ((c ^ (g & 7)) << 4), live ? row_src[j] + col * 2 : src,
+                        live ? 16 : 0);
+          }
         }
         cp_async_arrive_noinc(&full[ps.stage]);
         ps.advance();
