@@ -251,29 +251,28 @@ struct Engine {
     const int ntasks = hooks.num_tasks();
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
-      const char* row_src[kRowsPer];
-      bool valid[kRowsPer];
+      const char* row_src[kRowsPer];  // nullptr: a row past the tile's valid rows (zeros)
 #pragma unroll
       for (int j = 0; j < kRowsPer; ++j) {
         const int r = g + j * kGatherThreads;
-        valid[j] = r < t.rows;
-        const int row = valid[j] ? __ldg(p.a_rows + t.m0 + r) : 0;
-        row_src[j] = src + (long)min(max(row, 0), p.a_src_rows - 1) * p.lda * 2;
+        const int row = r < t.rows ? __ldg(p.a_rows + t.m0 + r) : -1;
+        row_src[j] = r < t.rows ? src + (long)min(max(row, 0), p.a_src_rows - 1) * p.lda * 2
+                                : nullptr;
       }
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
         const uint32_t stage = a_base + ps.stage * Map::kABytesPerStage;
+        const int live_chunks = min(8, (p.K - kb * BK) / 8);  // K % 8 == 0: whole chunks
 #pragma unroll
         for (int j = 0; j < kRowsPer; ++j) {
           // rows g + 64 j: r % 8 == g % 8
           const uint32_t dst = stage + j * kGatherThreads * 128;
+          const char* from = row_src[j] != nullptr ? row_src[j] + kb * BK * 2 : src;
+          const int live = row_src[j] != nullptr ? live_chunks : 0;
 #pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const int col = kb * BK + c * 8;
-            const bool live = valid[j] && col < p.K;
-            cp_async_16(dst + ((c ^ (g & 7)) << 4), live ? row_src[j] + col * 2 : src,
-                        live ? 16 : 0);
-          }
+          for (int c = 0; c < 8; ++c)
+            cp_async_16(dst + ((c ^ (g & 7)) << 4), c < live ? from + c * 16 : src,
+                        c < live ? 16 : 0);
         }
         cp_async_arrive_noinc(&full[ps.stage]);
         ps.advance();
