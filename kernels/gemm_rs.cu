@@ -1,16 +1,15 @@
 // GEMM + ReduceScatter: out[r] = rows r*M/W .. (r+1)*M/W of sum over ranks q of A_q @ B_q.
 //
 // Protocol (the plan's tables, mkernel/ops/gemm_rs.py): every rank computes every tile of its
-// partial product; the engine's epilogue reduce-adds the fp32 tile straight into the owner's
-// accumulator (red.global.add through the peer mapping) and the template then raises
-// tile_flag[u][me] on the owner. The owner's comm task u waits for all W flags (consuming them);
-// its data movement, below, converts the accumulator tile to bf16 into out and zeroes it for the
-// next call. W == 1: tiles go straight to out.
+// partial product, its peers' tiles first. A peer's tile is rounded to bf16 once and stored (staged
+// bulk copies) into slot `me` of the owner's stage; the template then raises partial[u][me] there.
+// An own tile waits (before its loads) for the W - 1 peers' partials, and its epilogue adds them in
+// fp32 (Dest::add_*) before the single bf16 store into out. No fp32 on the links, no atomics, no
+// zeroing, no comm role. W == 1: tiles go straight to out.
 //
-//   W = 2, owners' tiles 1a 1b .. (rank 1's rows), 0a 0b .. (rank 0's rows); t = time ->
-//   rank 0 compute:  1a 0a 1b 0b ...     -- red.add --> acc[1] / acc[0]
-//   rank 1 compute:  0a 1a 0b 1b ...     -- red.add --> acc[0] / acc[1]
-//   rank 0 comm:          wait tile_flag[a][*] -> out[0] tile a, then b ... (as they land)
+//   W = 2, owners' tiles 0a 0b (rank 0's rows), 1a 1b; t = time ->
+//   rank 0 compute:  1a 1b  -- bf16 --> stage[1] slot 0 | 0a 0b + stage[0] slots 1 -> out[0]
+//   rank 1 compute:  0a 0b  -- bf16 --> stage[0] slot 1 | 1a 1b + stage[1] slots 0 -> out[1]
 #include "kernels/fused_host.cuh"
 
 namespace mk {
@@ -30,31 +29,22 @@ struct GemmRS {
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
     const long long off = owned_offset(t.m0, t.n0, t.tag, l.rows_per_rank, l.n);
-    if (a.common.world_size == 1)
-      return bf16_out_dest(a, cta.local_rank, l.out.at(cta.local_rank) + off, l.n,
-                           t.m0 - t.tag * l.rows_per_rank, t.n0);
-    return gemm::Dest{l.acc.map(t.tag) + off, l.n, gemm::kReduceF32};
+    const long long slot = (long long)l.rows_per_rank * l.n;  // elements per stage slot
+    if (t.tag != cta.rank)  // a peer's tile: my bf16 partial into my slot of its stage
+      return gemm::Dest{l.stage.map(t.tag) + cta.rank * slot + off, l.n, gemm::kStoreBF16};
+    gemm::Dest d = bf16_out_dest(a, cta.local_rank, l.out.at(cta.local_rank) + off, l.n,
+                                 t.m0 - t.tag * l.rows_per_rank, t.n0);
+    if (a.common.world_size > 1) {  // + the peers' partials, waited for before the loads
+      d.add_from = l.stage.map(cta.rank) + off;
+      d.add_stride = slot;
+      d.add_count = a.common.world_size;
+      d.add_skip = cta.rank;
+    }
+    return d;
   }
 
-  // Owner side, after its W flags: accumulator tile -> bf16 out, and zero it for the next call.
-  static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
-                                   const Team& team, char*) {
-    const Layout& l = a.layout;
-    const Tile t = load_tile(a.common, args[0]);
-    const long long base = owned_offset(t.m0, t.n0, cta.rank, l.rows_per_rank, l.n);
-    float* acc = l.acc.map(cta.rank) + base;
-    __nv_bfloat16* out = l.out.at(cta.local_rank) + base;
-    const int quads = t.rows * (t.cols / 4);  // cols % 8 == 0
-    for (int q = team.lane; q < quads; q += team.size) {
-      const long long off = (long long)(q / (t.cols / 4)) * l.n + (q % (t.cols / 4)) * 4;
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(acc + off));
-      __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-      uint2 packed =
-          make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-      *reinterpret_cast<uint2*>(out + off) = packed;
-      __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-  }
+  // No comm role: the owner's own compute tasks wait for the partials and finish the tiles.
+  static __device__ void comm_move(const Args&, const CtaInfo&, const int*, const Team&, char*) {}
 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
@@ -62,8 +52,8 @@ struct GemmRS {
     if (!fill_engine_params<Engine>(here, args.engine, l.a.base, l.a.rank_stride, l.b.base,
                                     l.b.rank_stride, l.rows_per_rank * W, l.n, l.k_local))
       return false;
-    args.out_mapped = W == 1 && fill_out_maps<Engine>(here, args.out_map, l.out, l.rows_per_rank,
-                                                      l.n);
+    // Every rank's own tiles store into its out (through the map, full tiles), at any W.
+    args.out_mapped = fill_out_maps<Engine>(here, args.out_map, l.out, l.rows_per_rank, l.n);
     return true;
   }
 };

@@ -102,13 +102,13 @@ struct Layout {
 
 // gemm_rs: GEMM + ReduceScatter
 namespace gemm_rs {
-enum Pad : int { kPadBarrier = 0, kPadTileFlag = 1 };
+enum Pad : int { kPadBarrier = 0, kPadPartial = 1 };
 struct Layout {
   RankPtr<const __nv_bfloat16> a;  // [m, k_local] input
   RankPtr<const __nv_bfloat16> b;  // [k_local, n] input
   RankPtr<__nv_bfloat16> out;  // [rows_per_rank, n] output: this rank's rows of the sum
-  SymPtr<float> acc;  // [rows_per_rank, n] symmetric: fp32 sums of the owned rows
-  float* acc_local;
+  SymPtr<__nv_bfloat16> stage;  // [stage_rows, n] symmetric: slot s (rows s * rows_per_rank ..): rank s's bf16 partial of my rows
+  __nv_bfloat16* stage_local;
   int n;
   int k_local;
   int rows_per_rank;
@@ -117,8 +117,8 @@ struct Layout {
     l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
     l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
     l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
-    l.acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
-    l.acc_local = reinterpret_cast<float*>(rec[kRecStride3]);
+    l.stage = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
+    l.stage_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride3]);
     l.n = (int)rec[kRecScalar0];
     l.k_local = (int)rec[kRecScalar1];
     l.rows_per_rank = (int)rec[kRecScalar2];

@@ -104,7 +104,9 @@ class Buffer:
     dtype: torch.dtype
     shape: tuple[str, ...]
     doc: str = ""
-    when: str = "always"  # "distributed": allocated only in distributed worlds of W > 1
+    # "always"; "ranks": only when W > 1 (a staging area peers write); "distributed": only in
+    # distributed worlds of W > 1 (an emulated world writes the caller's tensor directly)
+    when: str = "always"
 
 
 @dataclass(frozen=True)

@@ -229,12 +229,15 @@ def barrier_pad(world: World) -> SymBuffer:
 
 def workspace(world: World, plan: Plan) -> dict[str, SymBuffer | None]:
     """The op's symmetric buffers and pads by name (allocated once per shape, kept on the world;
-    pads reset themselves). A buffer declared ``when="distributed"`` is None in emulated worlds."""
+    pads reset themselves). A buffer declared ``when="distributed"`` is None in emulated worlds,
+    ``when="ranks"`` at W = 1."""
     spec, sizes = plan.spec, plan.sizes
     out: dict[str, SymBuffer | None] = {BARRIER_PAD: barrier_pad(world)}
     for b in spec.buffers:
         if b.kind == "symmetric":
-            wanted = b.when == "always" or (world.size > 1 and not world.emulated_world)
+            wanted = b.when == "always" or (
+                world.size > 1 and (b.when == "ranks" or not world.emulated_world)
+            )
             shape = buffer_shape(b, sizes)
             out[b.name] = world.symmetric((spec.name, b.name), shape, b.dtype) if wanted else None
     for p in spec.all_pads()[1:]:

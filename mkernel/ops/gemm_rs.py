@@ -5,11 +5,21 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
     full = sum(a_q.float() @ b_q.float() for q in range(W))     # [M, N], fp32
     out_r = full[r * M // W : (r + 1) * M // W].bfloat16()        # [M/W, N]
 
-Protocol (the plan's tables below; device data movement in kernels/gemm_rs.cu): every rank
-computes every tile of its partial product; the epilogue reduce-adds the fp32 tile into the owner's
-accumulator, then raises ``tile_flag[tile=u, src=me]`` on the owner; the owner's comm task u waits
-for all W flags (consuming them), writes out[u] in bf16 and zeroes the accumulator tile for the
-next call. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
+Protocol (the plan's tables below; device data movement in kernels/gemm_rs.cu): tile u of owner o
+(o's rows) is computed by every rank. A rank computes the tiles its peers own first: each such
+partial is rounded to bf16 once and stored (bulk copies) into slot ``me`` of the owner's
+``stage``, then ``partial[tile=u, src=me]`` is raised there. It computes its own tiles last: the
+task waits for the W - 1 peers' partials of the tile (consuming the flags), and its epilogue adds
+them to the fp32 accumulator in registers before the one bf16 store into out. No fp32 crosses a
+link, nothing is zeroed, there is no comm role and no pass after the GEMM.
+
+    W = 2, owners' tiles 0a 0b (rank 0's rows) and 1a 1b; t = time ->
+    rank 0 compute:  1a 1b  (bf16 -> stage[1][slot 0]) | 0a 0b  (wait partial[*, src=1], add, out)
+    rank 1 compute:  0a 0b  (bf16 -> stage[0][slot 1]) | 1a 1b  (wait partial[*, src=0], add, out)
+
+Peers' tiles wait on nothing, so any compute order (a ``tile_order`` hook) is deadlock-free; the
+default sends to rank r+1 first, then r+2, ..., so at each moment the links carry traffic in both
+directions. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from ..schedule import (
 from ..world import World
 from . import common
 
-bf16, f32 = torch.bfloat16, torch.float32
+bf16 = torch.bfloat16
 SPEC = OpSpec(
     name="gemm_rs",
     doc="GEMM + ReduceScatter",
@@ -42,9 +52,16 @@ SPEC = OpSpec(
         Buffer("a", "input", bf16, ("m", "k_local")),
         Buffer("b", "input", bf16, ("k_local", "n")),
         Buffer("out", "output", bf16, ("rows_per_rank", "n"), "this rank's rows of the sum"),
-        Buffer("acc", "symmetric", f32, ("rows_per_rank", "n"), "fp32 sums of the owned rows"),
+        Buffer(
+            "stage",
+            "symmetric",
+            bf16,
+            ("stage_rows", "n"),
+            "slot s (rows s * rows_per_rank ..): rank s's bf16 partial of my rows",
+            when="ranks",
+        ),
     ),
-    pads=(Pad("tile_flag", ("tile", "src"), ("per_owner", "W"), doc="src's part of tile landed"),),
+    pads=(Pad("partial", ("tile", "src"), ("per_owner", "W"), doc="src's partial of tile landed"),),
     scalars=("n", "k_local", "rows_per_rank"),
 )
 
@@ -59,33 +76,31 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
     per_owner = len(tiles) // W
     block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly within a block
-    compute, comm = [], []
+    compute = []
     for r in range(W):
-        # Default: every rank walks the owners' blocks in step (tile j of every owner, then j+1), so
-        # a tile's W contributions land close together and its owner finalizes it while the GEMM
-        # goes on; at each step rank r sends to owner r+1 first, spreading the links' load.
-        default = [((r + 1 + i) % W) * per_owner + j for j in block for i in range(W)]
+        # Default: the peers' blocks first, rank r+1's, then r+2's, ...; its own block last.
+        default = [((r + 1 + i) % W) * per_owner + j for i in range(W) for j in block]
         order = apply_order(schedule.tile_order, r, tiles, default)
-        flags = [
-            (Raise("tile_flag", t.tag, (t.index - t.tag * per_owner, r)),) if W > 1 else ()
-            for t in tiles
-        ]
-        compute.append([Task(i, (i,), raises=flags[i]) for i in order])
-        owned = range(r * per_owner, (r + 1) * per_owner) if W > 1 else ()
-        comm.append(
-            [
-                Task(
-                    i,
-                    (i,),
-                    waits=tuple(
-                        Wait("tile_flag", r, (i - r * per_owner, (r + 1 + j) % W)) for j in range(W)
-                    ),
-                )
-                for i in owned
-            ]
-        )
+        tasks = []
+        for i in order:
+            u, owner = tiles[i].index - tiles[i].tag * per_owner, tiles[i].tag
+            if W == 1:
+                tasks.append(Task(i, (i,)))
+            elif owner != r:
+                tasks.append(Task(i, (i,), raises=(Raise("partial", owner, (u, r)),)))
+            else:
+                peers = [(r + 1 + j) % W for j in range(W - 1)]
+                tasks.append(Task(i, (i,), waits=tuple(Wait("partial", r, (u, s)) for s in peers)))
+        compute.append(tasks)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {**shapes, "k_local": k // W, "rows_per_rank": ms, "per_owner": per_owner}
+    sizes = {
+        **shapes,
+        "k_local": k // W,
+        "rows_per_rank": ms,
+        "per_owner": per_owner,
+        "stage_rows": W * ms,
+    }
+    comm = [[] for _ in range(W)]
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
@@ -115,8 +130,10 @@ def gemm_rs(
         out: optional bf16 result tensor of the result's shape (written in full; tests poison it).
 
     Returns:
-        bf16, per rank [M/W, N] (emulated: [W, M/W, N]): rank r's rows of the sum over ranks of a@b,
-        accumulated in fp32. Equivalent to ``reference.gemm_rs(a, b, world=world)``.
+        bf16, per rank [M/W, N] (emulated: [W, M/W, N]): rank r's rows of the sum over ranks of a@b.
+        Each rank's partial is accumulated in fp32; the W - 1 peers' partials cross the links in
+        bf16 (one rounding each) and are added in fp32 before the one bf16 rounding of the result.
+        Equivalent to ``reference.gemm_rs(a, b, world=world)`` within those roundings.
 
     Requires M divisible by W, and K/W and N multiples of 8 (16-byte rows). Raises TypeError /
     ValueError naming the argument before anything runs, CommTimeout if a wait passes the world's
@@ -132,25 +149,24 @@ def gemm_rs(
 def twins_of(plan: Plan):
     W, ms, k = plan.world_size, plan.sizes["rows_per_rank"], plan.sizes["k_local"]
 
-    def compute(ctx, task):  # GemmRS::dest: the engine's tile, reduce-added into its owner
+    def compute(ctx, task):  # GemmRS::dest: a peer's tile to its stage, an own tile + partials
         t = plan.tiles[task.args[0]]
         a = yield from twins.tile_load_async(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
         b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         part = a.float() @ b.float()
         rect = (t.m0 - t.tag * ms, t.rows, t.n0, t.cols)
-        if W == 1:
-            yield from twins.output_store(ctx, "out", ctx.rank, rect, part, t.index)
-        else:
-            yield from twins.red_add_v2_f32_sys(ctx, "acc", t.tag, rect, part)
+        if W > 1 and t.tag != ctx.rank:  # bf16 partial into slot `me` of the owner's stage
+            slot = (ctx.rank * ms + rect[0], t.rows, t.n0, t.cols)
+            yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot, part.bfloat16())
+            return
+        for s in range(W):  # own tile: the peers' partials, added in fp32 (Dest::add_*)
+            if s != ctx.rank:
+                slot = (s * ms + rect[0], t.rows, t.n0, t.cols)
+                p = yield from twins.tile_load(ctx, "stage", ctx.rank, slot)
+                part = part + p.float()
+        yield from twins.output_store(ctx, "out", ctx.rank, rect, part.bfloat16(), t.index)
 
-    def comm(ctx, task):  # GemmRS::comm_move: accumulator -> bf16 out, zeroed for the next call
-        t = plan.tiles[task.args[0]]
-        rect = (t.m0 - ctx.rank * ms, t.rows, t.n0, t.cols)
-        v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)
-        yield from twins.output_store(ctx, "out", ctx.rank, rect, v.bfloat16(), t.index)
-        yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))
-
-    return {"compute": compute, "comm": comm}
+    return {"compute": compute, "comm": None}
 
 
 def outputs(plan: Plan, rank: int) -> dict[int, tuple[int, int, int, int]]:

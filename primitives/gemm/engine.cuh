@@ -361,6 +361,10 @@ struct Engine {
       const int rows_wg = t.rows - 64 * wg;  // valid rows of this warpgroup's 64
       const long esize = d.kind == kStoreBF16 ? 2 : 4;
       d.ptr = static_cast<char*>(d.ptr) + (long)(64 * wg) * d.ld * esize;
+      if (d.add_count > 0 && rows_wg > 0) {  // tiles to add first (gemm_rs: peers' partials)
+        d.add_from += (long)(64 * wg) * d.ld;
+        Epi::add_tiles(acc, d, rows_wg, t.cols);
+      }
       if constexpr (Cfg::EPI_MODE == kEpiSkip) {
         // timing only: keep the accumulators alive (so the MMAs stay), write nothing real
         float sum = 0.f;

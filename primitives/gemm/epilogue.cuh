@@ -45,6 +45,13 @@ struct Dest {
   // 64 x 64, 128-byte swizzle) and the {column, row} of element (0,0) in it; TMA clips to its bounds.
   const CUtensorMap* map = nullptr;
   int map_col = 0, map_row = 0;
+  // Optional: bf16 tiles added into the accumulator (fp32, in registers) before any store path:
+  // tiles add_from + s * add_stride for s in [0, add_count), s != add_skip, with the same row pitch
+  // `ld` (gemm_rs: the partials peers left in the owner's staging slots). Read with ld.global.cg:
+  // other GPUs wrote them during this launch, after the hooks' wait.
+  const __nv_bfloat16* add_from = nullptr;
+  long add_stride = 0;
+  int add_count = 0, add_skip = -1;
 };
 
 // TMA tensor store of one box, shared (swizzled as the map says) -> global; joins the bulk group.
@@ -246,6 +253,39 @@ struct WarpgroupEpilogue {
       for (int h = 0; h < 2; ++h) {
         const int r = r_base + 8 * h, c = 8 * j + c_base;
         if (r < rows_valid && c < cols_valid) f(r, c, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+
+  // Dest::add_* tiles into the accumulator, elementwise, only rows_valid x cols_valid (all 128
+  // threads of the warpgroup; each reads the elements it holds, bf16 pairs where aligned).
+  __device__ static void add_tiles(float (&acc)[kRegs], const Dest& d, int rows_valid,
+                                   int cols_valid) {
+    const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
+    const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
+    for (int s = 0; s < d.add_count; ++s) {
+      if (s == d.add_skip) continue;
+      const __nv_bfloat16* src = d.add_from + s * d.add_stride;
+      const bool vec = (reinterpret_cast<uintptr_t>(src) & 3) == 0 && (d.ld & 1) == 0;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_base + 8 * h, c = 8 * j + c_base;
+          if (r >= rows_valid || c >= cols_valid) continue;
+          const __nv_bfloat16* p = src + (long)r * d.ld + c;
+          float* a = &acc[4 * j + 2 * h];
+          if (vec && c + 1 < cols_valid) {
+            const unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(p));
+            __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+            a[0] += __low2float(v);
+            a[1] += __high2float(v);
+          } else {
+            const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
+            a[0] += __bfloat162float(__ushort_as_bfloat16(__ldcg(q)));
+            if (c + 1 < cols_valid) a[1] += __bfloat162float(__ushort_as_bfloat16(__ldcg(q + 1)));
+          }
+        }
       }
     }
   }
