@@ -97,7 +97,8 @@ class Schedule:
     tile:      a TILE_CONFIGS name (default: a heuristic per shape).
     tile_order: hook ``fn(rank, tiles) -> order`` returning a permutation of ``range(len(tiles))``:
                the order in which ``rank`` computes its tiles (e.g. the tiles a peer waits for
-               first).
+               first). gemm_rs keeps it within two classes: the peers' tiles, then its own (whose
+               waits must never block a tile a peer waits for).
     chunk_rows: rows per transfer chunk (ag_gemm); default one tile row.
     faults:    injected faults for tests (Faults).
     seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).

@@ -27,9 +27,19 @@ from mkernel.interp import program, twins
 from mkernel.ops import common, registry
 from mkernel.protocol import RoleTables
 from tests.helpers import assert_close_exact, assert_pads_zero, gemm_inputs, poisoned
-from tests.test_laws import ag_gemm_formula, gemm_ar_formula, gemm_rs_formula
+from tests.test_laws import ag_gemm_formula, assert_gemm_rs, gemm_ar_formula
 
-FORMULA = {"gemm_rs": gemm_rs_formula, "ag_gemm": ag_gemm_formula, "gemm_ar": gemm_ar_formula}
+FORMULA = {"ag_gemm": ag_gemm_formula, "gemm_ar": gemm_ar_formula}
+
+
+def check(op: str, out, a, b, what: str) -> None:
+    """The op's result against its fp64 formula and roundings (gemm_rs: bf16 partials too)."""
+    if op == "gemm_rs":
+        assert_gemm_rs(out, a, b, what)
+    else:
+        assert_close_exact(out, *FORMULA[op](a, b), what)
+
+
 SEEDS = range(4)
 
 
@@ -74,7 +84,7 @@ def _sched(**kw):
 def test_the_unchanged_plans_pass_over_two_calls(op, overlap):
     for seed in SEEDS[:2]:
         out, plan, world, a, b = run(op, 3, _sched(overlap=overlap), calls=2, seed=seed)
-        assert_close_exact(out, *FORMULA[op](a, b), f"{op} {overlap} seed {seed}")
+        check(op, out, a, b, f"{op} {overlap} seed {seed}")
         assert_pads_zero(world)
 
 
@@ -152,9 +162,9 @@ def test_gemm_ar_broadcast_without_the_peers_stores_leaves_tiles_unwritten(monke
 
 @pytest.mark.parametrize("op", ["gemm_rs", "ag_gemm"])
 def test_without_the_entry_barrier_the_next_call_races_the_peers_last_one(op, monkeypatch):
-    # gemm_rs: a rank's next epilogue reduce-adds into an owner's accumulator that the owner's
-    # previous finalize may still read; ag_gemm: a rank's next push overwrites a peer's gathered A
-    # that the peer's previous GEMM may still load.
+    # gemm_rs: a rank's next peer tile stores its partial into an owner's stage slot that the
+    # owner's previous own tile may still read; ag_gemm: a rank's next push overwrites a peer's
+    # gathered A that the peer's previous GEMM may still load.
     def no_barrier(ctx, sig, slot):
         return
         yield
@@ -164,7 +174,7 @@ def test_without_the_entry_barrier_the_next_call_races_the_peers_last_one(op, mo
         for seed in SEEDS:
             with pytest.raises(mkernel.RaceError, match="call 1") as e:
                 run(op, 3, _sched(overlap=overlap), calls=2, seed=seed)
-            buf = "acc" if op == "gemm_rs" else "gather"
+            buf = "stage" if op == "gemm_rs" else "gather"
             assert f"{buf}[" in str(e.value)
 
 
@@ -189,9 +199,8 @@ def test_a_comm_warp_that_does_not_wait_for_its_ctas_barrier_races(overlap, monk
             run("ag_gemm", 3, _sched(overlap=overlap), calls=2, seed=seed)
 
 
-@pytest.mark.parametrize("op", ["gemm_rs", "gemm_ar"])
-def test_reading_the_accumulator_without_waiting_for_the_reduce_adds_is_a_race(op):
-    def edit(plan, tasks):  # every finalize (gemm_ar: not the pure tile_ready waits) waits nothing
+def test_gemm_ar_reading_the_accumulator_without_waiting_for_the_reduce_adds_is_a_race():
+    def edit(plan, tasks):  # every finalize (not the pure tile_ready waits) waits nothing
         for ts in tasks["comm"]:
             for t in ts:
                 if t.id < len(plan.tiles):
@@ -200,19 +209,32 @@ def test_reading_the_accumulator_without_waiting_for_the_reduce_adds_is_a_race(o
     for overlap in ("intra_sm", "inter_sm"):
         for seed in SEEDS:
             with pytest.raises(mkernel.RaceError, match=r"acc\[") as e:
-                run(op, 3, _sched(overlap=overlap), edit=edit, seed=seed)
+                run("gemm_ar", 3, _sched(overlap=overlap), edit=edit, seed=seed)
             assert "reduce-add" in str(e.value)
 
 
-def test_gemm_rs_flag_before_the_reduce_add_is_a_race():
+def _own_tiles_wait_nothing(plan, tasks):
+    for ts in tasks["compute"]:
+        for t in ts:
+            t.waits = ()
+
+
+def test_gemm_rs_own_tile_reading_the_stage_without_its_partials_is_a_race():
+    for overlap in ("intra_sm", "inter_sm"):
+        for seed in SEEDS:
+            with pytest.raises(mkernel.RaceError, match=r"stage\["):
+                run("gemm_rs", 3, _sched(overlap=overlap), edit=_own_tiles_wait_nothing, seed=seed)
+
+
+def test_gemm_rs_flag_before_the_partials_store_is_a_race():
     for early in (True, False):
         edit, wrap = _moved_raises("compute", "before" if early else "after")
         for seed in SEEDS:
             if not early:
                 out, _, _, a, b = run("gemm_rs", 3, _sched(), edit=edit, wrap=wrap, seed=seed)
-                assert_close_exact(out, *gemm_rs_formula(a, b), "flag after the reduce-add")
+                assert_gemm_rs(out, a, b, "flag after the partial's store")
                 continue
-            with pytest.raises(mkernel.RaceError, match=r"acc\[.*reduce-add|reduce-add.*acc\["):
+            with pytest.raises(mkernel.RaceError, match=r"stage\["):
                 run("gemm_rs", 3, _sched(), edit=edit, wrap=wrap, seed=seed)
 
 
@@ -246,7 +268,7 @@ def test_ag_gemm_tile_missing_its_last_chunk_is_a_race():
 
 def test_gemm_rs_flags_nobody_resets_let_the_next_call_read_early():
     def edit(plan, tasks):
-        for ts in tasks["comm"]:
+        for ts in tasks["compute"]:
             for t in ts:
                 t.waits = tuple(dataclasses.replace(w, consumers=0) for w in t.waits)
 
@@ -258,11 +280,11 @@ def test_gemm_rs_flags_nobody_resets_let_the_next_call_read_early():
 
 def test_raise_edits_reach_the_interpreter():
     # The harness's edits are what runs: a plan whose compute tasks raise nothing deadlocks with
-    # the finalize waiting for the first flag, named as the GPU names it.
+    # the own tiles waiting for their peers' partials, named as the GPU names it.
     def edit(plan, tasks):
         for ts in tasks["compute"]:
             for t in ts:
                 t.raises = ()
 
-    with pytest.raises(mkernel.DeadlockError, match=r"tile_flag\[tile=\d+, src=\d\]"):
+    with pytest.raises(mkernel.DeadlockError, match=r"partial\[tile=\d+, src=\d\]"):
         run("gemm_rs", 2, _sched(), edit=edit)

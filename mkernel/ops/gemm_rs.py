@@ -17,9 +17,10 @@ link, nothing is zeroed, there is no comm role and no pass after the GEMM.
     rank 0 compute:  1a 1b  (bf16 -> stage[1][slot 0]) | 0a 0b  (wait partial[*, src=1], add, out)
     rank 1 compute:  0a 0b  (bf16 -> stage[0][slot 1]) | 1a 1b  (wait partial[*, src=0], add, out)
 
-Peers' tiles wait on nothing, so any compute order (a ``tile_order`` hook) is deadlock-free; the
-default sends to rank r+1 first, then r+2, ..., so at each moment the links carry traffic in both
-directions. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
+Peers' tiles wait on nothing and every unit runs all of its peers' tiles before its own (a
+``tile_order`` hook orders the tiles within those two classes), so no wait can block the tile it
+waits for: deadlock-free for any order. The default sends to rank r+1 first, then r+2, ..., so at
+each moment the links carry traffic in both directions. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         # Default: the peers' blocks first, rank r+1's, then r+2's, ...; its own block last.
         default = [((r + 1 + i) % W) * per_owner + j for i in range(W) for j in block]
         order = apply_order(schedule.tile_order, r, tiles, default)
+        # NOTE: the peers' tiles first whatever the hook's order (kept within each class): a unit
+        # runs its tasks in order, so an own tile (which waits) never blocks a peer's tile that
+        # another rank's own tile waits for. Every wait then depends only on tasks that wait on
+        # nothing: no deadlock for any order.
+        order = [i for i in order if tiles[i].tag != r] + [i for i in order if tiles[i].tag == r]
         tasks = []
         for i in order:
             u, owner = tiles[i].index - tiles[i].tag * per_owner, tiles[i].tag
