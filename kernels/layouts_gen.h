@@ -107,8 +107,8 @@ struct Layout {
   RankPtr<const __nv_bfloat16> a;  // [m, k_local] input
   RankPtr<const __nv_bfloat16> b;  // [k_local, n] input
   RankPtr<__nv_bfloat16> out;  // [rows_per_rank, n] output: this rank's rows of the sum
-  SymPtr<__nv_bfloat16> stage;  // [stage_rows, n] symmetric: slot s (rows s * rows_per_rank ..): rank s's bf16 partial of my rows
-  __nv_bfloat16* stage_local;
+  SymPtr<float> stage;  // [stage_rows, n] symmetric: slot s (rows s * rows_per_rank ..): rank s's fp32 partial of my rows
+  float* stage_local;
   int n;
   int k_local;
   int rows_per_rank;
@@ -118,7 +118,7 @@ struct Layout {
     l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
     l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
     l.stage = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
-    l.stage_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride3]);
+    l.stage_local = reinterpret_cast<float*>(rec[kRecStride3]);
     l.n = (int)rec[kRecScalar0];
     l.k_local = (int)rec[kRecScalar1];
     l.rows_per_rank = (int)rec[kRecScalar2];

@@ -5,8 +5,8 @@ ag_gemm, each transfer) gets a predicted time for one call on one rank, and the 
 Inputs: the op, its global sizes, the world size W, the SMs per rank S, and ``Rates`` (measured).
 
 One role produces what the other consumes (ag_gemm, all_gather: the comm role pushes chunks that the
-GEMM reads; gemm_rs, gemm_ar: the GEMM produces tiles that the comm role finalizes), so a call is a
-two-stage pipeline::
+GEMM reads; gemm_ar: the GEMM produces tiles that the comm role finalizes), so a call is a
+two-stage pipeline (gemm_rs has no comm role: T = max(GEMM with its epilogue, link))::
 
     T = max(produce + consume_step, produce_step + consume, link) + after
 
@@ -14,17 +14,19 @@ two-stage pipeline::
   ag_gemm: a step is one round of chunk pushes (each comm unit pushes one chunk), then the share of
   the GEMM those chunks feed; gemm_rs / gemm_ar: one wave of tiles, then one tile's finalize.
 - GEMM: ``flops / (engine_tflops * n / 132)`` on n CTAs (intra_sm: S; inter_sm: S - comm_sms;
-  never more than the tiles), plus, in gemm_rs / gemm_ar at W > 1, each tile's fp32 reduce-add
-  epilogue at one CTA's red.add rate (the CTA does it between two tiles).
+  never more than the tiles), plus, at W > 1, each tile's fp32 epilogue to a peer at one CTA's
+  red.add rate (the CTA does it between two tiles): gemm_ar's reduce-adds, gemm_rs's partials
+  (the (W - 1) / W of its tiles its peers own).
 - comm: inter_sm, comm_sms CTAs at the mechanism's ``per_cta`` GB/s; intra_sm, one communicator
   warp per compute CTA at ``per_warp``. One step takes a task's bytes at the unit's rate, or longer
   where all active units together pass the link's ceiling or local memory's.
 - ``link``: every byte this rank sends over its links, at the mechanism's ceiling.
 - ``after``: gemm_ar's copy of the result into ``out`` after the kernel.
 
-Bytes: ag_gemm pushes (W - 1) / W of A (plus its own copy); gemm_rs and gemm_ar reduce-add fp32
-partials (4 bytes per element) into the tiles' owners, whose finalize loop loads 4 bytes, stores 4
-(zeros) and 2 (bf16 out) per element, gemm_ar also 2 into each peer's result.
+Bytes: ag_gemm pushes (W - 1) / W of A (plus its own copy); gemm_rs stores the fp32 partials of
+its peers' tiles (4 bytes per element) into their owners' stage, which the owners add in their own
+tiles' epilogues; gemm_ar reduce-adds fp32 partials into the tiles' owners, whose finalize loop
+loads 4 bytes, stores 4 (zeros) and 2 (bf16 out) per element, and 2 into each peer's result.
 
 W = 1 moves nothing but all_gather's own copy: the GEMM ops then keep every SM for the GEMM
 (intra_sm). Any shape and S >= 1 gives a valid choice (inter_sm needs S >= 2).
@@ -161,9 +163,23 @@ def _work(op: str, s: dict[str, int], W: int, bm: int, bn: int, rates: Rates) ->
             link_bytes=(W - 1) * ms * k * 2.0,
             after_ms=0.0,
         )
-    if op in ("gemm_rs", "gemm_ar"):
+    if op == "gemm_rs":  # peers' tiles: fp32 partials by bulk copies; no comm role, no pass after
         m, n, k = s["m"], s["n"], s["k"]
-        rs, tile = op == "gemm_rs", bm * bn
+        tiles = W * _ceil(m // W, bm) * _ceil(n, bn)
+        return _Work(
+            tiles=tiles,
+            flops=2.0 * m * n * (k // W),
+            epilogue_bytes=bm * bn * 4.0 * (W - 1) / W,  # the average tile's remote store
+            comm_tasks=0,
+            task_bytes=0.0,
+            task_remote=0.0,
+            comm_produces=False,
+            link_bytes=(W - 1) / W * m * n * 4.0,
+            after_ms=0.0,
+        )
+    if op == "gemm_ar":
+        m, n, k = s["m"], s["n"], s["k"]
+        rs, tile = False, bm * bn
         tiles = W * _ceil(m // W, bm) * _ceil(n, bn) if rs else _ceil(m, bm) * _ceil(n, bn)
         remote = 0.0 if rs else (W - 1) * tile * 2.0  # gemm_ar: bf16 into each peer's result
         return _Work(

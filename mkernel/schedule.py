@@ -280,19 +280,13 @@ def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
     BM * BN / rate, where the rate (_TILE_RATE) is the config's relative efficiency per SM. Ties go
     to the first config of TILE_CONFIGS (the lowest device id). The one heuristic of the package:
     the fused ops' plans and the plain GEMM op (mkernel/bench/gemm.py) both call it."""
-    del k
-
-    def cost(c: TileConfig) -> Fraction:
-        tiles = -(-m // c.bm) * -(-n // c.bn)
-        return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
-
-    return min(TILE_CONFIGS.values(), key=cost)  # min keeps the first of equal costs
+    return pick_grouped_tile(m, n, k, 1, sms)
 
 
 def pick_grouped_tile(m: int, n: int, k: int, groups: int, sms: int = 132) -> TileConfig:
     """pick_tile's rule for a grouped GEMM of ``groups`` groups over m rows in all (their sizes
     live on the device, so each is taken as the mean m / groups): a group's last m-tile is partial,
-    which favours shorter tiles when groups are small (MoE decode)."""
+    which favours shorter tiles when groups are small (MoE decode). One group: pick_tile."""
     del k
     rows = max(1, -(-m // max(1, groups)))
 
@@ -300,7 +294,7 @@ def pick_grouped_tile(m: int, n: int, k: int, groups: int, sms: int = 132) -> Ti
         tiles = groups * -(-rows // c.bm) * -(-n // c.bn)
         return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
 
-    return min(TILE_CONFIGS.values(), key=cost)
+    return min(TILE_CONFIGS.values(), key=cost)  # min keeps the first of equal costs
 
 
 def grouped_order(

@@ -95,21 +95,17 @@ def assert_close_exact(
     mag: torch.Tensor,
     terms: int,
     what: str = "",
-    rounded: torch.Tensor | None = None,
 ) -> None:
     """``out`` (bf16) is the bf16 rounding of an fp32 computation of ``exact`` (fp64, computed by
     the test): fp32 sums of at most ``terms`` products and partial sums, in any order, are within
     ``terms * 2^-24 * mag`` of the exact value (``mag``: the same sums over absolute values), and
-    the final rounding to bf16 adds at most 2^-8 of the magnitude. ``rounded``: the summed
-    magnitudes of terms that were rounded to bf16 before the sum (gemm_rs: the peers' partials
-    cross the links in bf16), 2^-8 of it more. Elementwise, no NaN (poison)."""
+    the final rounding to bf16 adds at most 2^-8 of the magnitude. Elementwise, no NaN
+    (poison)."""
     assert out.shape == exact.shape, f"{what}: shape {tuple(out.shape)}, want {tuple(exact.shape)}"
     assert out.dtype == torch.bfloat16, f"{what}: dtype {out.dtype}, want bfloat16"
     o = out.double()
     assert not torch.isnan(o).any(), f"{what}: NaN in the result (an unwritten tile)"
     acc = (terms + 2) * U_FP32 * 1.01 * mag
-    if rounded is not None:
-        acc = acc + U_BF16 * 1.01 * rounded
     assert_within(o, exact, U_BF16 * exact.abs() + (1 + U_BF16) * acc, what)
 
 

@@ -64,38 +64,38 @@ MUTATIONS = [
     Mutation(
         "rs_w1_rows",
         RS,
-        'twins.output_store(ctx, "out", ctx.rank, rect, part, t.index)',
-        'twins.output_store(ctx, "out", ctx.rank, (0, *rect[1:]), part, t.index)',
-        "W=1 fast path stores every tile at row 0 of out",
+        'twins.output_store(ctx, "out", ctx.rank, rect, part.bfloat16(), t.index)',
+        'twins.output_store(ctx, "out", ctx.rank, (0, *rect[1:]), part.bfloat16(), t.index)',
+        "an own tile stores at row 0 of out",
     ),
     Mutation(
         "rs_handshake_gone",
         RS,
-        '(Raise("tile_flag", t.tag, (t.index - t.tag * per_owner, r)),) if W > 1 else ()',
-        "()",
-        "tile_flag handshake removed on both sides: the finalize reads unwaited reduce-adds",
+        'tasks.append(Task(i, (i,), raises=(Raise("partial", owner, (u, r)),)))',
+        "tasks.append(Task(i, (i,)))",
+        "partial handshake removed on both sides: an own tile reads unwaited partials",
         also=(
             (
                 RS,
-                "waits=tuple(\n" + " " * 24 + 'Wait("tile_flag", r, (i - r * per_owner, '
-                "(r + 1 + j) % W)) for j in range(W)\n" + " " * 20 + "),",
-                "waits=(),",
+                "tasks.append(Task(i, (i,), waits=tuple("
+                'Wait("partial", r, (u, s)) for s in peers)))',
+                "tasks.append(Task(i, (i,)))",
             ),
         ),
     ),
     Mutation(
-        "rs_finalize_no_zero",
+        "rs_own_skips_a_partial",
         RS,
-        '        yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))',
-        "        pass",
-        "finalize leaves the accumulator tile for the next call (missing reset of the workspace)",
+        "                peers = [(r + 1 + j) % W for j in range(W - 1)]",
+        "                peers = [(r + 1 + j) % W for j in range(W - 2)]",
+        "an own tile waits for all but one peer's partial (W > 2), then reads it",
     ),
     Mutation(
         "rs_flag_wrong_owner",
         RS,
-        'Raise("tile_flag", t.tag, (t.index - t.tag * per_owner, r))',
-        'Raise("tile_flag", (t.tag + 1) % W, (t.index - t.tag * per_owner, r))',
-        "epilogue raises tile_flag on the wrong rank's pad (the next owner's)",
+        'Raise("partial", owner, (u, r))',
+        'Raise("partial", (owner + 1) % W, (u, r))',
+        "a peer tile raises its partial flag on the wrong rank's pad (the next owner's)",
     ),
     Mutation(
         "rs_hook_rank",
@@ -105,6 +105,13 @@ MUTATIONS = [
         "tile-order hook applied to the wrong rank (rank r runs rank r+1's order)",
     ),
     Mutation(
+        "rs_own_tiles_first",
+        RS,
+        "order = [i for i in order if tiles[i].tag != r] + [i for i in order if tiles[i].tag == r]",
+        "order = [i for i in order if tiles[i].tag == r] + [i for i in order if tiles[i].tag != r]",
+        "own tiles (which wait) before the peers' tiles they wait for: deadlock",
+    ),
+    Mutation(
         "rs_reference_rows",
         RS,
         "full[r * ms : (r + 1) * ms] for r in range(world.size)",
@@ -112,15 +119,11 @@ MUTATIONS = [
         "reference scatters rank W-1-r's rows to rank r",
     ),
     Mutation(
-        "rs_comm_rect_by_tag",
+        "rs_partial_wrong_slot",
         RS,
-        "        rect = (t.m0 - ctx.rank * ms, t.rows, t.n0, t.cols)\n"
-        '        v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)',
-        "        rect = (t.m0 - t.tag * ms, t.rows, t.n0, t.cols)\n"
-        '        v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)',
-        "finalize locates the tile by its owner tag instead of its own rank",
-        equivalent="a comm task only finalizes owned tiles (owned = tiles of tag r on rank r, "
-        "make_plan), so t.tag == ctx.rank in every finalize",
+        "            slot = (ctx.rank * ms + rect[0], t.rows, t.n0, t.cols)",
+        "            slot = (t.tag * ms + rect[0], t.rows, t.n0, t.cols)",
+        "a peer writes its partial into the owner's own slot, not its slot",
     ),
     # -- ag_gemm -----------------------------------------------------------------------------------
     Mutation(

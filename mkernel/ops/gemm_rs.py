@@ -7,20 +7,25 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
 
 Protocol (the plan's tables below; device data movement in kernels/gemm_rs.cu): tile u of owner o
 (o's rows) is computed by every rank. A rank computes the tiles its peers own first: each such
-partial is rounded to bf16 once and stored (bulk copies) into slot ``me`` of the owner's
-``stage``, then ``partial[tile=u, src=me]`` is raised there. It computes its own tiles last: the
-task waits for the W - 1 peers' partials of the tile (consuming the flags), and its epilogue adds
-them to the fp32 accumulator in registers before the one bf16 store into out. No fp32 crosses a
-link, nothing is zeroed, there is no comm role and no pass after the GEMM.
+fp32 partial is stored (bulk copies) into slot ``me`` of the owner's ``stage``, then
+``partial[tile=u, src=me]`` is raised there. It computes its own tiles last: the task waits for
+the W - 1 peers' partials of the tile (consuming the flags), and its epilogue adds them to the fp32
+accumulator in registers before the one bf16 store into out, so the result is the fp32 sum rounded
+once, as the reference's. Nothing is zeroed, there are no atomics, no comm role and no pass after
+the GEMM (the design before it, fp32 red.add into an accumulator that a comm role then converted,
+ended each call with ~240 us of conversions after the last tile at M = 2048 on two H200s:
+benchmarks/tp_timeline.py). Partials stay fp32 because a bf16 partial adds one rounding per
+peer, which moves 1-4% of the elements past the bf16 rounding of the exact sum.
 
     W = 2, owners' tiles 0a 0b (rank 0's rows) and 1a 1b; t = time ->
-    rank 0 compute:  1a 1b  (bf16 -> stage[1][slot 0]) | 0a 0b  (wait partial[*, src=1], add, out)
-    rank 1 compute:  0a 0b  (bf16 -> stage[0][slot 1]) | 1a 1b  (wait partial[*, src=0], add, out)
+    rank 0 compute:  1a 1b  (fp32 -> stage[1][slot 0]) | 0a 0b  (wait partial[*, src=1], add, out)
+    rank 1 compute:  0a 0b  (fp32 -> stage[0][slot 1]) | 1a 1b  (wait partial[*, src=0], add, out)
 
 Peers' tiles wait on nothing and every unit runs all of its peers' tiles before its own (a
 ``tile_order`` hook orders the tiles within those two classes), so no wait can block the tile it
 waits for: deadlock-free for any order. The default sends to rank r+1 first, then r+2, ..., so at
-each moment the links carry traffic in both directions. W == 1: the engine stores bf16 tiles straight into out, nothing to communicate.
+each moment the links carry traffic in both directions. W == 1: the engine stores bf16 tiles
+straight into out, nothing to communicate.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from ..schedule import (
 from ..world import World
 from . import common
 
-bf16 = torch.bfloat16
+bf16, f32 = torch.bfloat16, torch.float32
 SPEC = OpSpec(
     name="gemm_rs",
     doc="GEMM + ReduceScatter",
@@ -56,9 +61,9 @@ SPEC = OpSpec(
         Buffer(
             "stage",
             "symmetric",
-            bf16,
+            f32,
             ("stage_rows", "n"),
-            "slot s (rows s * rows_per_rank ..): rank s's bf16 partial of my rows",
+            "slot s (rows s * rows_per_rank ..): rank s's fp32 partial of my rows",
             when="ranks",
         ),
     ),
@@ -136,10 +141,9 @@ def gemm_rs(
         out: optional bf16 result tensor of the result's shape (written in full; tests poison it).
 
     Returns:
-        bf16, per rank [M/W, N] (emulated: [W, M/W, N]): rank r's rows of the sum over ranks of a@b.
-        Each rank's partial is accumulated in fp32; the W - 1 peers' partials cross the links in
-        bf16 (one rounding each) and are added in fp32 before the one bf16 rounding of the result.
-        Equivalent to ``reference.gemm_rs(a, b, world=world)`` within those roundings.
+        bf16, per rank [M/W, N] (emulated: [W, M/W, N]): rank r's rows of the sum over ranks of a@b,
+        accumulated in fp32 (the peers' partials cross the links in fp32), rounded once.
+        Equivalent to ``reference.gemm_rs(a, b, world=world)``.
 
     Requires M divisible by W, and K/W and N multiples of 8 (16-byte rows). Raises TypeError /
     ValueError naming the argument before anything runs, CommTimeout if a wait passes the world's
@@ -161,15 +165,15 @@ def twins_of(plan: Plan):
         b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         part = a.float() @ b.float()
         rect = (t.m0 - t.tag * ms, t.rows, t.n0, t.cols)
-        if W > 1 and t.tag != ctx.rank:  # bf16 partial into slot `me` of the owner's stage
+        if W > 1 and t.tag != ctx.rank:  # fp32 partial into slot `me` of the owner's stage
             slot = (ctx.rank * ms + rect[0], t.rows, t.n0, t.cols)
-            yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot, part.bfloat16())
+            yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot, part)
             return
         for s in range(W):  # own tile: the peers' partials, added in fp32 (Dest::add_*)
             if s != ctx.rank:
                 slot = (s * ms + rect[0], t.rows, t.n0, t.cols)
                 p = yield from twins.tile_load(ctx, "stage", ctx.rank, slot)
-                part = part + p.float()
+                part = part + p
         yield from twins.output_store(ctx, "out", ctx.rank, rect, part.bfloat16(), t.index)
 
     return {"compute": compute, "comm": None}

@@ -7,6 +7,8 @@
 //   kReduceF32Bulk = 3: C[r][c] += acc by TMA reduce-store (cp.reduce.async.bulk .add.f32) at the
 //                    destination's memory: same result as kind 1, one bulk op per row instead of
 //                    BN/2 atomics per thread (element type fp32)
+//   kStoreF32Bulk = 4: C[r][c] = acc by bulk copies (cp.async.bulk) of staged fp32 rows, the path
+//                    of kind 3 without the add (gemm_rs: a partial into its owner's stage slot)
 // Dest::ptr is the address of the tile's element (0,0), Dest::ld the row pitch in ELEMENTS; it may be
 // a peer GPU's memory (NVLink), so no tensor map is used for destinations.
 //
@@ -35,7 +37,13 @@
 
 namespace mk::gemm {
 
-enum DestKind : int { kStoreBF16 = 0, kReduceF32 = 1, kStoreF32 = 2, kReduceF32Bulk = 3 };
+enum DestKind : int {
+  kStoreBF16 = 0,
+  kReduceF32 = 1,
+  kStoreF32 = 2,
+  kReduceF32Bulk = 3,
+  kStoreF32Bulk = 4,
+};
 
 struct Dest {
   void* ptr;  // element (0,0) of the tile's destination
@@ -45,11 +53,11 @@ struct Dest {
   // 64 x 64, 128-byte swizzle) and the {column, row} of element (0,0) in it; TMA clips to its bounds.
   const CUtensorMap* map = nullptr;
   int map_col = 0, map_row = 0;
-  // Optional: bf16 tiles added into the accumulator (fp32, in registers) before any store path:
-  // tiles add_from + s * add_stride for s in [0, add_count), s != add_skip, with the same row pitch
-  // `ld` (gemm_rs: the partials peers left in the owner's staging slots). Read with ld.global.cg:
-  // other GPUs wrote them during this launch, after the hooks' wait.
-  const __nv_bfloat16* add_from = nullptr;
+  // Optional: fp32 tiles added into the accumulator (in registers) before any store path: tiles
+  // add_from + s * add_stride for s in [0, add_count), s != add_skip, with the same row pitch `ld`
+  // (gemm_rs: the partials peers left in the owner's staging slots). Read with ld.global.cg: other
+  // GPUs wrote them during this launch, after the hooks' wait.
+  const float* add_from = nullptr;
   long add_stride = 0;
   int add_count = 0, add_skip = -1;
 };
@@ -154,7 +162,8 @@ struct WarpgroupEpilogue {
   static constexpr int kF32Passes = BN / kF32Cols;
 
   __device__ __forceinline__ static bool staged_reduce_ok(const Dest& d, int cols_valid) {
-    return d.kind == kReduceF32Bulk && (reinterpret_cast<uintptr_t>(d.ptr) & 15) == 0 &&
+    return (d.kind == kReduceF32Bulk || d.kind == kStoreF32Bulk) &&
+           (reinterpret_cast<uintptr_t>(d.ptr) & 15) == 0 &&
            ((d.ld * 4) & 15) == 0 && (cols_valid & 3) == 0;
   }
 
@@ -183,9 +192,13 @@ struct WarpgroupEpilogue {
       const int c0 = PASS * kF32Cols;
       if (lt < rows_valid && c0 < cols_valid) {
         const int ncols = (cols_valid - c0) < kF32Cols ? (cols_valid - c0) : kF32Cols;
-        reduce_add_bulk_f32(static_cast<float*>(d.ptr) + (long)lt * d.ld + c0,
-                            reinterpret_cast<const float*>(staging + lt * kStagingStride),
-                            (uint32_t)ncols * 4u);
+        float* dst = static_cast<float*>(d.ptr) + (long)lt * d.ld + c0;
+        const float* src = reinterpret_cast<const float*>(staging + lt * kStagingStride);
+        if (d.kind == kStoreF32Bulk) {
+          tile_send_bulk(dst, src, (uint32_t)ncols * 4u);
+        } else {
+          reduce_add_bulk_f32(dst, src, (uint32_t)ncols * 4u);
+        }
       }
       bulk_commit();
     }
@@ -258,32 +271,30 @@ struct WarpgroupEpilogue {
   }
 
   // Dest::add_* tiles into the accumulator, elementwise, only rows_valid x cols_valid (all 128
-  // threads of the warpgroup; each reads the elements it holds, bf16 pairs where aligned).
+  // threads of the warpgroup; each reads the fp32 pairs it holds, 8-byte loads where aligned).
   __device__ static void add_tiles(float (&acc)[kRegs], const Dest& d, int rows_valid,
                                    int cols_valid) {
     const int lt = threadIdx.x % 128, warp = lt / 32, lane = lt % 32;
     const int r_base = warp * 16 + lane / 4, c_base = 2 * (lane % 4);
     for (int s = 0; s < d.add_count; ++s) {
       if (s == d.add_skip) continue;
-      const __nv_bfloat16* src = d.add_from + s * d.add_stride;
-      const bool vec = (reinterpret_cast<uintptr_t>(src) & 3) == 0 && (d.ld & 1) == 0;
+      const float* src = d.add_from + s * d.add_stride;
+      const bool vec = (reinterpret_cast<uintptr_t>(src) & 7) == 0 && (d.ld & 1) == 0;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_base + 8 * h, c = 8 * j + c_base;
           if (r >= rows_valid || c >= cols_valid) continue;
-          const __nv_bfloat16* p = src + (long)r * d.ld + c;
+          const float* p = src + (long)r * d.ld + c;
           float* a = &acc[4 * j + 2 * h];
           if (vec && c + 1 < cols_valid) {
-            const unsigned int bits = __ldcg(reinterpret_cast<const unsigned int*>(p));
-            __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-            a[0] += __low2float(v);
-            a[1] += __high2float(v);
+            const float2 v = __ldcg(reinterpret_cast<const float2*>(p));
+            a[0] += v.x;
+            a[1] += v.y;
           } else {
-            const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
-            a[0] += __bfloat162float(__ushort_as_bfloat16(__ldcg(q)));
-            if (c + 1 < cols_valid) a[1] += __bfloat162float(__ushort_as_bfloat16(__ldcg(q + 1)));
+            a[0] += __ldcg(p);
+            if (c + 1 < cols_valid) a[1] += __ldcg(p + 1);
           }
         }
       }

@@ -33,7 +33,7 @@ def test_call_returns_before_its_kernel_ends():
     assert time.perf_counter() - t0 < 0.5, "the call waited for its kernel"
     with pytest.raises(mkernel.CommTimeout) as e:
         world.check()
-    assert e.value.peer == 1 and e.value.signal.startswith("tile_flag[")
+    assert e.value.peer == 1 and e.value.signal.startswith("partial[")
     assert_pads_zero(world)
 
 
@@ -44,7 +44,7 @@ def test_next_call_raises_an_earlier_timeout():
     torch.cuda.synchronize()  # the failed kernel has ended (its status is recorded)
     with pytest.raises(mkernel.CommTimeout) as e:
         mkernel.gemm_rs(a, b, world=world)  # the next call on this world raises it
-    assert e.value.signal.startswith("tile_flag[")
+    assert e.value.signal.startswith("partial[")
     out = mkernel.gemm_rs(a, b, world=world)  # and the world is clean again
     assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), "after timeout")
 

@@ -89,7 +89,7 @@ def test_silent_rank_times_out_and_gpu_stays_usable(overlap):
         world.check()
     assert time.perf_counter() - t0 < 10
     assert e.value.peer == 2  # the silent rank raises nothing, not even its own flags
-    assert "tile_flag" in e.value.signal
+    assert "partial" in e.value.signal
     # The kernel exited cleanly: the same process keeps using the GPU (the emulated world cleared
     # the failed call's pads itself).
     good = mkernel.Schedule(overlap=overlap)
