@@ -248,6 +248,16 @@ struct PlanHooks {
   }
   // Nobody waits for this launch's tiles (and no timeline): skip the per-tile completion.
   __device__ bool signals() const { return c().compute_signals || c().timeline != nullptr; }
+  // NOTE: a completion deferred to task i+1's epilogue runs after task i+1's waits. When task i
+  // raises and task i+1 waits, a peer may wait for the first while we wait for its twin: complete
+  // task i right away (mkernel/interp/program.py may_defer_completion models the same rule).
+  __device__ bool defer_after_store(int i) const {
+    const RoleTables& t = c().role[kRoleCompute];
+    const int row = tasks[i];
+    if (t.raise_span[2 * row] == t.raise_span[2 * row + 1] || i + 1 >= tasks.count()) return true;
+    const int next = tasks[i + 1];
+    return t.wait_span[2 * next] == t.wait_span[2 * next + 1];
+  }
 };
 
 // -- the comm role: waits, the op's data movement, then raises, per task --------------------------

@@ -150,3 +150,25 @@ def test_bad_world():
         mkernel.World.emulated(4, nodes=3)
     with pytest.raises(ValueError):
         mkernel.World.emulated(2, device="tpu")
+
+
+def test_a_raising_task_before_a_waiting_one_completes_before_it(monkeypatch):
+    """The engine completes a task (its raises) in the next task's epilogue, after the next task's
+    waits, unless the task raises and the next one waits. Deferring those too deadlocks gemm_rs:
+    the last peer tile's partial would wait behind the own tile that waits for a peer's last
+    partial (W = 8, 16 units per rank: what an H200 gives an emulated world of 8)."""
+    from mkernel import schedule as sched_module
+    from mkernel.interp import program
+    from mkernel.ops import gemm_rs as rs
+
+    W = 8
+    a, b = gemm_inputs(W, 1144, 544, 208, 2)
+    for module in (rs, sched_module):
+        monkeypatch.setattr(module, "rank_sms", lambda schedule, world: 16)
+    world, sched = mkernel.World.emulated(W), mkernel.Schedule(overlap="intra_sm")
+    assert sched.plan("gemm_rs", world, a, b).compute_units == 16
+    out = mkernel.gemm_rs(a, b, world, sched)
+    assert_gemm_rs(out, a, b, "16 units per rank")
+    monkeypatch.setattr(program, "may_defer_completion", lambda task, nxt: True)
+    with pytest.raises(mkernel.DeadlockError, match=r"partial\[tile="):
+        mkernel.gemm_rs(a, b, mkernel.World.emulated(W), mkernel.Schedule(overlap="intra_sm"))

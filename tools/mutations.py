@@ -125,6 +125,15 @@ MUTATIONS = [
         "            slot = (t.tag * ms + rect[0], t.rows, t.n0, t.cols)",
         "a peer writes its partial into the owner's own slot, not its slot",
     ),
+    Mutation(
+        "prog_defer_every_completion",
+        PROG,
+        "return not (task.raises and nxt is not None and nxt.waits)",
+        "return True",
+        "the twin defers a raising task's completion past a waiting next task (hides the deadlock "
+        "the GPU rule avoids)",
+        tests=DEFAULT_TESTS + ("tests/test_gemm_rs.py",),
+    ),
     # -- ag_gemm -----------------------------------------------------------------------------------
     Mutation(
         "ag_w1_reads_gather",

@@ -191,8 +191,9 @@ class Machine:
         program: Program,
         call: int = 0,
     ) -> None:
-        """An agent running ``program`` over ``tasks`` (after ``program.prologue``, if any), in call
-        ``call``: calls run in stream order on each rank."""
+        """An agent running ``program`` over ``tasks`` (after ``program.prologue``, if any, and
+        before ``program.epilogue``, if any), in call ``call``: calls run in stream order on each
+        rank."""
         agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit, call=call)
         self.agents.append(agent)
         agent.gen = self._drive(agent, tasks, program)
@@ -226,6 +227,9 @@ class Machine:
             start = self.step
             yield from program(ctx, task)
             self.timeline.add(agent.rank, agent.name, task, start, self.step + 1)
+        epilogue = getattr(program, "epilogue", None)
+        if epilogue is not None:  # what the unit still owes after its last task (a deferred raise)
+            yield from epilogue(ctx)
         agent.task = -1
 
     def run(self) -> Timeline:

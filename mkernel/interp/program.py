@@ -88,6 +88,13 @@ def run_raises(ctx, plan, sig: PlanSignals, task: Task):
             yield from twins.signal_set_release(ctx, flag, r.value)
 
 
+def may_defer_completion(task: Task, nxt: Task | None) -> bool:
+    """Whether a compute task's completion may wait for the next task's epilogue (the engine's
+    default): not when it raises and the next task waits (PlanHooks::defer_after_store), since the
+    next task's waits may need what this one raises, on another rank, in a cycle."""
+    return not (task.raises and nxt is not None and nxt.waits)
+
+
 def entry_barrier(ctx, sig: PlanSignals, slot: int):
     """CTA ``slot`` meets CTA ``slot`` of every peer: arrive by setting barrier[slot, me] on the
     peer once the previous call's arrival there was consumed (the device's CAS 0 -> 1), then wait
@@ -191,15 +198,35 @@ def run_plan(
                 yield from twins.signal_set_relaxed(ctx, flag, 0)
                 yield from twins.signal_set_relaxed(ctx, count, 0)
 
-    def program(role: str, prologue: Callable) -> Callable:
+    def program(role: str, prologue: Callable, next_of: Callable | None = None) -> Callable:
+        # The GEMM engine completes a compute task (bulk wait, raises) in the NEXT task's epilogue,
+        # after that task's waits and loads, unless the task raises and the next one waits
+        # (may_defer_completion): the twin defers the same way, so a plan that needs an early raise
+        # deadlocks here as on the GPU.
+        pending: list[Task] = []
+
+        def complete(ctx, task: Task):
+            yield from twins.bulk_wait_all(ctx)
+            yield from run_raises(ctx, plan, sig, task)
+
         def run(ctx, task_id: int):
             task = find(ctx, role, task_id)
             yield from run_waits(ctx, plan, sig, task)
             yield from moves[role](ctx, task)
-            yield from twins.bulk_wait_all(ctx)
-            yield from run_raises(ctx, plan, sig, task)
+            while pending:
+                yield from complete(ctx, pending.pop())
+            nxt = next_of(ctx, task_id) if next_of is not None else None
+            if next_of is not None and may_defer_completion(task, nxt):
+                pending.append(task)
+            else:
+                yield from complete(ctx, task)
+
+        def epilogue(ctx):
+            while pending:
+                yield from complete(ctx, pending.pop())
 
         run.prologue = prologue
+        run.epilogue = epilogue
         return run
 
     def cta(slot: int, publish: bool) -> Callable:
@@ -225,11 +252,19 @@ def run_plan(
         units = plan.compute_units if role == "compute" else plan.comm_units
         return _LaidOut(filled, (call, r, role), u, units)
 
+    def following(call: int, r: int, u: int) -> Callable:
+        def next_of(ctx, task_id: int) -> Task | None:  # the unit's task after task_id
+            ids = list(tasks_of(call, "compute", r, u))
+            i = ids.index(task_id)
+            return find(ctx, "compute", ids[i + 1]) if i + 1 < len(ids) else None
+
+        return next_of
+
     intra = plan.overlap == "intra_sm"
     for call in range(calls):
         for r in range(W):
             for u in range(plan.compute_units):
-                run = program("compute", cta(u, publish=intra))
+                run = program("compute", cta(u, publish=intra), following(call, r, u))
                 m.add_agent(r, "compute", u, tasks_of(call, "compute", r, u), run, call=call)
             for u in range(plan.comm_units):
                 pro = comm_warp(u) if intra else cta(plan.compute_units + u, publish=False)

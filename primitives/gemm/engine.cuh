@@ -31,7 +31,9 @@
 //     tiles); `static constexpr bool kDeferAfterStore` (default true): when true, task i's
 //     completion (bulk wait + barrier + fence + after_store) is done at the start of task i+1's
 //     epilogue (or after the last task), so consumers never stall on write latency; when false it
-//     is done right after task i's epilogue.
+//     is done right after task i's epilogue. `bool defer_after_store(int i) const` (optional,
+//     default true) refines it per task: false completes task i right away (the persistent
+//     template: task i raises and task i+1 waits, which a deferral could turn into a cycle).
 //   * Cfg::CLUSTER == 2 (clusters of 2 CTAs along M sharing B): the CTAs of a cluster must get the
 //     same num_tasks() and, for every i, tasks with the same n0 (their B slices are one multicast
 //     load, half issued by each CTA); a CTA with nothing to store there gets rows = 0 and a valid
@@ -355,7 +357,13 @@ struct Engine {
       while (todo > 0) next_pass();  // fewer k-slices than passes
 
       // ---- epilogue of task i (the producer is already loading task i+1) ----
-      if (signal && kDefer && pending >= 0) complete(hooks, pending);
+      if (signal && pending >= 0) {
+        complete(hooks, pending);
+        pending = -1;
+      }
+      // Deferred unless the hooks say task i's completion must not wait for task i+1 (it raises
+      // what a peer's wait may need while task i+1 itself waits: a cycle across ranks).
+      const bool defer = kDefer && hooks_may_defer(hooks, i);
       const TileTask t = hooks.task(i);
       Dest d = hooks.dest(i);
       const int rows_wg = t.rows - 64 * wg;  // valid rows of this warpgroup's 64
@@ -382,7 +390,7 @@ struct Engine {
         p_rows = rows_wg;
         p_cols = t.cols;
         todo = Epi::kPasses;
-        if (!kDefer || !Cfg::EPI_OVERLAP) {
+        if (!defer || !Cfg::EPI_OVERLAP) {
           while (todo > 0) next_pass();
         }
       } else if (kStaging && Epi::staged_reduce_ok(d, t.cols)) {
@@ -390,7 +398,7 @@ struct Engine {
       } else if (rows_wg > 0) {
         Epi::store_direct(acc, d, rows_wg, t.cols);
       }
-      if (kDefer || !signal) {
+      if (defer || !signal) {
         pending = i;
       } else {
         complete(hooks, i);
