@@ -405,12 +405,11 @@ MUTATIONS = [
     Mutation(
         "prog_raise_before_move",
         PROG,
-        "            yield from moves[role](ctx, task)\n"
-        "            yield from twins.bulk_wait_all(ctx)\n"
-        "            yield from run_raises(ctx, plan, sig, task)",
+        "            yield from run_waits(ctx, plan, sig, task)\n"
+        "            yield from moves[role](ctx, task)",
+        "            yield from run_waits(ctx, plan, sig, task)\n"
         "            yield from run_raises(ctx, plan, sig, task)\n"
-        "            yield from moves[role](ctx, task)\n"
-        "            yield from twins.bulk_wait_all(ctx)",
+        "            yield from moves[role](ctx, task)",
         "raises before the data movement they publish",
     ),
     Mutation(
