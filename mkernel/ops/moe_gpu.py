@@ -1,7 +1,6 @@
 """The MoE pair on the GPU, not yet fused: the routing sorted on the device, the dispatch as a row
 gather, each rank's experts on the grouped GEMM engine (kernels/grouped_gemm.cu), the combine as a
-weighted sum in fp32 in slot order. The dispatch's rows are gathered from the tokens by the grouped
-GEMM's A loads (``rows=``): no expanded copy of x. Same results and row order as the interpreter's
+weighted sum in fp32 in slot order. Same results and row order as the interpreter's
 protocol (moe_dispatch_gemm.py, moe_gemm_combine.py); no communication overlaps a GEMM here, which
 is what the fused kernels of issue 11 are for. Emulated worlds on one GPU.
 
@@ -77,8 +76,11 @@ def dispatch(
     ys, srcs, offsets = [], [], []
     for d in range(W):
         offs = torch.tensor(r.offsets[d], dtype=torch.int32, device=x.device)
-        token_of_row = (r.rows_of(d) // k).to(torch.int32)  # gathered by the engine's A loads
-        ys.append(grouped_gemm(tokens, w1[d], offs, rows=token_of_row))
+        # NOTE: an expanded copy, then the grouped GEMM: measured faster than gathering the rows in
+        # the engine's A loads (grouped_gemm rows=, 0.78x torch's index_select + _grouped_mm at
+        # the DeepSeek-like shape, against 1.1x for the plain grouped GEMM: docs/moe.md)
+        a = tokens.index_select(0, r.rows_of(d) // k)
+        ys.append(grouped_gemm(a, w1[d], offs))
         srcs.append(r.src_of(d))
         offsets.append(offs)
     return MoeDispatch(ys, srcs, offsets, world, ids.clone(), hidden)
