@@ -1,23 +1,26 @@
 // GEMM + AllReduce: out[r] = sum over ranks q of A_q @ B_q, on every rank r. No multicast.
 //
-// Protocol (the plan's tables, mkernel/ops/gemm_ar.py): tile t of [M, N] is owned by rank t % W,
-// the j-th of its tiles (j = t / W). Every rank computes every tile of its partial product, its
-// peers' tiles first: a peer's tile leaves as an fp32 partial (staged bulk copies, kStoreF32Bulk)
-// into tile j of slot `me` of the owner's stage ([BM, BN], row pitch BN) and the template raises
-// partial[t][me] there. An own tile waits for its W - 1 partials, adds them in its epilogue
-// (Dest::add_*), stores the bf16 tile into its own result and raises tile_done[t]. The owner's comm
-// task t waits for tile_done[t] and copies the bf16 tile into every peer's result (16-byte stores
-// through the peer mapping); the template then raises tile_ready[t] on every peer. Every rank's
-// comm role finally runs a pure wait task T + t for each tile it does not own (nothing to move).
+// Protocol (the plan's tables, mkernel/ops/gemm_ar.py): tile t of [M, N] is owned by rank t % W.
+// Every rank computes every tile of its partial product; the engine's epilogue reduce-adds the fp32
+// tile into the owner's accumulator and the template raises tile_flag[t][me] on the owner. The
+// owner's finalize task t waits for all W flags; its data movement, below, converts the
+// accumulator tile to bf16 into EVERY rank's result (own first, 16-byte stores through the peer
+// mapping) and zeroes it; the template then raises tile_ready[t] on every peer. Every rank's comm
+// role finally runs a pure wait task T + t for each tile it does not own (nothing to move), so its
+// kernel ends only once its whole result has landed.
 //
 //   W = 2, tiles t0..t3, owners 0 1 0 1
-//   rank 0 compute:  t1 t3 -- fp32 --> stage[1] | t0 t2 + stage[0] slot 1 -> out[0], tile_done
-//   rank 1 compute:  t0 t2 -- fp32 --> stage[0] | t1 t3 + stage[1] slot 0 -> out[1], tile_done
-//   rank 0 comm:  t0, t2 -> out[1], tile_ready on 1 | wait tile_ready t1, t3
-//   rank 1 comm:  t1, t3 -> out[0], tile_ready on 0 | wait tile_ready t0, t2
+//   compute (both ranks):  t0 t1 t2 t3         -- red.add --> acc[owner]; tile_flag[t][me] on owner
+//   rank 0 comm:  finalize t0, t2 -> out[0], out[1]; tile_ready[t] on 1 | wait tile_ready t1, t3
+//   rank 1 comm:  finalize t1, t3 -> out[1], out[0]; tile_ready[t] on 0 | wait tile_ready t0, t2
 #include "kernels/fused_host.cuh"
 
 namespace mk {
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
 template <class EngineT>
 struct GemmAR {
@@ -33,32 +36,14 @@ struct GemmAR {
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
-    const int W = a.common.world_size, me = cta.rank;
     const long long off = (long long)t.m0 * l.n + t.n0;
-    constexpr long long kTile = (long long)Engine::BM * Engine::BN;  // a stage tile, pitch BN
-    const long long slot = (long long)l.own_tiles * kTile;            // elements per stage slot
-    // The tile's id (the plan's row-major grid, mkernel/schedule.py grid_tiles); owner = id % W
-    const int tiles_n = (l.n + Engine::BN - 1) / Engine::BN;
-    const long long j = ((t.m0 / Engine::BM) * tiles_n + t.n0 / Engine::BN) / W;  // owner's j-th
-    if (W > 1 && t.tag != me)  // a peer's tile: my fp32 partial into my slot of its stage
-      return gemm::Dest{l.stage.map(t.tag) + me * slot + j * kTile, Engine::BN,
-                        gemm::kStoreF32Bulk};
-    gemm::Dest d = l.result.ptrs != nullptr
-                       ? gemm::Dest{out_of(l, me) + off, l.n, gemm::kStoreBF16}
-                       : bf16_out_dest(a, cta.local_rank, l.out.at(cta.local_rank) + off, l.n,
-                                       t.m0, t.n0);
-    if (W > 1) {  // + the peers' partials, waited for before the loads
-      d.add_from = l.stage.map(me) + j * kTile;
-      d.add_stride = slot;
-      d.add_ld = Engine::BN;
-      d.add_count = W;
-      d.add_skip = me;
-    }
-    return d;
+    if (a.common.world_size == 1)  // nothing to reduce: bf16 straight to out
+      return bf16_out_dest(a, cta.local_rank, l.out.at(cta.local_rank) + off, l.n, t.m0, t.n0);
+    return gemm::Dest{l.acc.map(t.tag) + off, l.n, gemm::kReduceF32};
   }
 
-  // Broadcast (args[0] = t < tiles, an owned tile): the reduced bf16 tile from my result into
-  // every peer's. Wait tasks (args[0] = tiles + t) move nothing: their waits are the task.
+  // Finalize (args[0] = t < tiles): the reduced tile into every rank's result, acc back to zero.
+  // Wait tasks (args[0] = tiles + t) move nothing: their waits are the task.
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char*) {
     const Layout& l = a.layout;
@@ -66,13 +51,17 @@ struct GemmAR {
     const int W = a.common.world_size, me = cta.rank;
     const Tile t = load_tile(a.common, args[0]);
     const long long base = (long long)t.m0 * l.n + t.n0;
-    const __nv_bfloat16* mine = out_of(l, me) + base;
-    const int per_row = t.cols / 8;  // cols % 8 == 0: 16-byte vectors of 8 bf16
+    float* acc = l.acc.map(me) + base;
+    const int per_row = t.cols / 8;  // cols % 8 == 0: 8 fp32 in, one 16-byte bf16 vector out
     for (int v = team.lane; v < t.rows * per_row; v += team.size) {
       const long long off = (long long)(v / per_row) * l.n + (v % per_row) * 8;
-      // NOTE: written by this GPU's compute role in this launch (tile_done acquired): .cg
-      const uint4 x = __ldcg(reinterpret_cast<const uint4*>(mine + off));
-      for (int j = 1; j < W; ++j) peer_store_v4(out_of(l, (me + j) % W) + base + off, x);
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + off));
+      const float4 y = __ldcg(reinterpret_cast<const float4*>(acc + off + 4));
+      const uint4 packed = make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w),
+                                      pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
+      for (int j = 0; j < W; ++j) peer_store_v4(out_of(l, (me + j) % W) + base + off, packed);
+      __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
+      __stcg(reinterpret_cast<float4*>(acc + off + 4), make_float4(0.f, 0.f, 0.f, 0.f));
     }
   }
 
@@ -82,9 +71,8 @@ struct GemmAR {
     if (!fill_engine_params<Engine>(here, args.engine, l.a.base, l.a.rank_stride, l.b.base,
                                     l.b.rank_stride, l.m, l.n, l.k_local))
       return false;
-    // Own tiles store through out's maps wherever the result is out itself (emulated worlds, and
-    // W == 1); a distributed world's own tiles go to the symmetric result, stored row by row.
-    args.out_mapped = l.result.ptrs == nullptr &&
+    // Only W == 1 stores bf16 tiles from the engine, straight into out (no peers, no result).
+    args.out_mapped = args.common.world_size == 1 &&
                       fill_out_maps<Engine>(here, args.out_map, l.out, l.m, l.n);
     return true;
   }

@@ -69,34 +69,32 @@ struct Layout {
 
 // gemm_ar: GEMM + AllReduce
 namespace gemm_ar {
-enum Pad : int { kPadBarrier = 0, kPadPartial = 1, kPadTileDone = 2, kPadTileReady = 3 };
+enum Pad : int { kPadBarrier = 0, kPadTileFlag = 1, kPadTileReady = 2 };
 struct Layout {
   RankPtr<const __nv_bfloat16> a;  // [m, k_local] input
   RankPtr<const __nv_bfloat16> b;  // [k_local, n] input
   RankPtr<__nv_bfloat16> out;  // [m, n] output: the sum, on every rank
-  SymPtr<float> stage;  // [stage_rows, tile_cols] symmetric: slot s, owned tile j at rows (s * own_tiles + j) * BM: rank s's fp32 partial
-  float* stage_local;
+  SymPtr<float> acc;  // [m, n] symmetric: fp32 sums; only owned tiles are used
+  float* acc_local;
   SymPtr<__nv_bfloat16> result;  // [m, n] symmetric: peers' results (copied into out)
   __nv_bfloat16* result_local;
   int m;
   int n;
   int k_local;
   int tiles;
-  int own_tiles;
   static Layout from(const long long* rec) {
     Layout l;
     l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
     l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
     l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
-    l.stage = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
-    l.stage_local = reinterpret_cast<float*>(rec[kRecStride3]);
+    l.acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
+    l.acc_local = reinterpret_cast<float*>(rec[kRecStride3]);
     l.result = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot4])};
     l.result_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride4]);
     l.m = (int)rec[kRecScalar0];
     l.n = (int)rec[kRecScalar1];
     l.k_local = (int)rec[kRecScalar2];
     l.tiles = (int)rec[kRecScalar3];
-    l.own_tiles = (int)rec[kRecScalar4];
     return l;
   }
 };

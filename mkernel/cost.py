@@ -25,8 +25,8 @@ two-stage pipeline (gemm_rs has no comm role: T = max(GEMM with its epilogue, li
 
 Bytes: ag_gemm pushes (W - 1) / W of A (plus its own copy); gemm_rs stores the fp32 partials of
 its peers' tiles (4 bytes per element) into their owners' stage, which the owners add in their own
-tiles' epilogues; gemm_ar does the same, then each owner's comm role loads its bf16 tile (2
-bytes per element) and stores it into each peer's result.
+tiles' epilogues; gemm_ar reduce-adds fp32 partials into the tiles' owners, whose finalize loop
+loads 4 bytes, stores 4 (zeros) and 2 (bf16 out) per element, and 2 into each peer's result.
 
 W = 1 moves nothing but all_gather's own copy: the GEMM ops then keep every SM for the GEMM
 (intra_sm). Any shape and S >= 1 gives a valid choice (inter_sm needs S >= 2).
@@ -177,21 +177,21 @@ def _work(op: str, s: dict[str, int], W: int, bm: int, bn: int, rates: Rates) ->
             link_bytes=(W - 1) / W * m * n * 4.0,
             after_ms=0.0,
         )
-    if op == "gemm_ar":  # gemm_rs's staged partials, then the owner's bf16 tile to each peer
+    if op == "gemm_ar":
         m, n, k = s["m"], s["n"], s["k"]
-        tile = bm * bn
-        tiles = _ceil(m, bm) * _ceil(n, bn)
-        remote = (W - 1) * tile * 2.0
+        rs, tile = False, bm * bn
+        tiles = W * _ceil(m // W, bm) * _ceil(n, bn) if rs else _ceil(m, bm) * _ceil(n, bn)
+        remote = 0.0 if rs else (W - 1) * tile * 2.0  # gemm_ar: bf16 into each peer's result
         return _Work(
             tiles=tiles,
             flops=2.0 * m * n * (k // W),
-            epilogue_bytes=tile * 4.0 * (W - 1) / W if W > 1 else 0.0,
+            epilogue_bytes=tile * 4.0 if W > 1 else 0.0,
             comm_tasks=_ceil(tiles, W) if W > 1 else 0,
-            task_bytes=tile * 2.0 + remote,  # load the bf16 tile, store it into each peer
+            task_bytes=tile * 10.0 + remote,  # load fp32, store zeros, store bf16
             task_remote=remote,
             comm_produces=False,
-            link_bytes=(W - 1) / W * m * n * 4.0 + (W - 1) / W * m * n * 2.0,
-            after_ms=0.0 if W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
+            link_bytes=(W - 1) / W * m * n * (4.0 if rs else 6.0),
+            after_ms=0.0 if rs or W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
         )
     return None
 

@@ -112,7 +112,7 @@ class Buffer:
 @dataclass(frozen=True)
 class Pad:
     """A signal pad: symmetric int32 flags of ``shape`` (plan sizes), indexed by ``dims`` (the
-    names errors print: ``partial[tile=3, src=1]``). ``counted``: several consumers per flag;
+    names errors print: ``tile_flag[tile=3, src=1]``). ``counted``: several consumers per flag;
     a companion counter pad ``<name>_count`` lets the last one reset it."""
 
     name: str
@@ -168,7 +168,7 @@ class OpSpec:
 
 def signal_name(spec: OpSpec, pad: int, index: int, sizes: dict[str, int]) -> str:
     """The name both backends print for flag ``index`` (flat) of pad ``pad``:
-    ``partial[tile=3, src=1]``."""
+    ``tile_flag[tile=3, src=1]``."""
     pads = spec.all_pads()
     if not 0 <= pad < len(pads):
         return f"pad{pad}[{index}]"

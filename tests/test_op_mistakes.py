@@ -199,8 +199,8 @@ def test_a_comm_warp_that_does_not_wait_for_its_ctas_barrier_races(overlap, monk
             run("ag_gemm", 3, _sched(overlap=overlap), calls=2, seed=seed)
 
 
-def test_gemm_ar_broadcast_without_waiting_for_its_tile_is_a_race():
-    def edit(plan, tasks):  # every broadcast (not the pure tile_ready waits) waits nothing
+def test_gemm_ar_reading_the_accumulator_without_waiting_for_the_reduce_adds_is_a_race():
+    def edit(plan, tasks):  # every finalize (not the pure tile_ready waits) waits nothing
         for ts in tasks["comm"]:
             for t in ts:
                 if t.id < len(plan.tiles):
@@ -208,9 +208,9 @@ def test_gemm_ar_broadcast_without_waiting_for_its_tile_is_a_race():
 
     for overlap in ("intra_sm", "inter_sm"):
         for seed in SEEDS:
-            with pytest.raises(mkernel.RaceError, match=r"out\[") as e:
+            with pytest.raises(mkernel.RaceError, match=r"acc\[") as e:
                 run("gemm_ar", 3, _sched(overlap=overlap), edit=edit, seed=seed)
-            assert "comm" in str(e.value)
+            assert "reduce-add" in str(e.value)
 
 
 def _own_tiles_wait_nothing(plan, tasks):

@@ -60,7 +60,7 @@ def test_compute_order_is_the_hooks_on_every_rank(op, W):
         assert sorted(r for r, _ in calls) == list(range(W)), "the hook runs once per rank"
         assert all(tiles == plan.tiles for _, tiles in calls), "the hook sees the plan's tiles"
         want = [orders(r, plan.tiles) for r in range(W)]
-        if op in ("gemm_rs", "gemm_ar"):  # the peers' tiles first, each in the hook's order
+        if op == "gemm_rs":  # the peers' tiles first, each class in the hook's order
             want = [
                 [i for i in o if plan.tiles[i].tag != r] + [i for i in o if plan.tiles[i].tag == r]
                 for r, o in enumerate(want)
@@ -99,7 +99,7 @@ def test_interpreter_runs_each_ranks_order(op):
     for r in range(W):
         ran = [s.task for s in spans if s.rank == r and s.unit == "compute0"]
         want = orders(r, tiles)
-        if op in ("gemm_rs", "gemm_ar"):  # the peers' tiles first, each in the hook's order
+        if op == "gemm_rs":  # the peers' tiles first, each class in the hook's order
             want = [i for i in want if tiles[i].tag != r] + [i for i in want if tiles[i].tag == r]
         assert ran == want, f"rank {r} ran its tiles in another order"
 
@@ -332,35 +332,24 @@ def test_gemm_ar_protocol(W):
     _assert_tiles_cover(plan, m, n)
     T = len(plan.tiles)
     for r in range(W):
-        tasks = plan.roles["compute"].tasks[r]
-        mine = [i for i, task in enumerate(tasks) if task.id % W == r]
-        assert mine == list(range(len(tasks) - len(mine), len(tasks))), "own tiles come last"
-        for task in tasks:
+        for task in plan.roles["compute"].tasks[r]:
             t = task.id
             assert plan.tiles[t].tag == t % W
-            if t % W != r:  # a peer's tile: my partial to its owner
-                assert [(x.pad, x.rank, x.index) for x in task.raises] == [
-                    ("partial", t % W, (t, r))
-                ]
-                assert task.waits == ()
-            else:  # my tile: every peer's partial, then tile_done for my broadcast
-                got = sorted((w.pad, w.rank, w.index, w.consumers) for w in task.waits)
-                assert got == [("partial", r, (t, q), 1) for q in range(W) if q != r]
-                assert [(x.pad, x.rank, x.index) for x in task.raises] == [("tile_done", r, (t,))]
+            assert [(x.pad, x.rank, x.index) for x in task.raises] == [("tile_flag", t % W, (t, r))]
         comm = plan.roles["comm"].tasks[r]
         finalize = [x for x in comm if x.id < T]
         landed = [x for x in comm if x.id >= T]
-        assert comm == finalize + landed, "broadcasts come before the pure waits"
+        assert comm == finalize + landed, "finalizes come before the pure waits"
         assert _ids(finalize) == [t for t in range(T) if t % W == r]
         for task in finalize:
             t = task.id
-            got = [(w.pad, w.rank, w.index, w.consumers, w.patience) for w in task.waits]
-            assert got == [("tile_done", r, (t,), 1, 2)]
+            got = sorted((w.pad, w.rank, w.index, w.consumers, w.patience) for w in task.waits)
+            assert got == [("tile_flag", r, (t, q), 1, 1) for q in range(W)]
             assert sorted((x.pad, x.rank, x.index) for x in task.raises) == [
                 ("tile_ready", p, (t,)) for p in range(W) if p != r
             ]
         assert sorted(x.id - T for x in landed) == [t for t in range(T) if t % W != r]
-        for task in landed:  # twice the deadline: a stuck peer's partial reports first
+        for task in landed:  # twice the deadline: a stuck owner's own wait reports first
             assert [(w.pad, w.rank, w.index, w.patience) for w in task.waits] == [
                 ("tile_ready", r, (task.id - T,), 2)
             ]

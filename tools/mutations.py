@@ -194,13 +194,20 @@ MUTATIONS = [
     ),
     # -- gemm_ar -----------------------------------------------------------------------------------
     Mutation(
-        "ar_done_before_store",
+        "ar_ready_before_broadcast",
         AR,
-        'tasks.append(Task(i, (i,), waits=waits, raises=(Raise("tile_done", r, (i,)),)))',
-        "tasks.append(Task(i, (i,), waits=waits))",
-        "the own tile raises nothing: its broadcast waits forever (or, with the wait gone too, "
-        "reads the tile before it is stored)",
-        also=((AR, 'waits=(Wait("tile_done", r, (t,), patience=2),),', "waits=(),"),),
+        'flags = [(Raise("tile_flag", t.tag, (t.index, r)),) if W > 1 else () for t in tiles]',
+        'flags = [((Raise("tile_flag", t.tag, (t.index, r)),) + tuple(Raise("tile_ready", '
+        "(r + j) % W, (t.index,)) for j in range(1, W) if t.tag == r)) if W > 1 else () "
+        "for t in tiles]",
+        "tile_ready raised by the owner's epilogue, before it writes the peers' results",
+        also=(
+            (
+                AR,
+                'raises=tuple(Raise("tile_ready", (r + j) % W, (t,)) for j in range(1, W)),',
+                "raises=(),",
+            ),
+        ),
     ),
     Mutation(
         "ar_no_handshake",
@@ -211,25 +218,18 @@ MUTATIONS = [
         also=((AR, "comm.append(finalize + landed)", "comm.append(finalize)"),),
     ),
     Mutation(
-        "ar_broadcast_skips_a_peer",
+        "ar_broadcast_skips_self",
         AR,
-        "for j in range(1, W):  # r+1, r+2, ...",
-        "for j in range(1, W - 1):  # r+1, r+2, ...",
-        "the owner's broadcast skips its last peer (W > 2)",
+        "for j in range(W):  # own result first",
+        "for j in range(1, W):  # own result first",
+        "owner writes the peers' results but not its own",
     ),
     Mutation(
-        "ar_partial_wrong_slot",
+        "ar_finalize_no_zero",
         AR,
-        'yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot(t, ctx.rank), part)',
-        'yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot(t, t.tag), part)',
-        "a peer writes its partial into the owner's own slot",
-    ),
-    Mutation(
-        "ar_own_tiles_first",
-        AR,
-        "order = [i for i in order if tiles[i].tag != r] + [i for i in order if tiles[i].tag == r]",
-        "order = [i for i in order if tiles[i].tag == r] + [i for i in order if tiles[i].tag != r]",
-        "own tiles (which wait) before the peers' tiles they wait for",
+        '        yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))',
+        "        pass",
+        "finalize leaves the accumulator tile for the next call",
     ),
     Mutation(
         "ar_landed_value_off",

@@ -54,7 +54,6 @@ class Wait:
     reset: bool
     peer: int
     at_least: bool = False
-    patience: int = 1  # the deadline multiplier: a deadlock names a patience-1 waiter first
 
 
 @dataclass
@@ -170,7 +169,6 @@ class Machine:
         self.buffers = buffers  # name -> [W, rows, cols] data tensors (fp32 / bf16)
         self.rng = random.Random(seed)
         self.deadline_steps = deadline_steps
-        self.silent_rank: int | None = None  # Faults.silent_rank of the plan (run_plan sets it)
         self.agents: list[Agent] = []
         self.ends: dict[tuple[int, int], Agent] = {}  # (call, rank) -> kernel end, made by run()
         self.sig_clock: dict[SigRef, list[int]] = {}
@@ -354,22 +352,12 @@ class Machine:
                     raise CommTimeout(a.rank, w.peer, str(w.sig), a.task, a.role, unit=a.unit)
 
     def _raise_blocked(self, live: list[Agent]) -> None:
-        # NOTE: named first, as a GPU's first timeout would: a wait on the silent rank (a fault
-        # test's culprit), then the least patience (a wait that only follows another rank's own
-        # waits has more), then rank, role, task.
-        silent = self.silent_rank
-        blocked = [a for a in live if a.blocked is not None]  # the others wait for their call
-        blocked.sort(
-            key=lambda a: (
-                a.blocked.peer != silent if silent is not None else False,
-                a.blocked.patience,
-                (a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig), a.unit),
-            )
-        )
         waiters = [
-            (a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig), a.unit) for a in blocked
+            (a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig), a.unit)
+            for a in live
+            if a.blocked is not None  # the others wait for their previous call to end
         ]
-        raise DeadlockError(waiters)
+        raise DeadlockError(sorted(waiters))
 
     def node_of(self, rank: int) -> int:
         return rank // (self.W // self.nodes)

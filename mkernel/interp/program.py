@@ -9,7 +9,7 @@ of every unit of every rank::
 preceded by the entry barrier of the unit's CTA (intra_sm: the comm warp starts once its CTA passed
 it). Only the data movement is the op's (``moves[role](ctx, task)``); the waits and raises come from
 the plan, so what is property-tested here is the protocol the GPU runs. Signals print as the GPU
-names them (``partial[tile=3, src=1]``, mkernel/protocol.py signal_name). The end of each call on
+names them (``tile_flag[tile=3, src=1]``, mkernel/protocol.py signal_name). The end of each call on
 a rank reads every output tile ``outputs(rank)`` of buffer ``out`` (or the one named ``output``).
 """
 
@@ -59,7 +59,7 @@ def run_waits(ctx, plan, sig: PlanSignals, task: Task):
     """The template's run_waits: every wait, then the resets this task owns."""
     flats = [_flat_index(plan, w.pad, w.index) for w in task.waits]
     for w, flat in zip(task.waits, flats, strict=True):
-        yield from twins.wait_acquire(ctx, sig(w.pad, w.rank, flat), w.value, w.peer, w.patience)
+        yield from twins.wait_acquire(ctx, sig(w.pad, w.rank, flat), w.value, w.peer)
     for w, flat in zip(task.waits, flats, strict=True):
         if w.consumers == 1:
             yield from twins.signal_set_relaxed(ctx, sig(w.pad, w.rank, flat), 0)
@@ -156,7 +156,6 @@ def run_plan(
     data = {k: v for k, v in buffers.items() if k not in pads}
     steps = max(10_000, int(world.timeout_s * 200_000))
     m = Machine(W, pads, data, seed=seed, deadline_steps=steps)
-    m.silent_rank = plan.faults.silent_rank  # a deadlock names a wait on it first
     sig = PlanSignals(plan)
     by_id = {
         (role, r, t.id): t

@@ -177,10 +177,9 @@ def fetch_add_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     return old
 
 
-def wait_acquire(ctx: Ctx, sig: SigRef, value: int, peer: int, patience: int = 1) -> Gen:
-    """Spin (bounded by the deadline times ``patience``) until the signal equals ``value``;
-    acquire."""
-    yield Wait(sig, value, reset=False, peer=peer, patience=patience)
+def wait_acquire(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
+    """Spin (bounded by the deadline) until the signal equals ``value``; acquire."""
+    yield Wait(sig, value, reset=False, peer=peer)
 
 
 def wait_acquire_reset(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:

@@ -5,25 +5,23 @@ Unfused meaning, per rank r of W (a_r: [M, K/W], b_r: [K/W, N], bf16)::
     out_r = sum(a_q.float() @ b_q.float() for q in range(W)).bfloat16()   # [M, N], same on all
 
 Protocol (the plan's tables below; device data movement in kernels/gemm_ar.cu), no multicast:
-tile t of the [M, N] output is owned by rank t % W, the j-th of its tiles (j = t // W). Every rank
-computes every tile of its partial product, the tiles its peers own first: each such fp32 partial
-is stored (bulk copies) into slot ``me`` of the owner's ``stage`` (tile j of the slot, [BM, BN]),
-then ``partial[tile=t, src=me]`` is raised there. A rank's own tiles come last: each waits for its
-W - 1 peers' partials, adds them in fp32 in its epilogue (the fp32 sum rounded once, as the
-reference), stores the bf16 tile into its own result and raises ``tile_done[t]`` on itself. The
-owner's comm role waits for ``tile_done[t]``, copies the bf16 tile into every peer's result and
-raises ``tile_ready[t]`` there; each rank's comm role then waits for ``tile_ready`` of every tile it
-does not own, so no kernel exits before its whole result has landed (a reduce-scatter of tiles,
-then an all-gather of the reduced tiles: two-shot at any W). Nothing is zeroed, no red.add.
+tile t of the [M, N] output is owned by rank
+t % W. Every rank computes every tile of its partial product (all ranks in the same row-major order,
+so a tile's W contributions arrive close together, while consecutive tiles go to different owners);
+the epilogue reduce-adds the fp32 tile into the owner's accumulator and raises
+``tile_flag[t][me]`` there. The owner's comm role waits for all W flags of t (consuming them),
+converts the accumulator tile to bf16, writes it into EVERY rank's result (its own first), zeroes
+the accumulator tile for the next call and raises ``tile_ready[t]`` on every peer. Each rank's comm
+role then waits for ``tile_ready`` of every tile it does not own, so no kernel exits before its
+whole result has landed.
 
     W = 2, tiles t0 t1 t2 t3 (owners 0 1 0 1)
-    rank 0 compute:  t1 t3 (fp32 -> stage[1]) | t0 t2 (wait partial[t][1], add, bf16 -> out[0])
-    rank 1 compute:  t0 t2 (fp32 -> stage[0]) | t1 t3 (wait partial[t][0], add, bf16 -> out[1])
-    rank 0 comm:  wait tile_done t0, t2 -> into out[1], tile_ready on 1 | wait tile_ready t1, t3
-    rank 1 comm:  wait tile_done t1, t3 -> into out[0], tile_ready on 0 | wait tile_ready t0, t2
+    compute, both ranks: t0 t1 t2 t3  -- red.add --> acc[owner] ; tile_flag[t][me] on the owner
+    rank 0 comm:  finalize t0, t2 (-> out[0], out[1]; tile_ready on 1), then wait tile_ready t1, t3
+    rank 1 comm:  finalize t1, t3 (-> out[1], out[0]; tile_ready on 0), then wait tile_ready t0, t2
 
-In a distributed world the results are a symmetric ``result`` buffer, copied into ``out`` after the
-kernel (one extra [M, N] device copy per call); an emulated world writes ``out`` directly.
+In a distributed world the peers write into a symmetric ``result`` buffer, copied into ``out`` after
+the kernel (one extra [M, N] device copy per call); an emulated world writes ``out`` directly.
 """
 
 from __future__ import annotations
@@ -56,14 +54,7 @@ SPEC = OpSpec(
         Buffer("a", "input", bf16, ("m", "k_local")),
         Buffer("b", "input", bf16, ("k_local", "n")),
         Buffer("out", "output", bf16, ("m", "n"), "the sum, on every rank"),
-        Buffer(
-            "stage",
-            "symmetric",
-            f32,
-            ("stage_rows", "tile_cols"),
-            "slot s, owned tile j at rows (s * own_tiles + j) * BM: rank s's fp32 partial",
-            when="ranks",
-        ),
+        Buffer("acc", "symmetric", f32, ("m", "n"), "fp32 sums; only owned tiles are used"),
         Buffer(
             "result",
             "symmetric",
@@ -74,11 +65,10 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        Pad("partial", ("tile", "src"), ("tiles", "W"), doc="src's partial of tile landed"),
-        Pad("tile_done", ("tile",), ("tiles",), doc="the owner's reduced tile is in its result"),
+        Pad("tile_flag", ("tile", "src"), ("tiles", "W"), doc="src's part of tile landed"),
         Pad("tile_ready", ("tile",), ("tiles",), doc="the reduced tile landed here"),
     ),
-    scalars=("m", "n", "k_local", "tiles", "own_tiles"),
+    scalars=("m", "n", "k_local", "tiles"),
 )
 
 
@@ -92,34 +82,21 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     compute, comm = [], []
     for r in range(W):
         order = apply_order(schedule.tile_order, r, tiles, default)
-        # NOTE: the peers' tiles first, each class in the hook's order (as gemm_rs): an own tile
-        # waits for partials that only tasks without waits produce, so no order deadlocks.
-        order = [i for i in order if tiles[i].tag != r] + [i for i in order if tiles[i].tag == r]
-        tasks = []
-        for i in order:
-            owner = tiles[i].tag
-            if W == 1:  # the epilogue stores the bf16 tile straight into out
-                tasks.append(Task(i, (i,)))
-            elif owner != r:
-                tasks.append(Task(i, (i,), raises=(Raise("partial", owner, (i, r)),)))
-            else:
-                waits = tuple(Wait("partial", r, (i, (r + 1 + j) % W)) for j in range(W - 1))
-                tasks.append(Task(i, (i,), waits=waits, raises=(Raise("tile_done", r, (i,)),)))
-        compute.append(tasks)
-        if W == 1:
+        flags = [(Raise("tile_flag", t.tag, (t.index, r)),) if W > 1 else () for t in tiles]
+        compute.append([Task(i, (i,), raises=flags[i]) for i in order])
+        if W == 1:  # the epilogue stores the bf16 tile straight into out: nothing to communicate
             comm.append([])
             continue
-        # Broadcast ids t (owned tiles) first, then pure waits T + t for the others.
+        # Finalize ids t (owned tiles) first, then pure waits T + t for the others.
         # NOTE: no cycle. A unit takes every n-th entry of this list, so each unit runs all of its
-        # broadcasts before any of its waits; a broadcast waits only on its own compute tile; so
-        # every broadcast completes, and with them every tile_ready a wait needs. Comm waits get
-        # twice the deadline, so that a stuck peer's partial, waited for by a compute task,
-        # reports first (naming the rank that did not send it).
+        # finalizes before any of its waits; a finalize waits only on compute epilogues, which wait
+        # on nothing; so every finalize completes, and with them every tile_ready a wait needs.
+        # The waits get twice the deadline, so that a stuck owner's own wait reports first.
         finalize = [
             Task(
                 t,
                 (t,),
-                waits=(Wait("tile_done", r, (t,), patience=2),),
+                waits=tuple(Wait("tile_flag", r, (t, (r + 1 + j) % W)) for j in range(W)),
                 raises=tuple(Raise("tile_ready", (r + j) % W, (t,)) for j in range(1, W)),
             )
             for t in range(T)
@@ -131,16 +108,8 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
             if t % W != r
         ]
         comm.append(finalize + landed)
-    own = -(-T // W)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {
-        **shapes,
-        "k_local": k // W,
-        "tiles": T,
-        "own_tiles": own,
-        "stage_rows": W * own * cfg.bm,
-        "tile_cols": cfg.bn,
-    }
+    sizes = {**shapes, "k_local": k // W, "tiles": T}
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
@@ -175,8 +144,7 @@ def gemm_ar(
 
     Returns:
         bf16, per rank [M, N] (emulated: [W, M, N]): the sum over ranks of a@b, accumulated in
-        fp32 (the peers' partials cross the links in fp32), rounded once (the same on every
-        rank). Equivalent to ``reference.gemm_ar(a, b, world=world)``.
+        fp32 (the same on every rank). Equivalent to ``reference.gemm_ar(a, b, world=world)``.
         In a distributed world peers write a symmetric buffer that is then copied into ``out``
         (one extra device copy of [M, N] bf16).
 
@@ -199,32 +167,27 @@ def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
 
 def twins_of(plan: Plan):
     W, T, k = plan.world_size, plan.sizes["tiles"], plan.sizes["k_local"]
-    own, bm = plan.sizes["own_tiles"], plan.tile.bm
 
-    def slot(t, src: int) -> tuple[int, int, int, int]:  # tile t's rect in slot src of the stage
-        return ((src * own + t.index // W) * bm, t.rows, 0, t.cols)
-
-    def compute(ctx, task):  # GemmAR::dest: a peer's tile to its stage, an own tile + partials
+    def compute(ctx, task):  # GemmAR::dest: reduce-add into the owner (W == 1: bf16 into out)
         t = plan.tiles[task.args[0]]
         a = yield from twins.tile_load_async(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
         b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
         rect, part = (t.m0, t.rows, t.n0, t.cols), a.float() @ b.float()
-        if W > 1 and t.tag != ctx.rank:  # fp32 partial into slot `me` of the owner's stage
-            yield from twins.tile_send_bulk(ctx, "stage", t.tag, slot(t, ctx.rank), part)
-            return
-        for s in range(W):  # own tile: the peers' partials, added in fp32 (Dest::add_*)
-            if s != ctx.rank:
-                part = part + (yield from twins.tile_load(ctx, "stage", ctx.rank, slot(t, s)))
-        yield from twins.output_store(ctx, "out", ctx.rank, rect, part.bfloat16(), t.index)
+        if W == 1:
+            yield from twins.output_store(ctx, "out", ctx.rank, rect, part, t.index)
+        else:
+            yield from twins.red_add_v2_f32_sys(ctx, "acc", t.tag, rect, part)
 
-    def comm(ctx, task):  # GemmAR::comm_move: the reduced tile into every peer; waits move nothing
+    def comm(ctx, task):  # GemmAR::comm_move: finalize into every rank's out; waits move nothing
         if task.args[0] >= T:
             return
         t = plan.tiles[task.args[0]]
         rect = (t.m0, t.rows, t.n0, t.cols)
-        v = yield from twins.tile_load(ctx, "out", ctx.rank, rect)
-        for j in range(1, W):  # r+1, r+2, ...
-            yield from twins.output_store(ctx, "out", (ctx.rank + j) % W, rect, v, t.index)
+        v = yield from twins.tile_load(ctx, "acc", ctx.rank, rect)
+        for j in range(W):  # own result first, then r+1, r+2, ...
+            p = (ctx.rank + j) % W
+            yield from twins.output_store(ctx, "out", p, rect, v.bfloat16(), t.index)
+        yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))
 
     return {"compute": compute, "comm": comm}
 

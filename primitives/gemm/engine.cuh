@@ -370,7 +370,7 @@ struct Engine {
       const long esize = d.kind == kStoreBF16 ? 2 : 4;
       d.ptr = static_cast<char*>(d.ptr) + (long)(64 * wg) * d.ld * esize;
       if (d.add_count > 0 && rows_wg > 0) {  // tiles to add first (gemm_rs: peers' partials)
-        d.add_from += (long)(64 * wg) * (d.add_ld > 0 ? d.add_ld : d.ld);
+        d.add_from += (long)(64 * wg) * d.ld;
         Epi::add_tiles(acc, d, rows_wg, t.cols);
       }
       if constexpr (Cfg::EPI_MODE == kEpiSkip) {

@@ -54,12 +54,11 @@ struct Dest {
   const CUtensorMap* map = nullptr;
   int map_col = 0, map_row = 0;
   // Optional: fp32 tiles added into the accumulator (in registers) before any store path: tiles
-  // add_from + s * add_stride for s in [0, add_count), s != add_skip, row pitch add_ld (0: ld)
-  // (gemm_rs / gemm_ar: the partials peers left in the owner's staging slots). Read with
-  // ld.global.cg: other GPUs wrote them during this launch, after the hooks' wait.
+  // add_from + s * add_stride for s in [0, add_count), s != add_skip, with the same row pitch `ld`
+  // (gemm_rs: the partials peers left in the owner's staging slots). Read with ld.global.cg: other
+  // GPUs wrote them during this launch, after the hooks' wait.
   const float* add_from = nullptr;
   long add_stride = 0;
-  long add_ld = 0;
   int add_count = 0, add_skip = -1;
 };
 
@@ -280,15 +279,14 @@ struct WarpgroupEpilogue {
     for (int s = 0; s < d.add_count; ++s) {
       if (s == d.add_skip) continue;
       const float* src = d.add_from + s * d.add_stride;
-      const long ld = d.add_ld > 0 ? d.add_ld : d.ld;
-      const bool vec = (reinterpret_cast<uintptr_t>(src) & 7) == 0 && (ld & 1) == 0;
+      const bool vec = (reinterpret_cast<uintptr_t>(src) & 7) == 0 && (d.ld & 1) == 0;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_base + 8 * h, c = 8 * j + c_base;
           if (r >= rows_valid || c >= cols_valid) continue;
-          const float* p = src + (long)r * ld + c;
+          const float* p = src + (long)r * d.ld + c;
           float* a = &acc[4 * j + 2 * h];
           if (vec && c + 1 < cols_valid) {
             const float2 v = __ldcg(reinterpret_cast<const float2*>(p));
