@@ -30,11 +30,10 @@ class DeviceRouting:
         valid = flat >= 0
         key = torch.where(valid, flat * n_all + torch.arange(n_all, device=ids.device), -1)
         counts = torch.bincount(flat[valid], minlength=W * experts)  # rows per global expert
-        self.order = key.sort().values  # the -1s (unused slots) first, then the rows
+        ordered = key.sort().values  # the -1s (unused slots) first, then the rows
         per_expert = counts.tolist()  # NOTE: the one host synchronize: it sizes the results
-        self.order = self.order[n_all - sum(per_expert) :] % n_all  # f of each row, in row order
+        self.order = ordered[n_all - sum(per_expert) :] % n_all  # f of each row, in row order
         self.shape = (W, T, k)
-        self.experts = experts
         self.starts = [0]  # first row of each rank in the concatenation
         self.offsets: list[list[int]] = []
         for d in range(W):
@@ -55,13 +54,15 @@ class DeviceRouting:
         f = self.rows_of(d)
         return torch.stack((f // (T * k), f // k % T, f % k), dim=1).to(torch.int32)
 
-    def slot_rows(self) -> torch.Tensor:
-        """[W * T, k] int64: the position, in the concatenation of all ranks' rows, of each
-        (source, token, slot); -1 for an unused slot."""
-        W, T, k = self.shape
-        pos = torch.full((W * T * k,), -1, dtype=torch.long, device=self.order.device)
-        pos[self.order] = torch.arange(self.order.numel(), device=pos.device)
-        return pos.view(W * T, k)
+
+def slot_rows(d: MoeDispatch) -> torch.Tensor:
+    """[W * T, k] int64: the position, in the concatenation of all ranks' rows, of each (source,
+    token, slot) of the dispatch ``d`` (from its ``src``: no second sort); -1 for an unused slot."""
+    W, T, k = d.topk_ids.shape
+    src = torch.cat(list(d.src)).long()  # [rows of all ranks, 3], in the concatenation's order
+    pos = torch.full((W * T * k,), -1, dtype=torch.long, device=src.device)
+    pos[(src[:, 0] * T + src[:, 1]) * k + src[:, 2]] = torch.arange(src.shape[0], device=src.device)
+    return pos.view(W * T, k)
 
 
 def dispatch(
@@ -94,9 +95,8 @@ def combine(
     order (deterministic), one bf16 rounding; zero for a token routed nowhere."""
     W, T, k = d.topk_ids.shape
     H = d.hidden
-    r = DeviceRouting(d.topk_ids, d.experts)
     acc = torch.zeros(W * T, H, dtype=torch.float32, device=w2.device)
-    if r.order.numel() == 0:  # every slot unused: all tokens routed nowhere
+    if sum(s.shape[0] for s in d.src) == 0:  # every slot unused: all tokens routed nowhere
         return acc.bfloat16().view(W, T, H)
     products = torch.cat(
         [
@@ -104,7 +104,7 @@ def combine(
             for q in range(W)
         ]
     )  # [rows of all ranks, H] fp32, in the concatenation's order
-    where = r.slot_rows()
+    where = slot_rows(d)
     weights = topk_weights.reshape(W * T, k)
     for j in range(k):
         used = (where[:, j] >= 0)[:, None]
