@@ -26,11 +26,12 @@ def _engine():
 
 
 def chunks(rank: int, world_size: int, seq: int, zigzag: bool) -> list[tuple[int, int, int]]:
-    """(global chunk index, first local row, rows) of each chunk rank ``rank`` holds."""
-    if not zigzag:
-        return [(rank, 0, seq)]
-    half = seq // 2
-    return [(rank, 0, half), (2 * world_size - 1 - rank, half, half)]
+    """(global chunk index, first local row, rows) of each chunk rank ``rank`` holds: the layout's
+    segments, indexed by their first global position (ring_attention.py, the one definition)."""
+    from .ring_attention import positions, segments  # NOTE: that module imports this one
+
+    pos = positions(rank, world_size, seq, zigzag)
+    return [(int(pos[r0]) // n, r0, n) for r0, n in segments(seq, zigzag)]
 
 
 def _merge(
