@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from mkernel import schedule
+from mkernel.bench.gemm import engine_gemm
 from mkernel.bench.timing import save, table
 from mkernel.ops.common import extension
 
@@ -41,11 +42,7 @@ def _measure(ext, m: int, peer: int) -> dict:
     order = torch.tensor(order, dtype=torch.int32, device="cuda")
 
     def run(c: torch.Tensor, kind: int) -> None:
-        args = ext.GemmArgs()
-        args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), c.data_ptr()
-        args.M, args.N, args.K, args.config = m, N, K, cfg
-        args.tile_order, args.out_kind = order.data_ptr(), kind
-        assert ext.launch_gemm(args, torch.cuda.current_stream().cuda_stream) == 0
+        engine_gemm(ext, a, b, c, order, cfg, kind)
 
     versions = {
         "local_bf16": (local16, 0),

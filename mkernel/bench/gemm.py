@@ -29,14 +29,21 @@ SHAPES = [  # M x N x K
 
 
 def engine_gemm(
-    ext, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, order: torch.Tensor, cfg: int
+    ext,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    order: torch.Tensor,
+    cfg: int,
+    out_kind: int = 0,
 ):
+    """C = A @ B through the plain GEMM op (kernels/gemm_args.h; ``out_kind`` its store kind)."""
     m, k = a.shape
     n = b.shape[1]
     args = ext.GemmArgs()
     args.a, args.b, args.c = a.data_ptr(), b.data_ptr(), c.data_ptr()
     args.M, args.N, args.K, args.config = m, n, k, cfg
-    args.tile_order = order.data_ptr()
+    args.tile_order, args.out_kind = order.data_ptr(), out_kind
     st = ext.launch_gemm(args, torch.cuda.current_stream().cuda_stream)
     if st:
         raise RuntimeError(f"launch_gemm: {ext.gemm_status_string(st)}")
