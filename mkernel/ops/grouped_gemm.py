@@ -15,6 +15,8 @@ Rows outside [offsets[0], offsets[G]) are not written (pass ``out`` to keep thei
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import schedule
@@ -167,10 +169,9 @@ def grouped_gemm(
         args.a_rows, args.a_src_rows = rows.data_ptr(), a.shape[0]
     args.config = schedule.TILE_CONFIG_IDS[cfg.name]
     args.out_kind = 0 if out_dtype == torch.bfloat16 else 2  # DestKind kStoreBF16 / kStoreF32
-    if a.device.index != torch.cuda.current_device():  # the launch goes to the current device
-        with torch.cuda.device(a.device):
-            st = ext.launch_grouped_gemm(args, torch.cuda.current_stream().cuda_stream)
-    else:
+    # NOTE: the launch goes to the current device; switch only when a lives elsewhere (host time)
+    here = a.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if here else torch.cuda.device(a.device):
         st = ext.launch_grouped_gemm(args, torch.cuda.current_stream().cuda_stream)
     if st:
         raise RuntimeError(f"grouped_gemm: {ext.grouped_gemm_status_string(st)}")
