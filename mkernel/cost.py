@@ -179,9 +179,9 @@ def _work(op: str, s: dict[str, int], W: int, bm: int, bn: int, rates: Rates) ->
         )
     if op == "gemm_ar":
         m, n, k = s["m"], s["n"], s["k"]
-        rs, tile = False, bm * bn
-        tiles = W * _ceil(m // W, bm) * _ceil(n, bn) if rs else _ceil(m, bm) * _ceil(n, bn)
-        remote = 0.0 if rs else (W - 1) * tile * 2.0  # gemm_ar: bf16 into each peer's result
+        tile = bm * bn
+        tiles = _ceil(m, bm) * _ceil(n, bn)
+        remote = (W - 1) * tile * 2.0  # bf16 into each peer's result
         return _Work(
             tiles=tiles,
             flops=2.0 * m * n * (k // W),
@@ -190,8 +190,8 @@ def _work(op: str, s: dict[str, int], W: int, bm: int, bn: int, rates: Rates) ->
             task_bytes=tile * 10.0 + remote,  # load fp32, store zeros, store bf16
             task_remote=remote,
             comm_produces=False,
-            link_bytes=(W - 1) / W * m * n * (4.0 if rs else 6.0),
-            after_ms=0.0 if rs or W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
+            link_bytes=(W - 1) / W * m * n * 6.0,
+            after_ms=0.0 if W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
         )
     return None
 
