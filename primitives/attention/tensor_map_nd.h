@@ -1,6 +1,6 @@
 // tensor_map_nd.h: host helper that encodes a rank-4 CUtensorMap over a bf16 [B, S, H, D] tensor
-// (D innermost; the layout of attention's Q, K, V and O), through the same driver entry point as
-// primitives/host/tensor_map.h (nothing links libcuda). Header-only; include from host code.
+// (D innermost; the layout of attention's Q, K, V and O) through primitives/host/tensor_map.h's
+// rank-N encoder (nothing links libcuda). Header-only; include from host code.
 //
 //   CUtensorMap map;
 //   int err = mk::host::make_tensor_map_bf16_bshd(&map, ptr, B, S, H, D, box_rows, box_cols);
@@ -37,36 +37,11 @@ inline int make_tensor_map_bf16_bshd(CUtensorMap* map, const void* ptr, uint64_t
   const uint64_t stride_h = D * 2, stride_s = stride_h * H, stride_b = stride_s * S;
   if (stride_b >= (1ull << 40)) return kTensorMapBadShape;
   if (box_rows < 1 || box_rows > 256 || box_cols * 2 != 128) return kTensorMapBadBox;
-  // NOTE: the same small per-thread cache as the 2D helper: a launch encodes four maps, and the
-  // tensors of a call are usually those of an earlier one.
-  struct Entry {
-    const void* ptr;
-    uint64_t B, S, H, D;
-    uint32_t box_rows, box_cols;
-    CUtensorMap map;
-  };
-  thread_local Entry cache[32] = {};
-  const uintptr_t k = (reinterpret_cast<uintptr_t>(ptr) >> 4) ^ (S * 131 + H * 7 + D) ^ box_rows;
-  Entry& e = cache[(k ^ (k >> 5) ^ (k >> 11)) & 31];
-  if (e.ptr == ptr && e.B == B && e.S == S && e.H == H && e.D == D && e.box_rows == box_rows &&
-      e.box_cols == box_cols) {
-    std::memcpy(map, &e.map, sizeof(CUtensorMap));
-    return kTensorMapOk;
-  }
-  PFN_cuTensorMapEncodeTiled_v12000 encode = get_encode_tiled();
-  if (encode == nullptr) return kTensorMapNoDriverEntryPoint;
-  cuuint64_t dims[4] = {D, H, S, B};
-  cuuint64_t strides[3] = {stride_h, stride_s, stride_b};  // bytes, for dims 1..3
-  cuuint32_t box[4] = {box_cols, 1, box_rows, 1};
-  cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(ptr), dims,
-                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return kTensorMapEncodeFailed;
-  e = Entry{ptr, B, S, H, D, box_rows, box_cols, {}};
-  std::memcpy(&e.map, map, sizeof(CUtensorMap));
-  return kTensorMapOk;
+  // The shared rank-N encoder (tensor_map.h): its checks, its per-thread cache of encoded maps.
+  const uint64_t dims[4] = {D, H, S, B};
+  const uint64_t strides[3] = {stride_h, stride_s, stride_b};  // bytes, for dims 1..3
+  const uint32_t box[4] = {box_cols, 1, box_rows, 1};
+  return make_tensor_map_bf16_nd(map, ptr, 4, dims, strides, box, 128);
 }
 
 }  // namespace mk::host
