@@ -14,6 +14,7 @@
 
 #include "../primitives/attention/engine.cuh"
 #include "../primitives/attention/tensor_map_nd.h"
+#include "../primitives/host/device.h"
 #include "attention_args.h"
 
 namespace {
@@ -25,13 +26,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_kernel(const __grid_constant__ AttnParams p) {
   extern __shared__ __align__(1024) char smem[];
   AttnEngine<Cfg>::run_cta(p, smem);
-}
-
-int num_sms_of_current_device() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
-  return n;
 }
 
 template <class Cfg>
@@ -115,7 +109,7 @@ int launch_attention(const AttentionArgs& a, cudaStream_t stream) {
     return kAttnBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBadScale;
   if ((a.causal != 0 && a.causal != 1) || a.variant < 0 || a.variant > 2) return kAttnBadFlag;
-  const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
+  const int num_sms = a.num_sms > 0 ? a.num_sms : mk::host::num_sms_of_current_device();
   if (num_sms < 1) return kAttnLaunchFailed;
   return a.D == 64 ? launch_variant<64>(a, stream, num_sms)
                    : launch_variant<128>(a, stream, num_sms);

@@ -13,6 +13,7 @@
 
 #include "../primitives/gemm/config.cuh"
 #include "../primitives/gemm/engine.cuh"
+#include "../primitives/host/device.h"
 #include "../primitives/host/tensor_map.h"
 #include "gemm_args.h"
 
@@ -96,13 +97,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if constexpr (Cfg::CLUSTER > 1) E::cluster_end();
 }
 
-int num_sms_of_current_device() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
-  return n;
-}
-
 int g_last_grid = 0;  // grid of the last launch (diagnostics: gemm_last_grid)
 
 template <class Cfg>
@@ -142,7 +136,7 @@ int launch(const GemmArgs& a, cudaStream_t stream, int num_sms) {
       at.id = cudaLaunchAttributeClusterDimension;
       at.val.clusterDim.x = kCl;
       at.val.clusterDim.y = at.val.clusterDim.z = 1;
-      q.gridDim = dim3(kCl * num_sms_of_current_device());
+      q.gridDim = dim3(kCl * mk::host::num_sms_of_current_device());
       q.blockDim = dim3(Cfg::kThreads);
       q.dynamicSmemBytes = Cfg::kSmemBytes;
       q.attrs = &at;
@@ -203,7 +197,7 @@ int launch_gemm(const GemmArgs& a, cudaStream_t stream) {
     return kGemmBadPointer;
   if (a.out_kind < 0 || a.out_kind > 3) return kGemmBadKind;
   if (a.ldc != 0 && a.ldc < a.N) return kGemmBadLdc;
-  const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
+  const int num_sms = a.num_sms > 0 ? a.num_sms : mk::host::num_sms_of_current_device();
   if (num_sms < 1) return kGemmLaunchFailed;
   // NOTE: no heuristic here: the caller (mkernel.schedule.pick_tile) picks the config.
   switch (a.config) {

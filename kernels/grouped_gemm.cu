@@ -19,6 +19,7 @@
 
 #include "../primitives/gemm/config.cuh"
 #include "../primitives/gemm/engine.cuh"
+#include "../primitives/host/device.h"
 #include "../primitives/host/tensor_map.h"
 #include "grouped_gemm_args.h"
 
@@ -142,13 +143,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   Engine<Cfg, true, kGather>::run_cta(p.engine, smem, hooks, [] {});
 }
 
-int num_sms_of_current_device() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
-  return n;
-}
-
 template <class Cfg, bool kGather>
 int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
   GroupedKernelParams<Cfg, kGather> p{};
@@ -216,7 +210,7 @@ int launch_grouped_gemm(const GroupedGemmArgs& a, cudaStream_t stream) {
   if (a.out_kind != kStoreBF16 && a.out_kind != kStoreF32) return kGroupedBadKind;
   if (a.a_rows != nullptr && a.a_src_rows < 1) return kGroupedBadShape;
   if (a.M == 0) return kGroupedOk;  // no rows: nothing to compute or write
-  const int num_sms = a.num_sms > 0 ? a.num_sms : num_sms_of_current_device();
+  const int num_sms = a.num_sms > 0 ? a.num_sms : mk::host::num_sms_of_current_device();
   if (num_sms < 1) return kGroupedLaunchFailed;
   const bool gather = a.a_rows != nullptr;
   switch (a.config) {
