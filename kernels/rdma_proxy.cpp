@@ -1,0 +1,141 @@
+// The host proxy thread of one ring: see kernels/rdma_proxy.h for the protocol and why.
+#include "kernels/rdma_proxy.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <vector>
+
+namespace mk::rdma {
+
+namespace {
+
+// Polls that spin (with a yield) before the proxy sleeps between polls: a busy ring is seen within
+// a microsecond, an idle one costs no core.
+constexpr int kSpinPolls = 4096;
+constexpr auto kIdleSleep = std::chrono::microseconds(20);
+
+int32_t load_acquire(const int32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void store_release(int32_t* p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+}  // namespace
+
+RingProxy::RingProxy(const ProxyConfig& cfg)
+    : cfg_(cfg), header_(static_cast<RingHeader*>(cfg.ring)) {
+  if (header_ == nullptr || header_->capacity < 1)
+    throw std::invalid_argument("RingProxy: the ring must be allocated with capacity >= 1");
+}
+
+RingProxy::~RingProxy() { stop(); }
+
+void RingProxy::start(bool stalled) {
+  if (thread_.joinable()) throw std::logic_error("RingProxy: already running");
+  stop_.store(false);
+  stalled_.store(stalled);
+  failed_.store(false);
+  done_.store(0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_.clear();
+  }
+  next_ = load_acquire(&header_->tail);
+  thread_ = std::thread([this] { run(); });
+}
+
+void RingProxy::stop() {
+  if (!thread_.joinable()) return;
+  stop_.store(true);
+  thread_.join();
+}
+
+std::string RingProxy::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+bool RingProxy::fail(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty()) error_ = "rdma proxy of rank " + std::to_string(header_->rank) + ": " + what;
+  }
+  failed_.store(true);
+  return false;
+}
+
+void RingProxy::run() {
+  cudaStream_t stream = nullptr;
+  cudaError_t e = cudaSetDevice(cfg_.device);
+  // NOTE: non-blocking: the proxy's copies must never wait for (or be waited on by) the legacy
+  // default stream, where the posting kernel may run for as long as its puts take.
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
+  int idle = 0;
+  while (!stop_.load(std::memory_order_relaxed)) {
+    if (stalled_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) {
+      std::this_thread::sleep_for(kIdleSleep);
+      continue;
+    }
+    const int32_t head = load_acquire(&header_->head);
+    if (head == next_) {
+      if (++idle < kSpinPolls) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kIdleSleep);
+      }
+      continue;
+    }
+    idle = 0;
+    drain(head, stream);  // on failure the loop idles until stop()
+  }
+  if (stream != nullptr) {
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  }
+}
+
+bool RingProxy::drain(int32_t head, cudaStream_t stream) {
+  const int cap = header_->capacity;
+  const int32_t n = head - next_;
+  if (n < 0 || n > cap) {
+    return fail("head " + std::to_string(head) + " is not within capacity " +
+                std::to_string(cap) + " of the next count " + std::to_string(next_));
+  }
+  // A private copy: once checked, the batch no longer depends on the ring's memory.
+  std::vector<PutDescriptor> batch(n);
+  const PutDescriptor* slots = ring_slots(header_);
+  for (int32_t i = 0; i < n; ++i) batch[i] = slots[(next_ + i) % cap];
+  for (int32_t i = 0; i < n; ++i) {
+    const PutDescriptor& d = batch[i];
+    const std::string at = "descriptor " + std::to_string(next_ + i) + ": ";
+    if (d.ticket != next_ + i) return fail(at + "stale slot (ticket " + std::to_string(d.ticket) + ")");
+    if (d.dest_rank < 0 || d.dest_rank >= cfg_.world_size)
+      return fail(at + "dest_rank " + std::to_string(d.dest_rank) + " out of range");
+    if (d.signal < cfg_.signal_lo || d.signal + sizeof(int32_t) > cfg_.signal_hi || d.signal % 4)
+      return fail(at + "signal address outside the signal block");
+    if (d.op != kPutSet && d.op != kPutAdd) return fail(at + "unknown op");
+    if (d.bytes == 0 || d.dst == 0 || d.src == 0) return fail(at + "empty put");
+  }
+  for (const PutDescriptor& d : batch) {
+    const cudaError_t e =
+        cudaMemcpyAsync(reinterpret_cast<void*>(d.dst), reinterpret_cast<const void*>(d.src),
+                        d.bytes, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return fail(std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
+  }
+  // The copies have completed once this returns: only now may the signals say so.
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
+  for (const PutDescriptor& d : batch) {
+    auto* sig = reinterpret_cast<int32_t*>(d.signal);
+    if (d.op == kPutSet) {
+      __atomic_store_n(sig, d.value, __ATOMIC_RELEASE);
+    } else {
+      __atomic_fetch_add(sig, d.value, __ATOMIC_RELEASE);
+    }
+  }
+  // The slots were read into `batch` above and the signals are raised: posters may reuse them.
+  next_ = head;
+  store_release(&header_->tail, head);
+  done_.fetch_add(n, std::memory_order_relaxed);
+  return true;
+}
+
+}  // namespace mk::rdma

@@ -1,0 +1,39 @@
+"""The ``proxy`` transport of rdma_put (issue 14) as its own extension, ``_mkernel_rdma``.
+
+Built from kernels/rdma_test.cu, kernels/rdma_proxy.cpp and kernels/rdma_binding.cpp with
+mkernel.jit (cached on disk like the main extension, never part of it). ``load()`` returns the
+module; mkernel/rdma.py is the Python API over it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import jit
+
+__all__ = ["SPEC", "load"]
+
+SPEC = jit.ExtensionSpec(
+    name="_mkernel_rdma",
+    sources=("kernels/rdma_test.cu", "kernels/rdma_proxy.cpp", "kernels/rdma_binding.cpp"),
+    headers=(
+        "primitives/rdma/*.h",
+        "primitives/rdma/*.cuh",
+        "primitives/signal.cuh",
+        "primitives/comm.cuh",
+        "primitives/protocol_gen.h",
+        "primitives/host/device.h",
+        "kernels/rdma_*.h",
+    ),
+)
+
+_EXT: ModuleType | None = None
+
+
+def load(*, verbose: bool = False) -> ModuleType:
+    """The built ``_mkernel_rdma`` module (built on the first call, then cached here: jit.load
+    hashes every source, which a per-call path cannot afford)."""
+    global _EXT
+    if _EXT is None:
+        _EXT = jit.load(SPEC, verbose=verbose)
+    return _EXT
