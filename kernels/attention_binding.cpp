@@ -1,6 +1,6 @@
 // attention_binding.cpp: the pybind11 module _mkernel_attention (a separate extension, built by
-// mkernel/attention_ext.py) over the attention forward launcher. No torch headers: tensors cross
-// as integer addresses.
+// mkernel/attention_ext.py) over the attention forward and backward launchers. No torch headers:
+// tensors cross as integer addresses.
 //
 // Python view:
 //   args = AttentionArgs(); args.q, args.k, args.v, args.o, args.lse = (t.data_ptr() for ...)
@@ -12,22 +12,57 @@
 #include <cstdint>
 
 #include "attention_args.h"
+#include "attention_bwd_args.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <class T>
-void bind_ptr(py::class_<AttentionArgs>& c, const char* name, T* AttentionArgs::*field) {
+template <class Args, class T>
+void bind_ptr(py::class_<Args>& c, const char* name, T* Args::*field) {
   c.def_property(
-      name, [field](const AttentionArgs& a) { return reinterpret_cast<uintptr_t>(a.*field); },
-      [field](AttentionArgs& a, uintptr_t v) { a.*field = reinterpret_cast<T*>(v); });
+      name, [field](const Args& a) { return reinterpret_cast<uintptr_t>(a.*field); },
+      [field](Args& a, uintptr_t v) { a.*field = reinterpret_cast<T*>(v); });
+}
+
+void bind_backward(py::module_& m) {
+  py::class_<AttentionBwdArgs> c(
+      m, "AttentionBwdArgs", "Arguments of launch_attention_bwd (pointers as integer addresses).");
+  c.def(py::init<>());
+  bind_ptr(c, "q", &AttentionBwdArgs::q);
+  bind_ptr(c, "k", &AttentionBwdArgs::k);
+  bind_ptr(c, "v", &AttentionBwdArgs::v);
+  bind_ptr(c, "dout", &AttentionBwdArgs::dout);
+  bind_ptr(c, "lse", &AttentionBwdArgs::lse);
+  bind_ptr(c, "delta", &AttentionBwdArgs::delta);
+  bind_ptr(c, "dq", &AttentionBwdArgs::dq);
+  bind_ptr(c, "dk", &AttentionBwdArgs::dk);
+  bind_ptr(c, "dv", &AttentionBwdArgs::dv);
+  c.def_readwrite("B", &AttentionBwdArgs::B)
+      .def_readwrite("S_q", &AttentionBwdArgs::S_q)
+      .def_readwrite("S_kv", &AttentionBwdArgs::S_kv)
+      .def_readwrite("Hq", &AttentionBwdArgs::Hq)
+      .def_readwrite("Hkv", &AttentionBwdArgs::Hkv)
+      .def_readwrite("D", &AttentionBwdArgs::D)
+      .def_readwrite("scale", &AttentionBwdArgs::scale)
+      .def_readwrite("causal", &AttentionBwdArgs::causal)
+      .def_readwrite("kv_f32", &AttentionBwdArgs::kv_f32)
+      .def_readwrite("kv_accumulate", &AttentionBwdArgs::kv_accumulate);
+  m.def(
+      "launch_attention_bwd",
+      [](const AttentionBwdArgs& a, uintptr_t stream) {
+        return launch_attention_bwd(a, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("args"), py::arg("stream"),
+      "Attention backward on the given CUDA stream handle; returns an AttentionBwdStatus "
+      "(0 = ok).");
+  m.def("attention_bwd_status_string", &attention_bwd_status_string, py::arg("status"));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_mkernel_attention, m) {
-  m.doc() = "bf16 attention forward for sm_90a (kernels/attention.cu)";
+  m.doc() = "bf16 attention forward and backward for sm_90a (kernels/attention*.cu)";
   py::class_<AttentionArgs> c(m, "AttentionArgs",
                               "Arguments of launch_attention (pointers as integer addresses).");
   c.def(py::init<>());
@@ -56,4 +91,5 @@ PYBIND11_MODULE(_mkernel_attention, m) {
       py::arg("args"), py::arg("stream"),
       "Attention forward on the given CUDA stream handle; returns an AttentionStatus (0 = ok).");
   m.def("attention_status_string", &attention_status_string, py::arg("status"));
+  bind_backward(m);
 }

@@ -1,8 +1,9 @@
-"""The single-GPU attention forward engine (issue 12) as its own extension, ``_mkernel_attention``.
+"""The single-GPU attention engines (issues 12, 13) as their own extension, ``_mkernel_attention``.
 
-Built from kernels/attention.cu and kernels/attention_binding.cpp with mkernel.jit (cached on disk
-like the main extension, never part of it): ``load()`` returns the module, ``attention_forward``
-runs it on torch tensors.
+Built from kernels/attention.cu, kernels/attention_bwd.cu and kernels/attention_binding.cpp with
+mkernel.jit (cached on disk like the main extension, never part of it): ``load()`` returns the
+module; ``attention_forward`` and ``attention_backward`` run it on torch tensors
+(``attention_backward_into`` is the accumulating form the ring's blocks use).
 """
 
 from __future__ import annotations
@@ -14,12 +15,25 @@ import torch
 
 from . import jit
 
-__all__ = ["SPEC", "VARIANTS", "attention_forward", "load"]
+__all__ = [
+    "SPEC",
+    "VARIANTS",
+    "attention_backward",
+    "attention_backward_into",
+    "attention_forward",
+    "delta_of",
+    "load",
+]
 
 SPEC = jit.ExtensionSpec(
     name="_mkernel_attention",
-    sources=("kernels/attention.cu", "kernels/attention_binding.cpp"),
-    headers=("primitives/**/*.cuh", "primitives/**/*.h", "kernels/attention_args.h"),
+    sources=("kernels/attention.cu", "kernels/attention_bwd.cu", "kernels/attention_binding.cpp"),
+    headers=(
+        "primitives/**/*.cuh",
+        "primitives/**/*.h",
+        "kernels/attention_args.h",
+        "kernels/attention_bwd_args.h",
+    ),
 )
 
 # AttentionArgs.variant: the consumer schedule (primitives/attention/engine.cuh).
@@ -125,3 +139,128 @@ def attention_forward(
     if status != 0:
         raise RuntimeError(f"launch_attention: {ext.attention_status_string(status)}")
     return out, lse
+
+
+def _check_f32(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != torch.float32
+        or tuple(t.shape) != tuple(shape)
+        or not t.is_contiguous()
+        or t.device != device
+    ):
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+        raise ValueError(
+            f"{name} must be a contiguous fp32 tensor of shape {tuple(shape)} on {device}, "
+            f"got {got}"
+        )
+
+
+def delta_of(
+    dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The backward's per-row delta [B, H, S] fp32: rowsum(dout * out) in fp32, minus the gradient
+    of lse when there is one (d lse / d scores is the softmax, so it enters dS with delta)."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    if dlse is not None:
+        delta = delta - dlse
+    return delta.contiguous()
+
+
+def attention_backward_into(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    accumulate: bool = False,
+) -> None:
+    """One backward launch on the current stream (kernels/attention_bwd_args.h has the meaning).
+
+    dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
+    fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 is REDUCE-ADDED into (zero it, or pass partial
+    sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to with
+    ``accumulate``)."""
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v)):
+        _check(name, t)
+    B, S_q, Hq, D = q.shape
+    _, S_kv, Hkv, _ = k.shape
+    if dout.shape != q.shape or v.shape != k.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"shapes do not match: dout {tuple(dout.shape)}, q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if D not in (64, 128) or Hq % Hkv:
+        raise ValueError(
+            f"head dim must be 64 or 128 and Hq a multiple of Hkv, got D={D}, Hq={Hq}, Hkv={Hkv}"
+        )
+    dev = q.device
+    if not (dout.device == k.device == v.device == dev):
+        raise ValueError("dout, q, k, v must be on one device")
+    _check_f32("lse", lse, (B, Hq, S_q), dev)
+    _check_f32("delta", delta, (B, Hq, S_q), dev)
+    _check_f32("dq", dq, tuple(q.shape), dev)
+    kv_f32 = dk.dtype == torch.float32
+    for name, t in (("dk", dk), ("dv", dv)):
+        if (
+            t.dtype != (torch.float32 if kv_f32 else torch.bfloat16)
+            or t.shape != k.shape
+            or not t.is_contiguous()
+            or t.device != dev
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous tensor of shape {tuple(k.shape)} on {dev}, bf16 or "
+                f"fp32 (dk and dv alike), got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if accumulate and not kv_f32:
+        raise ValueError("accumulate needs fp32 dk and dv")
+    ext = load()
+    args = ext.AttentionBwdArgs()
+    args.q, args.k, args.v, args.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr()
+    args.lse, args.delta = lse.data_ptr(), delta.data_ptr()
+    args.dq, args.dk, args.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    args.B, args.S_q, args.S_kv, args.Hq, args.Hkv, args.D = B, S_q, S_kv, Hq, Hkv, D
+    args.scale = float(scale)
+    args.causal = int(bool(causal))
+    args.kv_f32 = int(kv_f32)
+    args.kv_accumulate = int(bool(accumulate))
+    with torch.cuda.device(dev):
+        status = ext.launch_attention_bwd(args, torch.cuda.current_stream().cuda_stream)
+    if status != 0:
+        raise RuntimeError(f"launch_attention_bwd: {ext.attention_bwd_status_string(status)}")
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv), bf16 like q, k, v, of ``attention_forward(q, k, v, causal, scale)``
+    for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
+    ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
+    summed over the query heads of each kv head."""
+    _check("out", out)
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if dlse is not None:
+        _check_f32("dlse", dlse, tuple(lse.shape), q.device)
+    delta = delta_of(dout, out, dlse)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    attention_backward_into(dout, q, k, v, lse, delta, causal, scale, dq, dk, dv)
+    return dq.to(torch.bfloat16), dk, dv

@@ -41,11 +41,14 @@ def _positions(W: int, S: int, layout: str) -> torch.Tensor:
     return torch.tensor([p for rank in rank_positions(W, S, layout) for p in rank])
 
 
-def _exact(q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dlse=None):
+def _exact(
+    q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dlse=None, p_bf16=False
+):
     """fp64 autograd of softmax attention over every rank's rows at their global positions: per
     rank (dq, dk, dv) and their tolerances. The tolerance bounds, to first order, what an fp32
     FlashAttention backward makes of the given bf16 ``out`` and fp32 ``lse`` (their measured
-    errors against fp64), plus fp32 sums and the final bf16 rounding."""
+    errors against fp64), plus fp32 sums and the final bf16 rounding. ``p_bf16``: P and dS are
+    rounded to bf16 before they enter the products (the GPU engine's wgmma operands)."""
     W, B, S, Hq, D = q.shape
     Hkv = k.shape[3]
     group = Hq // Hkv
@@ -93,9 +96,13 @@ def _exact(q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dls
         ds_abs = p * (dp.abs() + delta.abs()[..., None])
         ds_err = p * ((dp - delta[..., None]).abs() * eps + ddelta[..., None] + dp_err)
         ds_err = ds_err + terms * U_FP32 * ds_abs
+        p_err = p * (eps + terms * U_FP32)
+        if p_bf16:
+            ds_err = ds_err + U_BF16 * (p * (dp - delta[..., None]).abs() + ds_err)
+            p_err = p_err + U_BF16 * p
         dq_tol = scale * torch.einsum("bhqk,bkhd->bqhd", ds_err, aK)
         dk_tol = scale * torch.einsum("bhqk,bqhd->bkhd", ds_err, aQ)
-        dv_tol = torch.einsum("bhqk,bqhd->bkhd", p * (eps + terms * U_FP32), adO)
+        dv_tol = torch.einsum("bhqk,bqhd->bkhd", p_err, adO)
 
     def fold(x):  # GQA: the K/V head's tolerance is the sum over its q heads
         return x.reshape(B, n, Hkv, group, D).sum(3)
@@ -111,8 +118,10 @@ def _exact(q, k, v, dout, out, lse, causal: bool, scale: float, layout: str, dls
     ]
 
 
-def _assert_grads(got, q, k, v, dout, out, lse, causal, scale, layout, what, dlse=None) -> None:
-    want = _exact(q, k, v, dout, out, lse, causal, scale, layout, dlse)
+def _assert_grads(
+    got, q, k, v, dout, out, lse, causal, scale, layout, what, dlse=None, p_bf16=False
+) -> None:
+    want = _exact(q, k, v, dout, out, lse, causal, scale, layout, dlse, p_bf16)
     for name, g, x, (exact, tol) in zip("dq dk dv".split(), got, (q, k, v), want, strict=True):
         assert g.shape == x.shape and g.dtype == torch.bfloat16, f"{what}: {name}"
         assert not torch.isnan(g.float()).any(), f"{what}: NaN in {name} (an unwritten tile)"

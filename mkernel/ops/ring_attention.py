@@ -395,10 +395,16 @@ def attention(
     """Plain attention: ``ring_attention`` on one rank, without a world. q [B, S, Hq, D], k, v
     [B, S, Hkv, D], bf16; returns (out [B, S, Hq, D] bf16, lse [B, Hq, S] fp32). CUDA tensors
     run on the attention engine (one launch; docs/ring_attention.md has its speed), CPU tensors
-    in the interpreter (a 1-rank emulated world)."""
+    in the interpreter (a 1-rank emulated world). Differentiable when q, k or v require grad
+    (on CUDA the backward engine runs: one launch)."""
     lift = lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t  # noqa: E731
     if isinstance(q, torch.Tensor) and q.is_cuda:
         world = _solo_gpu_world(q.device)
+        if torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
+        ):  # differentiable: through ring_attention's autograd Function, one rank
+            out, lse = ring_attention(lift(q), lift(k), lift(v), world, causal, scale)
+            return out[0], lse[0]
         s = shapes(lift(q), lift(k), lift(v), world, causal)
         scale = check_scale(scale, s["head_dim"])
         return ring_attention_gpu.attention(q, k, v, causal, scale)

@@ -1,6 +1,7 @@
 """Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
-Function that makes ``ring_attention`` differentiable. CPU interpreter only (``SPEC.device`` is
-False), on top of the forward's plan (mkernel/ops/ring_attention.py).
+Function that makes ``ring_attention`` differentiable. Fused in the CPU interpreter only
+(``SPEC.device`` is False), on top of the forward's plan (mkernel/ops/ring_attention.py); in an
+emulated world on a GPU it runs unfused on the backward engine (ring_attention_gpu.backward).
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -244,7 +245,8 @@ def ring_attention_backward(
     Returns:
         (dq, dk, dv): bf16, dq like q, dk and dv like k and v (GQA: summed over the q heads that
         share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
-        before anything runs; NotImplementedError on a GPU world (no engine yet).
+        before anything runs. In an emulated world on a GPU it runs unfused (ring_attention_gpu.py:
+        the backward engine per block, fp32 sums); NotImplementedError on a distributed world.
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 
@@ -266,6 +268,16 @@ def run(
     """``ring_attention_backward`` with the gradient of lse too (``dlse``, fp32 like lse, or None):
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
     module = sys.modules[__name__]
+    world = common.check_world(world)
+    if world.on_gpu and world.emulated_world:  # the backward engine per block, unfused
+        common.check_schedule(schedule)
+        s = shapes(dout, q, k, v, out, lse, world, causal, layout)
+        scale = fwd.check_scale(scale, s["head_dim"])
+        if dlse is not None:
+            check_lse("dlse", dlse, world, tuple(lse.shape[1:]))
+        return fwd.ring_attention_gpu.backward(
+            dout, q, k, v, out, lse, dlse, causal, scale, layout == "zigzag"
+        )
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(dout, q, k, v, out, lse, world, causal, layout)

@@ -1,6 +1,8 @@
-"""Ring attention's forward on one GPU, not yet fused: the attention engine
-(primitives/attention/engine.cuh, ``mkernel.attention_ext``) on the blocks each query chunk sees,
-merged by log-sum-exp in fp32. ``attention`` on CUDA tensors is the one-rank case (one engine call).
+"""Ring attention on one GPU, not yet fused: the attention engines
+(primitives/attention/engine.cuh and bwd_engine.cuh, ``mkernel.attention_ext``) on the blocks each
+query chunk sees; the forward merges blocks by log-sum-exp in fp32, the backward sums fp32 block
+gradients (with the GLOBAL lse and delta every block's P and dS are already the final ones).
+``attention`` on CUDA tensors is the one-rank case (one engine call).
 Emulated worlds on one GPU; the K/V blocks do not travel a ring here (every rank's blocks are in
 one memory), which is what the fused kernel of issue 12 is for.
 
@@ -87,6 +89,61 @@ def forward(
             out[r, :, r0 : r0 + n] = o.to(torch.bfloat16)
             lse[r, :, :, r0 : r0 + n] = ls
     return out, lse
+
+
+def _kv_blocks(W: int, S: int, zigzag: bool) -> dict[int, tuple[int, int, int]]:
+    """global chunk index -> (rank, first local row, rows) of the K/V chunk."""
+    return {g: (p, r0, n) for p in range(W) for g, r0, n in chunks(p, W, S, zigzag)}
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ring_attention_backward in an emulated world on the GPU (checked operands [W, B, S, H, D];
+    lse, dlse [W, B, Hq, S]). Per query chunk: at most two backward calls (the chunks it sees in
+    full, concatenated; its own chunk causally), dq reduce-added in fp32, each call's fp32 dk, dv
+    added to the owners' rows."""
+    eng = _engine()
+    W, B, S, Hq, D = q.shape
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    blocks = _kv_blocks(W, S, zigzag)
+    order = sorted(blocks)
+    for r in range(W):
+        delta = eng.delta_of(dout[r], out[r], None if dlse is None else dlse[r])
+        for g, r0, n in chunks(r, W, S, zigzag):
+            rows = slice(r0, r0 + n)
+            qc, doc = q[r, :, rows].contiguous(), dout[r, :, rows].contiguous()
+            lc, dc = lse[r, :, :, rows].contiguous(), delta[:, :, rows].contiguous()
+            dqc = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)
+            seen = [c for c in order if c < g] if causal else order
+            calls = [(seen, False)] if seen else []
+            if causal:
+                calls.append(([g], True))
+            for group, diag in calls:
+                parts = [blocks[c] for c in group]
+                kf = torch.cat([k[p, :, a : a + m] for p, a, m in parts], dim=1).contiguous()
+                vf = torch.cat([v[p, :, a : a + m] for p, a, m in parts], dim=1).contiguous()
+                dkf = torch.empty(kf.shape, dtype=torch.float32, device=q.device)
+                dvf = torch.empty_like(dkf)
+                eng.attention_backward_into(doc, qc, kf, vf, lc, dc, diag, scale, dqc, dkf, dvf)
+                at = 0
+                for p, a, m in parts:
+                    dk[p, :, a : a + m] += dkf[:, at : at + m]
+                    dv[p, :, a : a + m] += dvf[:, at : at + m]
+                    at += m
+            dq[r, :, rows] = dqc
+    return dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
 
 
 def attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,10 @@
 //   WgmmaRS<N>::mma(d, a0, a1, a2, a3, desc_b, scale_d)   O += P V. A [64 x 16] from REGISTERS
 //       (four b32 holding bf16 pairs); B [16 x N] MN-major from shared memory (imm-trans-b = 1):
 //       the V tile, 128-byte chunks of 64 d-columns, described by mk::gemm::desc_mn_major_sw128.
+//   WgmmaTT<N>::mma(d, desc_a, desc_b, scale_d)   dQ = dS K (the backward). A [64 x 16] MN-MAJOR
+//       from shared memory (imm-trans-a = 1): the dS^T tile [kv rows][64 q], 128-byte rows, whose
+//       rows are A's k; B [16 x N] MN-major (imm-trans-b = 1): the K tile as V is above. Both
+//       described by mk::gemm::desc_mn_major_sw128; a k-step of 16 rows adds 2048 bytes.
 //
 // Register A fragment of m64nNk16 (warp w of the warpgroup, lane l, r = 16w + l/4, q = l%4):
 //   a0 = (r, 2q..2q+1)   a1 = (r+8, 2q..2q+1)   a2 = (r, 8+2q..9+2q)   a3 = (r+8, 8+2q..9+2q)
@@ -29,6 +33,8 @@ template <int N>
 struct WgmmaKK;
 template <int N>
 struct WgmmaRS;
+template <int N>
+struct WgmmaTT;
 
 template <>
 struct WgmmaKK<64> {
@@ -131,6 +137,47 @@ struct WgmmaRS<128> {
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
           "+f"(d[63])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaTT<32> {
+  static constexpr int kRegs = 16;
+  __device__ __forceinline__ static void mma(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                             uint32_t scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15 "
+        "}, "
+        "%16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaTT<64> {
+  static constexpr int kRegs = 32;
+  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                             uint32_t scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+        "}, "
+        "%32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 };
 

@@ -1,0 +1,114 @@
+// attention_bwd.cu: the attention backward launcher over mk::attn::AttnBwdEngine.
+//
+//   grid = B * Hkv * ceil(S_kv / 128) CTAs (not persistent: one kv tile per CTA, the engine's
+//   work order puts the longest causal walks first); threads: warpgroup 0 = producer (warp 0's
+//   first thread issues TMA, warp 1 stages lse / delta rows), warpgroups 1, 2 = consumers.
+//   Four TMA maps over the [B, S, H, D] tensors: Q and dO (box 64 rows), K and V (box 128 rows),
+//   each box 64 columns = one 128-byte swizzle span.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../primitives/attention/bwd_engine.cuh"
+#include "../primitives/attention/tensor_map_nd.h"
+#include "attention_bwd_args.h"
+
+namespace {
+
+using namespace mk::attn;
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_bwd_kernel(const __grid_constant__ AttnBwdParams p) {
+  extern __shared__ __align__(1024) char smem[];
+  AttnBwdEngine<Cfg>::run_cta(p, smem);
+}
+
+template <class Cfg>
+int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
+  using E = AttnBwdEngine<Cfg>;
+  AttnBwdParams p{};
+  using mk::host::kTensorMapOk;
+  using mk::host::make_tensor_map_bf16_bshd;
+  if (make_tensor_map_bf16_bshd(&p.q, a.q, a.B, a.S_q, a.Hq, a.D, Cfg::BQ, 64) != kTensorMapOk ||
+      make_tensor_map_bf16_bshd(&p.dout, a.dout, a.B, a.S_q, a.Hq, a.D, Cfg::BQ, 64) !=
+          kTensorMapOk ||
+      make_tensor_map_bf16_bshd(&p.k, a.k, a.B, a.S_kv, a.Hkv, a.D, Cfg::BKV, 64) !=
+          kTensorMapOk ||
+      make_tensor_map_bf16_bshd(&p.v, a.v, a.B, a.S_kv, a.Hkv, a.D, Cfg::BKV, 64) != kTensorMapOk)
+    return kAttnBwdTensorMap;
+  p.lse = a.lse;
+  p.delta = a.delta;
+  p.dq = a.dq;
+  p.dk = a.dk;
+  p.dv = a.dv;
+  p.B = a.B;
+  p.S_q = a.S_q;
+  p.S_kv = a.S_kv;
+  p.Hq = a.Hq;
+  p.Hkv = a.Hkv;
+  p.group = a.Hq / a.Hkv;
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.causal = a.causal;
+  p.kv_f32 = a.kv_f32;
+  p.kv_accumulate = a.kv_accumulate;
+  p.q_tiles = (a.S_q + Cfg::BQ - 1) / Cfg::BQ;
+  p.kv_tiles = (a.S_kv + Cfg::BKV - 1) / Cfg::BKV;
+  const int grid = a.B * a.Hkv * p.kv_tiles;  // < 2^31: checked by launch_attention_bwd
+
+  auto* kernel = attention_bwd_kernel<Cfg>;
+  static bool configured = false;  // NOTE: per process and instance; fine for one device kind
+  if (!configured) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             E::kSmemBytes) != cudaSuccess)
+      return kAttnBwdLaunchFailed;
+    configured = true;
+  }
+  kernel<<<grid, E::kThreads, E::kSmemBytes, stream>>>(p);
+  return cudaGetLastError() == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) {
+  return ptr != nullptr && (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+}
+
+}  // namespace
+
+const char* attention_bwd_status_string(int s) {
+  switch (s) {
+    case kAttnBwdOk: return "ok";
+    case kAttnBwdBadShape:
+      return "B, S_q, S_kv, Hq, Hkv must be >= 1 (and B * Hkv * kv tiles < 2^31)";
+    case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
+    case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
+    case kAttnBwdBadPointer:
+      return "q, k, v, dout must be non-null and 16-byte aligned, lse and delta 4-byte, dq 8-byte, "
+             "dk and dv 16-byte (bf16) or 8-byte (fp32)";
+    case kAttnBwdBadScale: return "scale must be finite and > 0";
+    case kAttnBwdBadFlag:
+      return "causal, kv_f32, kv_accumulate must be 0 or 1, and kv_accumulate needs kv_f32";
+    case kAttnBwdTensorMap: return "could not encode a TMA tensor map (cuTensorMapEncodeTiled)";
+    case kAttnBwdLaunchFailed: return "CUDA launch failed";
+    default: return "unknown status";
+  }
+}
+
+int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
+  if (a.B < 1 || a.S_q < 1 || a.S_kv < 1 || a.Hq < 1 || a.Hkv < 1) return kAttnBwdBadShape;
+  if ((long long)a.B * a.Hkv * ((a.S_kv + 127) / 128) >= (1ll << 31)) return kAttnBwdBadShape;
+  if (a.D != 64 && a.D != 128) return kAttnBwdBadHeadDim;
+  if (a.Hq % a.Hkv != 0) return kAttnBwdBadHeads;
+  for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
+    if (f != 0 && f != 1) return kAttnBwdBadFlag;
+  if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
+  const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
+  if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
+      !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 8) ||
+      !aligned(a.dk, kv_align) || !aligned(a.dv, kv_align))
+    return kAttnBwdBadPointer;
+  if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;
+  return a.D == 64 ? launch<AttnBwdConfig<64>>(a, stream) : launch<AttnBwdConfig<128>>(a, stream);
+}

@@ -1,0 +1,48 @@
+// attention_bwd_args.h: the attention backward launcher's interface (raw pointers and ints, no
+// torch). The forward's meaning (attention_args.h) differentiated, given its lse:
+//
+//   P      = exp(scale * q k^T - lse)            (causal: key j > query i masked, top-left)
+//   dV     = P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  dQ = scale dS K;  dK = scale dS^T Q
+//   delta  = rowsum(dO * O) (minus the gradient of lse, when lse is an output that has one)
+//   GQA: dK, dV of kv head h are summed over the Hq / Hkv query heads that read it.
+// dq is REDUCE-ADDED into (fp32: zero it first, or pass partial sums to accumulate); dk, dv are
+// stored (bf16 or fp32) or, with kv_accumulate (fp32 only), added to what they hold.
+// One launch: grid = B * Hkv * ceil(S_kv / 128) CTAs, one kv tile each.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+struct AttentionBwdArgs {
+  const void* q = nullptr;     // [B, S_q, Hq, D] bf16, 16-byte aligned
+  const void* k = nullptr;     // [B, S_kv, Hkv, D] bf16, 16-byte aligned
+  const void* v = nullptr;     // [B, S_kv, Hkv, D] bf16, 16-byte aligned
+  const void* dout = nullptr;  // [B, S_q, Hq, D] bf16, 16-byte aligned
+  const float* lse = nullptr;  // [B, Hq, S_q] fp32 (natural log), 4-byte aligned
+  const float* delta = nullptr;  // [B, Hq, S_q] fp32, 4-byte aligned
+  float* dq = nullptr;         // [B, S_q, Hq, D] fp32, 8-byte aligned: reduce-added into
+  void* dk = nullptr;          // [B, S_kv, Hkv, D] bf16 (16-byte) or fp32 (kv_f32, 8-byte)
+  void* dv = nullptr;
+  int B = 0, S_q = 0, S_kv = 0, Hq = 0, Hkv = 0, D = 0;  // D in {64, 128}; Hq % Hkv == 0
+  float scale = 0.f;       // the forward's softmax scale, finite and > 0
+  int causal = 0;          // 0 or 1
+  int kv_f32 = 0;          // 1: dk, dv are fp32
+  int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
+};
+
+enum AttentionBwdStatus : int {
+  kAttnBwdOk = 0,
+  kAttnBwdBadShape = 1,      // a size < 1, or B * Hkv * kv tiles beyond 2^31
+  kAttnBwdBadHeadDim = 2,    // D not in {64, 128}
+  kAttnBwdBadHeads = 3,      // Hq % Hkv != 0
+  kAttnBwdBadPointer = 4,    // a pointer null or misaligned
+  kAttnBwdBadScale = 5,      // scale not finite or <= 0
+  kAttnBwdBadFlag = 6,       // causal / kv_f32 / kv_accumulate not 0 or 1, or accumulate on bf16
+  kAttnBwdTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed
+  kAttnBwdLaunchFailed = 8,  // a CUDA runtime error at launch
+};
+
+const char* attention_bwd_status_string(int status);
+
+// Launches the backward on `stream`; returns an AttentionBwdStatus. Nothing is launched unless ok.
+int launch_attention_bwd(const AttentionBwdArgs& args, cudaStream_t stream);

@@ -1,0 +1,405 @@
+// bwd_engine.cuh: bf16 attention backward (FlashAttention-2/3 style) for sm_90a. One CTA owns one
+// K/V tile of BKV = 128 rows of one (batch, kv head) and walks every query tile (of every query
+// head of its GQA group) that sees it: dK and dV stay in registers for the whole walk and are
+// stored once; dQ leaves each step as fp32 reduce-adds into a zeroed accumulator.
+//
+//   warpgroup 0 (producer)                       warpgroups 1, 2 (consumers: 64 kv rows each)
+//     warp 0, one thread: TMA K, V once;           wait K, V
+//       per q tile: wait q_empty; TMA Q, dO        per q tile (stage st):
+//     warp 1: per q tile: lse * log2(e), delta       S^T  = K_wg Q^T          (SS, k = D)
+//       into shared memory (rows >= S_q: lse =       dP^T = V_wg dO^T         (SS, k = D)
+//       +inf, delta = 0: P = dS = 0 there)           P^T = exp2(S^T * scale * log2 e - lse2)
+//                                                    dV += P^T dO             (RS, k = 64 q rows)
+//                                                    dS^T = P^T (dP^T - delta) * scale -> smem
+//                                                    dK += dS^T Q             (RS)
+//                                                    barrier (both halves of dS^T written)
+//                                                    dQ[:, half wg] = dS K    (SS, both operands
+//                                                      MN-major: WgmmaTT), red.add fp32 -> dq
+//                                                  epilogue: dK, dV rows -> global (fp32 or bf16)
+//
+// Why this shape: the tile sizes of FlashAttention-3's hdim-128 backward (64 q x 128 kv): five
+// m64 GEMMs per step fit the 240 registers a consumer may hold (dK, dV 2 x D/2, S^T and dP^T
+// 2 x 32, the bf16 P^T and dS^T fragments 2 x 16, dQ D/4). dQ is split by columns between the two
+// warpgroups, so each dQ element is reduce-added once per (q tile, kv tile), not once per half.
+//
+// Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
+// tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
+// whose kv tile no query sees still stores its (zero) dK, dV.
+//
+// Contract with the kernel (kernels/attention_bwd.cu): every thread calls run_cta(params, smem);
+// kThreads threads, __launch_bounds__(kThreads, 1); kSmemBytes of dynamic shared memory,
+// 1024-byte aligned; params in param space (__grid_constant__: TMA reads the maps). Named barrier
+// 1 is used (0 is left to __syncthreads).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../comm.cuh"
+#include "../gemm/mbarrier.cuh"
+#include "../gemm/tma.cuh"
+#include "../gemm/wgmma.cuh"
+#include "softmax.cuh"
+#include "tma_nd.cuh"
+#include "wgmma_attn.cuh"
+
+namespace mk::attn {
+
+template <int D_>
+struct AttnBwdConfig {
+  static constexpr int D = D_;    // head dim (64 or 128)
+  static constexpr int BQ = 64;   // query rows per step
+  static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
+  static constexpr int CONSUMERS = 2;
+  static constexpr int STAGES = 2;
+  static constexpr int kThreads = 128 * (1 + CONSUMERS);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+};
+
+// Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
+//   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
+//   [dS^T: 2 x [BKV][64 q]] [lse2, delta: STAGES x 64 floats each] [kv_full, q_full[S], q_empty[S]]
+template <class Cfg>
+struct AttnBwdSmem {
+  static constexpr int kChunks = Cfg::D / 64;
+  static constexpr int kKVChunkBytes = Cfg::BKV * 128;
+  static constexpr int kQChunkBytes = Cfg::BQ * 128;
+  static constexpr int kKVBytes = kChunks * kKVChunkBytes;
+  static constexpr int kQStageBytes = kChunks * kQChunkBytes;
+  static constexpr int kDSBytes = Cfg::BKV * 128;  // [BKV kv rows][64 q] bf16
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + kKVBytes;
+  static constexpr int kQOffset = kVOffset + kKVBytes;
+  static constexpr int kDOOffset = kQOffset + Cfg::STAGES * kQStageBytes;
+  static constexpr int kDSOffset = kDOOffset + Cfg::STAGES * kQStageBytes;
+  static constexpr int kRowOffset = kDSOffset + 2 * kDSBytes;  // lse2 then delta, per stage
+  static constexpr int kBarOffset = kRowOffset + 2 * Cfg::STAGES * Cfg::BQ * 4;
+  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
+  static constexpr int kBytes = kBarOffset + 8 * kNumBars;
+  static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
+  static_assert(kBytes <= 227 * 1024, "fits the 227 KiB of an sm_90 CTA");
+};
+
+struct AttnBwdParams {
+  CUtensorMap q, k, v, dout;  // [B, S, H, D] maps: boxes {64, 1, BQ | BKV, 1}
+  const float* lse;           // [B, Hq, S_q] natural log (the forward's)
+  const float* delta;         // [B, Hq, S_q] rowsum(dO * O) (minus d lse, if any)
+  float* dq;                  // [B, S_q, Hq, D] fp32, reduce-added into
+  void* dk;                   // [B, S_kv, Hkv, D] fp32 or bf16 (kv_f32)
+  void* dv;
+  int B, S_q, S_kv, Hq, Hkv, group;
+  float scale, scale_log2;
+  int causal, kv_f32, kv_accumulate;
+  int q_tiles, kv_tiles;
+};
+
+template <class Cfg>
+struct AttnBwdEngine {
+  using Map = AttnBwdSmem<Cfg>;
+  static constexpr int D = Cfg::D, BQ = Cfg::BQ, BKV = Cfg::BKV, STAGES = Cfg::STAGES;
+  static constexpr int kThreads = Cfg::kThreads;
+  static constexpr int kSmemBytes = Map::kBytes;
+  static constexpr int kChunks = Map::kChunks;
+  static constexpr int kSRegs = BQ / 2;  // S^T, dP^T: m64 x BQ
+  static constexpr int kPRegs = BQ / 4;  // P^T, dS^T as bf16 pairs
+  static constexpr int kKVRegs = D / 2;  // dK, dV: m64 x D
+  static constexpr int kQCols = D / 2;   // dQ columns per consumer warpgroup
+  static constexpr int kBarDS = 1;       // both consumers wrote their half of dS^T
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  struct Bars {
+    uint64_t* kv_full;
+    uint64_t* q_full;   // [STAGES]: TMA bytes + warp 1's rows
+    uint64_t* q_empty;  // [STAGES]
+  };
+
+  struct Work {
+    int b, hk, kv_tile, q_begin;  // q tiles [q_begin, q_tiles) of each of the group's heads
+  };
+
+  __device__ static Bars bars_of(char* smem) {
+    uint64_t* b = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
+    return Bars{b, b + 1, b + 1 + STAGES};
+  }
+
+  // Causal: kv tile ascending over ids (the longest walks first); otherwise kv tile fastest (the
+  // CTAs that run together read one head's Q and dO from L2).
+  __device__ static Work work_of(const AttnBwdParams& p, int id) {
+    Work w;
+    int bh;
+    if (p.causal) {
+      const int heads = p.B * p.Hkv;
+      w.kv_tile = id / heads;
+      bh = id - w.kv_tile * heads;
+    } else {
+      bh = id / p.kv_tiles;
+      w.kv_tile = id - bh * p.kv_tiles;
+    }
+    w.b = bh / p.Hkv;
+    w.hk = bh - w.b * p.Hkv;
+    w.q_begin = p.causal ? w.kv_tile * BKV / BQ : 0;
+    return w;
+  }
+
+  __device__ static void run_cta(const AttnBwdParams& p, char* smem) {
+    if (smem_u32(smem) % 1024 != 0) __trap();
+    const Bars bars = bars_of(smem);
+    if (threadIdx.x == 0) {
+      gemm::mbar_init(bars.kv_full, 1);
+      for (int s = 0; s < STAGES; ++s) {
+        gemm::mbar_init(&bars.q_full[s], 2);        // TMA thread + row warp
+        gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
+      }
+      gemm::mbar_fence_init();
+    }
+    __syncthreads();
+    const Work w = work_of(p, blockIdx.x);
+    if (threadIdx.x < 128) {
+      gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
+      if (threadIdx.x == 0) load_tiles(p, w, smem, bars);
+      if (threadIdx.x / 32 == 1) load_rows(p, w, smem, bars);
+    } else {
+      gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
+      consumer(p, w, smem, bars);
+    }
+  }
+
+ private:
+  // ------------------------------------------------------------------------------- producer
+  __device__ static void load_tiles(const AttnBwdParams& p, const Work& w, char* smem,
+                                    const Bars& bars) {
+    using namespace gemm;
+    tma_prefetch_map(&p.q);
+    tma_prefetch_map(&p.dout);
+    mbar_arrive_expect_tx(bars.kv_full, 2 * Map::kKVBytes);
+    for (int c = 0; c < kChunks; ++c) {
+      tma_load_4d(smem + Map::kKOffset + c * Map::kKVChunkBytes, &p.k, bars.kv_full, c * 64, w.hk,
+                  w.kv_tile * BKV, w.b);
+      tma_load_4d(smem + Map::kVOffset + c * Map::kKVChunkBytes, &p.v, bars.kv_full, c * 64, w.hk,
+                  w.kv_tile * BKV, w.b);
+    }
+    PipeState<STAGES> st;
+    for (int g = 0; g < p.group; ++g) {
+      const int hq = w.hk * p.group + g;
+      for (int i = w.q_begin; i < p.q_tiles; ++i) {
+        mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
+        mbar_arrive_expect_tx(&bars.q_full[st.stage], 2 * Map::kQStageBytes);
+        char* q = smem + Map::kQOffset + st.stage * Map::kQStageBytes;
+        char* dout = smem + Map::kDOOffset + st.stage * Map::kQStageBytes;
+        for (int c = 0; c < kChunks; ++c) {
+          tma_load_4d(q + c * Map::kQChunkBytes, &p.q, &bars.q_full[st.stage], c * 64, hq, i * BQ,
+                      w.b);
+          tma_load_4d(dout + c * Map::kQChunkBytes, &p.dout, &bars.q_full[st.stage], c * 64, hq,
+                      i * BQ, w.b);
+        }
+        st.advance();
+      }
+    }
+  }
+
+  // Warp 1: the step's lse (as log2) and delta rows. Rows past S_q get lse = +inf and delta = 0,
+  // so P and dS are exactly 0 there whatever TMA's zero fill makes of S and dP; an empty row's
+  // lse (-inf: nothing seen in the forward) likewise gives P = 0 instead of inf.
+  __device__ static void load_rows(const AttnBwdParams& p, const Work& w, char* smem,
+                                   const Bars& bars) {
+    using namespace gemm;
+    const int lane = threadIdx.x % 32;
+    float* rows = reinterpret_cast<float*>(smem + Map::kRowOffset);
+    PipeState<STAGES> st;
+    for (int g = 0; g < p.group; ++g) {
+      const size_t head = (size_t)w.b * p.Hq + w.hk * p.group + g;
+      const float* lse = p.lse + head * p.S_q;
+      const float* delta = p.delta + head * p.S_q;
+      for (int i = w.q_begin; i < p.q_tiles; ++i) {
+        mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
+        float* lse2 = rows + st.stage * 2 * BQ;
+        for (int r = lane; r < BQ; r += 32) {
+          const int row = i * BQ + r;
+          const float l = row < p.S_q ? lse[row] : -INFINITY;
+          lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+          lse2[BQ + r] = row < p.S_q ? delta[row] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&bars.q_full[st.stage]);  // release: the rows above
+        st.advance();
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------------------- consumer
+  __device__ static void consumer(const AttnBwdParams& p, const Work& w, char* smem,
+                                  const Bars& bars) {
+    using namespace gemm;
+    const int wg = (int)threadIdx.x / 128 - 1;
+    const int lt = threadIdx.x % 128;
+    const int lane = lt % 32, q4 = lane % 4;
+    const int row_wg = 16 * (lt / 32) + lane / 4;  // this thread's half-0 row within the 64
+    const int kv_row0 = w.kv_tile * BKV + 64 * wg;  // first kv row of this warpgroup
+    const uint32_t k_base = smem_u32(smem + Map::kKOffset);
+    const uint32_t v_base = smem_u32(smem + Map::kVOffset);
+    const uint32_t k_wg = k_base + wg * 64 * 128, v_wg = v_base + wg * 64 * 128;
+    // dQ columns of this warpgroup inside the K tile (B of dQ = dS K): chunk, then byte offset.
+    const uint32_t k_cols =
+        k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
+    const float* rows = reinterpret_cast<const float*>(smem + Map::kRowOffset);
+    const bool kv_clipped = kv_row0 + 64 > p.S_kv;
+
+    float dk[kKVRegs], dv[kKVRegs];
+#pragma unroll
+    for (int i = 0; i < kKVRegs; ++i) dk[i] = dv[i] = 0.f;
+    float s[kSRegs], dp[kSRegs], dq[kQCols / 2];
+    uint32_t pp[kPRegs], dsp[kPRegs];
+
+    mbar_wait(bars.kv_full, 0);
+    PipeState<STAGES> st;
+    int step = 0;
+    for (int g = 0; g < p.group; ++g) {
+      const int hq = w.hk * p.group + g;
+      for (int i = w.q_begin; i < p.q_tiles; ++i, ++step) {
+        const int q0 = i * BQ;
+        const uint32_t q_st = smem_u32(smem + Map::kQOffset + st.stage * Map::kQStageBytes);
+        const uint32_t do_st = smem_u32(smem + Map::kDOOffset + st.stage * Map::kQStageBytes);
+        const float* lse2 = rows + st.stage * 2 * BQ;
+        const float* delta = lse2 + BQ;
+        char* ds = smem + Map::kDSOffset + (step & 1) * Map::kDSBytes;
+        mbar_wait(&bars.q_full[st.stage], st.phase);
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {  // S^T = K_wg Q^T
+          const int c = kk / 4, off = (kk % 4) * 32;
+          WgmmaKK<BQ>::mma(s, desc_k_major_sw128(k_wg + c * Map::kKVChunkBytes + off),
+                           desc_k_major_sw128(q_st + c * Map::kQChunkBytes + off), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_wg dO^T
+          const int c = kk / 4, off = (kk % 4) * 32;
+          WgmmaKK<BQ>::mma(dp, desc_k_major_sw128(v_wg + c * Map::kKVChunkBytes + off),
+                           desc_k_major_sw128(do_st + c * Map::kQChunkBytes + off), kk > 0);
+        }
+        wgmma_commit();
+
+        wgmma_wait<1>();  // S^T done
+        fence_operands(s);
+        const bool masked = kv_clipped || (p.causal && kv_row0 + 63 > q0);
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + 2 * q4 + (e & 1);
+            float x = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -lse2[col]));
+            if (masked) {
+              const int kv = kv_row0 + row_wg + 8 * (e >> 1);
+              if (kv >= p.S_kv || (p.causal && kv > q0 + col)) x = 0.f;
+            }
+            s[4 * j + e] = x;
+          }
+        }
+        pack_rows(s, pp);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)  // dV += P^T dO
+          WgmmaRS<D>::mma(dv, pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3],
+                          desc_mn_major_sw128(do_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+        wgmma_commit();
+
+        wgmma_wait<1>();  // dP^T done (dV still running)
+        fence_operands(dp);
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + 2 * q4 + (e & 1);
+            dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - delta[col]) * p.scale;
+          }
+        }
+        pack_rows(dp, dsp);
+        // dS^T -> this warpgroup's 64 rows of the swizzled [BKV][64] tile (A of dQ = dS K).
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = 64 * wg + row_wg + 8 * h;
+            *reinterpret_cast<uint32_t*>(ds + r * 128 + ((j ^ (r % 8)) * 16) + q4 * 4) =
+                dsp[2 * j + h];
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
+          WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
+                          desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+        wgmma_commit();
+        fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
+        named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
+        const uint32_t ds_u32 = smem_u32(ds);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk)  // dQ[:, cols of wg] = dS K
+          WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds_u32 + kk * 16 * 128, Map::kDSBytes),
+                               desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes),
+                               kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(dq);
+        fence_operands(dk);
+        fence_operands(dv);
+        fence_regs(pp);
+        fence_regs(dsp);
+        if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
+        st.advance();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = q0 + row_wg + 8 * h;
+          if (row >= p.S_q) continue;
+          float* dst = p.dq + (((size_t)w.b * p.S_q + row) * p.Hq + hq) * D + wg * kQCols + 2 * q4;
+#pragma unroll
+          for (int j = 0; j < kQCols / 8; ++j)
+            red_add_v2_f32(dst + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+    store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
+    store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+  }
+
+  // Rows row0 and row0 + 8 of an m64 x D accumulator -> global [B, S_kv, Hkv, D].
+  __device__ static void store_kv(const AttnBwdParams& p, const Work& w, int row0, int q4,
+                                  const float (&acc)[kKVRegs], void* out) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      if (row >= p.S_kv) continue;
+      const size_t base = (((size_t)w.b * p.S_kv + row) * p.Hkv + w.hk) * D + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const float x = acc[4 * j + 2 * h], y = acc[4 * j + 2 * h + 1];
+        if (p.kv_f32) {
+          float2* dst = reinterpret_cast<float2*>(static_cast<float*>(out) + base + 8 * j);
+          if (p.kv_accumulate) {
+            const float2 old = *dst;
+            *dst = make_float2(old.x + x, old.y + y);
+          } else {
+            *dst = make_float2(x, y);
+          }
+        } else {
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(out) + base + 8 * j) =
+              pack_bf16(x, y);
+        }
+      }
+    }
+  }
+
+  // dst[0..1] += {a, b}, relaxed at GPU scope (the CTAs of other kv tiles add into the same dQ).
+  __device__ static void red_add_v2_f32(float* dst, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b)
+                 : "memory");
+  }
+};
+
+}  // namespace mk::attn
