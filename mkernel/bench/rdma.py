@@ -1,0 +1,87 @@
+"""rdma_put through the proxy transport (issue 14) on one GPU, against message size, next to a
+plain device copy of the same bytes.
+
+``python3 -m mkernel.bench.rdma [--save]``: an emulated world of W = 2 ranks on 2 virtual nodes,
+each rank putting to the other through its ring and host proxy thread (mkernel/rdma.py), message
+sizes 4 KiB .. 64 MiB. Every number is wall-clock per call to completion (``exchange`` waits for
+its kernel, and its receivers for every signal), the median of ITERS calls after a warm-up:
+
+- latency_us: one put per rank (post -> proxy copy -> signal -> receiver sees it), and
+  copy_latency_us: ``dst.copy_(src)`` of one message then a synchronize;
+- gbps: PUTS puts per rank, W * PUTS * size bytes per call (both directions together), ring
+  capacity 8 (the proxy drains a batch with one stream synchronize), and copy_gbps: one device
+  copy of the same total bytes.
+
+The proxy copies within one GPU here: this measures the ring, the proxy thread's
+cudaMemcpyAsync + synchronize and the signal path, not a network (docs/rdma.md).
+``--save`` writes rdma_proxy_<date>.json under $MKERNEL_BENCH_DIR (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..rdma import ProxyRing, exchange
+from .timing import save, table
+
+W, NODES, PUTS, CAPACITY = 2, 2, 8, 8
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+ITERS, WARMUP = 30, 5
+
+
+def wall_us(fn: Callable[[], object], iters: int = ITERS, warmup: int = WARMUP) -> float:
+    """Median wall-clock microseconds of fn() to completion (fn synchronizes, or we do)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def measure(size: int, ring: ProxyRing) -> dict:
+    """One row: latency and throughput of the proxy path and of a device copy at ``size``."""
+    one = torch.randint(0, 255, (W, size), dtype=torch.uint8, device="cuda")
+    many = torch.randint(0, 255, (W, PUTS * size), dtype=torch.uint8, device="cuda")
+    d_one, d_many = torch.empty_like(one), torch.empty_like(many)
+    lat = wall_us(lambda: exchange(one, ring, NODES, 1, receive="wait", dst=d_one))
+    thr = wall_us(lambda: exchange(many, ring, NODES, PUTS, posters=2, receive="wait", dst=d_many))
+    assert torch.equal(d_many, torch.roll(many, W // NODES, dims=0))  # the timed calls were right
+    copy_lat = wall_us(lambda: d_one[0].copy_(one[0]))
+    copy_thr = wall_us(lambda: d_many.copy_(many))
+    total = W * PUTS * size
+    return {
+        "kib": size >> 10,
+        "latency_us": lat,
+        "copy_latency_us": copy_lat,
+        "gbps": total / thr / 1e3,
+        "copy_gbps": total / copy_thr / 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m mkernel.bench.rdma")
+    parser.add_argument("--save", action="store_true", help="write the JSON record")
+    parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB)")
+    args = parser.parse_args()
+    rows = []
+    with ProxyRing(W, CAPACITY) as ring:
+        for size in SIZES:
+            if size <= args.max_mib << 20:
+                rows.append(measure(size, ring))
+    print(table(rows, ["kib", "latency_us", "copy_latency_us", "gbps", "copy_gbps"]))
+    if args.save:
+        print("saved", save("rdma_proxy", rows))
+
+
+if __name__ == "__main__":
+    main()
