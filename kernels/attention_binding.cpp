@@ -47,7 +47,8 @@ void bind_backward(py::module_& m) {
       .def_readwrite("scale", &AttentionBwdArgs::scale)
       .def_readwrite("causal", &AttentionBwdArgs::causal)
       .def_readwrite("kv_f32", &AttentionBwdArgs::kv_f32)
-      .def_readwrite("kv_accumulate", &AttentionBwdArgs::kv_accumulate);
+      .def_readwrite("kv_accumulate", &AttentionBwdArgs::kv_accumulate)
+      .def_readwrite("probe", &AttentionBwdArgs::probe);
   m.def(
       "launch_attention_bwd",
       [](const AttentionBwdArgs& a, uintptr_t stream) {

@@ -104,11 +104,17 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 2) return kAttnBwdBadFlag;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
       !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 8) ||
       !aligned(a.dk, kv_align) || !aligned(a.dv, kv_align))
     return kAttnBwdBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;
-  return a.D == 64 ? launch<AttnBwdConfig<64>>(a, stream) : launch<AttnBwdConfig<128>>(a, stream);
+  if (a.D == 64) return a.probe == 0 ? launch<AttnBwdConfig<64>>(a, stream) : kAttnBwdBadFlag;
+  switch (a.probe) {  // the probes are built for the benchmark's head dim only
+    case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);
+    case 2: return launch<AttnBwdConfig<128, 2>>(a, stream);
+    default: return launch<AttnBwdConfig<128>>(a, stream);
+  }
 }

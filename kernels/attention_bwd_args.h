@@ -28,6 +28,7 @@ struct AttentionBwdArgs {
   int causal = 0;          // 0 or 1
   int kv_f32 = 0;          // 1: dk, dv are fp32
   int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
+  int probe = 0;  // measurement only, D = 128 (dq is then wrong): 1 skips dQ, 2 its reduce-adds
 };
 
 enum AttentionBwdStatus : int {

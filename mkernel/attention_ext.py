@@ -181,13 +181,15 @@ def attention_backward_into(
     dv: torch.Tensor,
     *,
     accumulate: bool = False,
+    probe: int = 0,
 ) -> None:
     """One backward launch on the current stream (kernels/attention_bwd_args.h has the meaning).
 
     dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 is REDUCE-ADDED into (zero it, or pass partial
     sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to with
-    ``accumulate``)."""
+    ``accumulate``). ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's MMA and
+    reduce-adds, 2 only the reduce-adds."""
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v)):
         _check(name, t)
     B, S_q, Hq, D = q.shape
@@ -231,6 +233,7 @@ def attention_backward_into(
     args.causal = int(bool(causal))
     args.kv_f32 = int(kv_f32)
     args.kv_accumulate = int(bool(accumulate))
+    args.probe = int(probe)
     with torch.cuda.device(dev):
         status = ext.launch_attention_bwd(args, torch.cuda.current_stream().cuda_stream)
     if status != 0:
@@ -253,9 +256,13 @@ def attention_backward(
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
     summed over the query heads of each kv head."""
-    _check("out", out)
-    if out.shape != q.shape:
-        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    for name, t in (("dout", dout), ("q", q), ("out", out)):
+        _check(name, t)
+    if not (dout.shape == q.shape == out.shape):
+        raise ValueError(
+            f"shapes do not match: dout {tuple(dout.shape)}, q {tuple(q.shape)}, "
+            f"out {tuple(out.shape)}"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if dlse is not None:
         _check_f32("dlse", dlse, tuple(lse.shape), q.device)

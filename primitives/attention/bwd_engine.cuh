@@ -47,9 +47,10 @@
 
 namespace mk::attn {
 
-template <int D_>
+template <int D_, int PROBE_ = 0>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
+  static constexpr int PROBE = PROBE_;  // measurement only: 1 skips dQ, 2 its reduce-adds
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -335,16 +336,18 @@ struct AttnBwdEngine {
           WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
                           desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
         wgmma_commit();
-        fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
-        named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
-        const uint32_t ds_u32 = smem_u32(ds);
-        wgmma_fence();
+        if constexpr (Cfg::PROBE != 1) {
+          fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
+          named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
+          const uint32_t ds_u32 = smem_u32(ds);
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BKV / 16; ++kk)  // dQ[:, cols of wg] = dS K
-          WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds_u32 + kk * 16 * 128, Map::kDSBytes),
-                               desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes),
-                               kk > 0);
-        wgmma_commit();
+          for (int kk = 0; kk < BKV / 16; ++kk)  // dQ[:, cols of wg] = dS K
+            WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds_u32 + kk * 16 * 128, Map::kDSBytes),
+                                 desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes),
+                                 kk > 0);
+          wgmma_commit();
+        }
         wgmma_wait<0>();
         fence_operands(dq);
         fence_operands(dk);
@@ -356,7 +359,7 @@ struct AttnBwdEngine {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = q0 + row_wg + 8 * h;
-          if (row >= p.S_q) continue;
+          if (row >= p.S_q || Cfg::PROBE != 0) continue;
           float* dst = p.dq + (((size_t)w.b * p.S_q + row) * p.Hq + hq) * D + wg * kQCols + 2 * q4;
 #pragma unroll
           for (int j = 0; j < kQCols / 8; ++j)
