@@ -106,6 +106,15 @@ EXTENSION = ExtensionSpec(
 )
 
 
+# Extensions built apart from EXTENSION, by the module that declares their SPEC: `--check` compiles
+# their sources too. NOTE: module names, imported on use (those modules import this one).
+SEPARATE_EXTENSIONS = ("mkernel.rdma_ext",)
+
+
+def _separate_specs() -> list[ExtensionSpec]:
+    return [importlib.import_module(m).SPEC for m in SEPARATE_EXTENSIONS]
+
+
 class BuildError(RuntimeError):
     """A compile or link step failed, or building is forbidden (``MKERNEL_NO_BUILD=1``)."""
 
@@ -536,12 +545,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 2
     failed = checked = 0
     t0 = time.perf_counter()
-    for rel, err in _iter_check(args.paths or None, None):
-        checked += 1
-        print(f"{'FAIL' if err else 'ok  '} {rel}", flush=True)
-        if err:
-            failed += 1
-            print(err, flush=True)
+    runs: list[tuple[ExtensionSpec, Sequence[str] | None]] = [(EXTENSION, args.paths or None)]
+    if not args.paths:  # their headers are among the main check's (primitives/, kernels/*.h)
+        runs += [(spec, _source_files(spec)) for spec in _separate_specs()]
+    for spec, paths in runs:
+        for rel, err in _iter_check(paths, None, spec):
+            checked += 1
+            print(f"{'FAIL' if err else 'ok  '} {rel}", flush=True)
+            if err:
+                failed += 1
+                print(err, flush=True)
     total = time.perf_counter() - t0
     print(f"mkernel.jit --check: {checked} files, {failed} failed ({total:.1f} s)")
     return 1 if failed else 0
