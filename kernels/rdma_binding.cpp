@@ -68,8 +68,8 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
 
   py::class_<MappedHost>(m, "MappedHost", "Zeroed pinned host memory mapped for the device.")
       .def(py::init<size_t>(), py::arg("bytes"))
-      .def_property_readonly("ptr",
-                             [](const MappedHost& h) { return reinterpret_cast<uintptr_t>(h.ptr()); })
+      .def_property_readonly(
+          "ptr", [](const MappedHost& h) { return reinterpret_cast<uintptr_t>(h.ptr()); })
       .def_property_readonly("bytes", &MappedHost::bytes)
       .def("read_i32", &read_i32, py::arg("first"), py::arg("count"))
       .def("zero", [](MappedHost& h) { std::memset(h.ptr(), 0, h.bytes()); });
@@ -81,7 +81,8 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
       "ring_ptr",
       [](uintptr_t base, int rank, int capacity) {
         check_ring(base, rank, capacity);
-        return reinterpret_cast<uintptr_t>(ring_header(reinterpret_cast<void*>(base), rank, capacity));
+        void* ring = ring_header(reinterpret_cast<void*>(base), rank, capacity);
+        return reinterpret_cast<uintptr_t>(ring);
       },
       py::arg("base"), py::arg("rank"), py::arg("capacity"));
 
@@ -100,7 +101,8 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
       .def_property_readonly("done", &RingProxy::done)
       .def("error", &RingProxy::error);
 
-  py::class_<RdmaTestArgs> c(m, "RdmaTestArgs", "Arguments of launch_rdma_test (addresses as ints).");
+  py::class_<RdmaTestArgs> c(m, "RdmaTestArgs",
+                             "Arguments of launch_rdma_test (addresses as ints).");
   c.def(py::init<>());
   rw(c, "src", &RdmaTestArgs::src);
   rw(c, "dst", &RdmaTestArgs::dst);
@@ -139,7 +141,8 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
   roles[kRoleReceiver] = "receiver";
   m.attr("WAIT_NAMES") = waits;
   m.attr("ROLE_NAMES") = roles;
-  m.attr("OPS") = py::make_tuple(py::make_tuple("set", int(kPutSet)), py::make_tuple("add", int(kPutAdd)));
+  m.attr("OPS") =
+      py::make_tuple(py::make_tuple("set", int(kPutSet)), py::make_tuple("add", int(kPutAdd)));
   m.attr("RECEIVE") = py::make_tuple(py::make_tuple("copy", int(kReceiveCopy)),
                                      py::make_tuple("wait", int(kReceiveWait)),
                                      py::make_tuple("none", int(kReceiveNone)));

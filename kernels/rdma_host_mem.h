@@ -20,15 +20,16 @@ class MappedHost {
   explicit MappedHost(size_t bytes) : bytes_(bytes) {
     if (bytes == 0) throw std::invalid_argument("MappedHost: bytes must be > 0");
     // NOTE: not write-combined: the host proxy reads this memory, and WC reads are uncached.
-    check(cudaHostAlloc(&ptr_, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "cudaHostAlloc");
+    check(cudaHostAlloc(&ptr_, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc");
     void* dev = nullptr;
     const cudaError_t e = cudaHostGetDevicePointer(&dev, ptr_, 0);
     if (e != cudaSuccess || dev != ptr_) {
       cudaFreeHost(ptr_);
-      throw std::runtime_error(e != cudaSuccess
-                                   ? std::string("cudaHostGetDevicePointer: ") + cudaGetErrorString(e)
-                                   : "MappedHost: the device address differs from the host address "
-                                     "(no unified virtual addressing)");
+      if (e != cudaSuccess)
+        throw std::runtime_error(std::string("cudaHostGetDevicePointer: ") + cudaGetErrorString(e));
+      throw std::runtime_error(
+          "MappedHost: the device address differs from the host address (no unified addressing)");
     }
     std::memset(ptr_, 0, bytes);
   }
@@ -43,7 +44,8 @@ class MappedHost {
 
  private:
   static void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
   }
   void* ptr_ = nullptr;
   size_t bytes_;

@@ -55,7 +55,8 @@ std::string RingProxy::error() const {
 bool RingProxy::fail(const std::string& what) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (error_.empty()) error_ = "rdma proxy of rank " + std::to_string(header_->rank) + ": " + what;
+    if (error_.empty())
+      error_ = "rdma proxy of rank " + std::to_string(header_->rank) + ": " + what;
   }
   failed_.store(true);
   return false;
@@ -106,7 +107,8 @@ bool RingProxy::drain(int32_t head, cudaStream_t stream) {
   for (int32_t i = 0; i < n; ++i) {
     const PutDescriptor& d = batch[i];
     const std::string at = "descriptor " + std::to_string(next_ + i) + ": ";
-    if (d.ticket != next_ + i) return fail(at + "stale slot (ticket " + std::to_string(d.ticket) + ")");
+    if (d.ticket != next_ + i)
+      return fail(at + "stale slot (ticket " + std::to_string(d.ticket) + ")");
     if (d.dest_rank < 0 || d.dest_rank >= cfg_.world_size)
       return fail(at + "dest_rank " + std::to_string(d.dest_rank) + " out of range");
     if (d.signal < cfg_.signal_lo || d.signal + sizeof(int32_t) > cfg_.signal_hi || d.signal % 4)

@@ -3,8 +3,8 @@
 // tile's signal and copy the tile into `out` (so a signal seen before its bytes shows as poison).
 //
 //   CTAs of rank r:  [ poster 0 .. poster C-1 | receiver 0 .. receiver C-1 ]
-//   poster c of r:   tiles i = c, c + C, ...  src[r][i] --proxy of r--> dst[d][i], d = (r + W/N) % W
-//   receiver c of d: the same tiles from its source s = (d - W/N) mod W: wait, then out[d][i] = dst[d][i]
+//   poster c of r:   tiles i = c, c + C, ..: src[r][i] --proxy of r--> dst[d][i], d = (r + W/N) % W
+//   receiver c of d: the same tiles from s = (d - W/N) mod W: wait, then out[d][i] = dst[d][i]
 //
 // Signals (mapped host memory, zero between calls): op set: signals[d][i] = 1, waited == 1 and
 // reset by the receiver; op add: signals[d][c] += 1 per tile of poster c, waited >= k + 1 for its

@@ -60,7 +60,8 @@ enum RingWait : int32_t { kWaitTail = 0, kWaitHead = 1, kRingWaits = 2 };
 
 // Bytes of one ring, rounded up to 64 so that the next ring's header keeps its alignment.
 MK_RDMA_HD constexpr size_t ring_bytes(int capacity) {
-  return (sizeof(RingHeader) + static_cast<size_t>(capacity) * sizeof(PutDescriptor) + 63) / 64 * 64;
+  const size_t bytes = sizeof(RingHeader) + static_cast<size_t>(capacity) * sizeof(PutDescriptor);
+  return (bytes + 63) / 64 * 64;
 }
 static_assert(ring_bytes(1) == 256 && ring_bytes(4) == 384, "ring layout: ring size");
 
