@@ -38,6 +38,8 @@ void bind_backward(py::module_& m) {
   bind_ptr(c, "dq", &AttentionBwdArgs::dq);
   bind_ptr(c, "dk", &AttentionBwdArgs::dk);
   bind_ptr(c, "dv", &AttentionBwdArgs::dv);
+  bind_ptr(c, "out", &AttentionBwdArgs::out);
+  bind_ptr(c, "dlse", &AttentionBwdArgs::dlse);
   c.def_readwrite("B", &AttentionBwdArgs::B)
       .def_readwrite("S_q", &AttentionBwdArgs::S_q)
       .def_readwrite("S_kv", &AttentionBwdArgs::S_kv)
@@ -57,6 +59,13 @@ void bind_backward(py::module_& m) {
       py::arg("args"), py::arg("stream"),
       "Attention backward on the given CUDA stream handle; returns an AttentionBwdStatus "
       "(0 = ok).");
+  m.def(
+      "launch_attention_bwd_prep",
+      [](const AttentionBwdArgs& a, uintptr_t stream) {
+        return launch_attention_bwd_prep(a, reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("args"), py::arg("stream"),
+      "delta = rowsum(dout * out) - dlse and dq = 0, before launch_attention_bwd.");
   m.def("attention_bwd_status_string", &attention_bwd_status_string, py::arg("status"));
 }
 

@@ -3,8 +3,9 @@
 //   grid = B * Hkv * ceil(S_kv / 128) CTAs (not persistent: one kv tile per CTA, the engine's
 //   work order puts the longest causal walks first); threads: warpgroup 0 = producer (warp 0's
 //   first thread issues TMA, warp 1 stages lse / delta rows), warpgroups 1, 2 = consumers.
-//   Four TMA maps over the [B, S, H, D] tensors: Q and dO (box 64 rows), K and V (box 128 rows),
-//   each box 64 columns = one 128-byte swizzle span.
+//   Five TMA maps over the [B, S, H, D] tensors: Q and dO (box 64 rows), K and V (box 128 rows),
+//   each box 64 columns = one 128-byte swizzle span; dQ (fp32, box 64 rows x 32 columns) for the
+//   reduce-adds.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -37,11 +38,13 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
           kTensorMapOk ||
       make_tensor_map_bf16_bshd(&p.k, a.k, a.B, a.S_kv, a.Hkv, a.D, Cfg::BKV, 64) !=
           kTensorMapOk ||
-      make_tensor_map_bf16_bshd(&p.v, a.v, a.B, a.S_kv, a.Hkv, a.D, Cfg::BKV, 64) != kTensorMapOk)
+      make_tensor_map_bf16_bshd(&p.v, a.v, a.B, a.S_kv, a.Hkv, a.D, Cfg::BKV, 64) !=
+          kTensorMapOk ||
+      mk::host::make_tensor_map_f32_bshd(&p.dq, a.dq, a.B, a.S_q, a.Hq, a.D, Cfg::BQ) !=
+          kTensorMapOk)
     return kAttnBwdTensorMap;
   p.lse = a.lse;
   p.delta = a.delta;
-  p.dq = a.dq;
   p.dk = a.dk;
   p.dv = a.dv;
   p.B = a.B;
@@ -75,6 +78,45 @@ bool aligned(const void* ptr, uintptr_t bytes) {
   return ptr != nullptr && (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
 }
 
+// One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq
+// zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy.
+__global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out,
+                                          const float* dlse, float* delta, float* dq, long long rows,
+                                          int S, int Hq, int D) {
+  const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float acc = 0.f;
+  for (int d = lane * 8; d < D; d += 256) {
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + row * D + d);
+    const uint4 b = *reinterpret_cast<const uint4*>(out + row * D + d);
+    const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = __bfloat1622float2(a2[i]), y = __bfloat1622float2(b2[i]);
+      acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+    }
+  }
+  for (int d = lane * 4; d < D; d += 128)
+    *reinterpret_cast<float4*>(dq + row * D + d) = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const long long h = row % Hq, bs = row / Hq, s = bs % S, b = bs / S;
+    const long long at = (b * Hq + h) * S + s;  // [B, Hq, S]
+    delta[at] = dlse != nullptr ? acc - dlse[at] : acc;
+  }
+}
+
+int check_common(const AttentionBwdArgs& a) {
+  if (a.B < 1 || a.S_q < 1 || a.S_kv < 1 || a.Hq < 1 || a.Hkv < 1) return kAttnBwdBadShape;
+  if ((long long)a.B * a.Hkv * ((a.S_kv + 127) / 128) >= (1ll << 31)) return kAttnBwdBadShape;
+  if (a.D != 64 && a.D != 128) return kAttnBwdBadHeadDim;
+  if (a.Hq % a.Hkv != 0) return kAttnBwdBadHeads;
+  return kAttnBwdOk;
+}
+
 }  // namespace
 
 const char* attention_bwd_status_string(int s) {
@@ -85,7 +127,7 @@ const char* attention_bwd_status_string(int s) {
     case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
     case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
     case kAttnBwdBadPointer:
-      return "q, k, v, dout must be non-null and 16-byte aligned, lse and delta 4-byte, dq 8-byte, "
+      return "q, k, v, dout, dq must be non-null and 16-byte aligned, lse and delta 4-byte, "
              "dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
@@ -96,18 +138,29 @@ const char* attention_bwd_status_string(int s) {
   }
 }
 
+int launch_attention_bwd_prep(const AttentionBwdArgs& a, cudaStream_t stream) {
+  if (const int e = check_common(a); e != kAttnBwdOk) return e;
+  if (!aligned(a.dout, 16) || !aligned(a.out, 16) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
+      (a.dlse != nullptr && !aligned(a.dlse, 4)))
+    return kAttnBwdBadPointer;
+  const long long rows = (long long)a.B * a.S_q * a.Hq;
+  constexpr int kRowsPerBlock = 8;
+  attention_bwd_prep_kernel<<<(unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock),
+                              32 * kRowsPerBlock, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.dout), static_cast<const __nv_bfloat16*>(a.out), a.dlse,
+      a.delta, a.dq, rows, a.S_q, a.Hq, a.D);
+  return cudaGetLastError() == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
+}
+
 int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
-  if (a.B < 1 || a.S_q < 1 || a.S_kv < 1 || a.Hq < 1 || a.Hkv < 1) return kAttnBwdBadShape;
-  if ((long long)a.B * a.Hkv * ((a.S_kv + 127) / 128) >= (1ll << 31)) return kAttnBwdBadShape;
-  if (a.D != 64 && a.D != 128) return kAttnBwdBadHeadDim;
-  if (a.Hq % a.Hkv != 0) return kAttnBwdBadHeads;
+  if (const int e = check_common(a); e != kAttnBwdOk) return e;
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
   if (a.probe < 0 || a.probe > 2) return kAttnBwdBadFlag;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
-      !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 8) ||
+      !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
       !aligned(a.dk, kv_align) || !aligned(a.dv, kv_align))
     return kAttnBwdBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;

@@ -19,8 +19,11 @@ struct AttentionBwdArgs {
   const void* v = nullptr;     // [B, S_kv, Hkv, D] bf16, 16-byte aligned
   const void* dout = nullptr;  // [B, S_q, Hq, D] bf16, 16-byte aligned
   const float* lse = nullptr;  // [B, Hq, S_q] fp32 (natural log), 4-byte aligned
-  const float* delta = nullptr;  // [B, Hq, S_q] fp32, 4-byte aligned
-  float* dq = nullptr;         // [B, S_q, Hq, D] fp32, 8-byte aligned: reduce-added into
+  float* delta = nullptr;      // [B, Hq, S_q] fp32, 4-byte aligned (launch_attention_bwd_prep
+                               // writes it, launch_attention_bwd reads it)
+  const void* out = nullptr;   // prep only: the forward's out [B, S_q, Hq, D] bf16, 16-byte
+  const float* dlse = nullptr; // prep only: [B, Hq, S_q] fp32 gradient of lse, or nullptr
+  float* dq = nullptr;         // [B, S_q, Hq, D] fp32, 16-byte aligned: reduce-added into
   void* dk = nullptr;          // [B, S_kv, Hkv, D] bf16 (16-byte) or fp32 (kv_f32, 8-byte)
   void* dv = nullptr;
   int B = 0, S_q = 0, S_kv = 0, Hq = 0, Hkv = 0, D = 0;  // D in {64, 128}; Hq % Hkv == 0
@@ -47,3 +50,7 @@ const char* attention_bwd_status_string(int status);
 
 // Launches the backward on `stream`; returns an AttentionBwdStatus. Nothing is launched unless ok.
 int launch_attention_bwd(const AttentionBwdArgs& args, cudaStream_t stream);
+
+// The step before it, one small launch: delta = rowsum(dout * out) - dlse (fp32) and dq = 0.
+// Reads dout, out, dlse (optional); writes delta, dq. Same checks on the shared fields.
+int launch_attention_bwd_prep(const AttentionBwdArgs& args, cudaStream_t stream);

@@ -186,10 +186,18 @@ def attention_backward_into(
     """One backward launch on the current stream (kernels/attention_bwd_args.h has the meaning).
 
     dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
-    fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 is REDUCE-ADDED into (zero it, or pass partial
-    sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to with
-    ``accumulate``). ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's MMA and
-    reduce-adds, 2 only the reduce-adds."""
+    fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
+    or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
+    with ``accumulate``). ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's MMA
+    and reduce-adds, 2 only the reduce-adds."""
+    ext = load()
+    args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
+    args.probe = int(probe)
+    _launch(ext, "launch_attention_bwd", args, q.device)
+
+
+def _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate):
+    """The checked AttentionBwdArgs of one backward launch (ValueError before anything runs)."""
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v)):
         _check(name, t)
     B, S_q, Hq, D = q.shape
@@ -223,7 +231,6 @@ def attention_backward_into(
             )
     if accumulate and not kv_f32:
         raise ValueError("accumulate needs fp32 dk and dv")
-    ext = load()
     args = ext.AttentionBwdArgs()
     args.q, args.k, args.v, args.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr()
     args.lse, args.delta = lse.data_ptr(), delta.data_ptr()
@@ -233,11 +240,14 @@ def attention_backward_into(
     args.causal = int(bool(causal))
     args.kv_f32 = int(kv_f32)
     args.kv_accumulate = int(bool(accumulate))
-    args.probe = int(probe)
-    with torch.cuda.device(dev):
-        status = ext.launch_attention_bwd(args, torch.cuda.current_stream().cuda_stream)
+    return args
+
+
+def _launch(ext, name: str, args, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        status = getattr(ext, name)(args, torch.cuda.current_stream().cuda_stream)
     if status != 0:
-        raise RuntimeError(f"launch_attention_bwd: {ext.attention_bwd_status_string(status)}")
+        raise RuntimeError(f"{name}: {ext.attention_bwd_status_string(status)}")
 
 
 def attention_backward(
@@ -255,7 +265,8 @@ def attention_backward(
     """Gradients (dq, dk, dv), bf16 like q, k, v, of ``attention_forward(q, k, v, causal, scale)``
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
-    summed over the query heads of each kv head."""
+    summed over the query heads of each kv head. Three launches: delta and a zeroed dq (one small
+    kernel), the backward, dq -> bf16."""
     for name, t in (("dout", dout), ("q", q), ("out", out)):
         _check(name, t)
     if not (dout.shape == q.shape == out.shape):
@@ -263,11 +274,20 @@ def attention_backward(
             f"shapes do not match: dout {tuple(dout.shape)}, q {tuple(q.shape)}, "
             f"out {tuple(out.shape)}"
         )
+    if out.device != q.device:
+        raise ValueError("out must be on the device of q")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    B, S_q, Hq, _ = q.shape
     if dlse is not None:
-        _check_f32("dlse", dlse, tuple(lse.shape), q.device)
-    delta = delta_of(dout, out, dlse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        _check_f32("dlse", dlse, (B, Hq, S_q), q.device)
+    ext = load()
+    delta = torch.empty(B, Hq, S_q, device=q.device, dtype=torch.float32)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    attention_backward_into(dout, q, k, v, lse, delta, causal, scale, dq, dk, dv)
+    args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, False)
+    args.out = out.data_ptr()
+    if dlse is not None:
+        args.dlse = dlse.data_ptr()
+    _launch(ext, "launch_attention_bwd_prep", args, q.device)
+    _launch(ext, "launch_attention_bwd", args, q.device)
     return dq.to(torch.bfloat16), dk, dv

@@ -108,7 +108,7 @@ EXTENSION = ExtensionSpec(
 
 # Extensions built apart from EXTENSION, by the module that declares their SPEC: `--check` compiles
 # their sources too. NOTE: module names, imported on use (those modules import this one).
-SEPARATE_EXTENSIONS = ("mkernel.rdma_ext",)
+SEPARATE_EXTENSIONS = ("mkernel.attention_ext", "mkernel.rdma_ext")
 
 
 def _separate_specs() -> list[ExtensionSpec]:

@@ -14,13 +14,16 @@
 //                                                    dK += dS^T Q             (RS)
 //                                                    barrier (both halves of dS^T written)
 //                                                    dQ[:, half wg] = dS K    (SS, both operands
-//                                                      MN-major: WgmmaTT), red.add fp32 -> dq
+//                                                      MN-major: WgmmaTT) -> smem (fp32) ->
+//                                                      TMA reduce-add into dq (one thread)
 //                                                  epilogue: dK, dV rows -> global (fp32 or bf16)
 //
 // Why this shape: the tile sizes of FlashAttention-3's hdim-128 backward (64 q x 128 kv): five
 // m64 GEMMs per step fit the 240 registers a consumer may hold (dK, dV 2 x D/2, S^T and dP^T
 // 2 x 32, the bf16 P^T and dS^T fragments 2 x 16, dQ D/4). dQ is split by columns between the two
 // warpgroups, so each dQ element is reduce-added once per (q tile, kv tile), not once per half.
+// The reduce-add is one TMA instruction per 32 columns: per-thread red.add of the same bytes
+// measured 0.61x the speed of the kernel without them (benchmarks/attention_bwd_probe.py).
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
@@ -28,8 +31,8 @@
 //
 // Contract with the kernel (kernels/attention_bwd.cu): every thread calls run_cta(params, smem);
 // kThreads threads, __launch_bounds__(kThreads, 1); kSmemBytes of dynamic shared memory,
-// 1024-byte aligned; params in param space (__grid_constant__: TMA reads the maps). Named barrier
-// 1 is used (0 is left to __syncthreads).
+// 1024-byte aligned; params in param space (__grid_constant__: TMA reads the maps). Named barriers
+// 1..3 are used (0 is left to __syncthreads).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -63,7 +66,8 @@ struct AttnBwdConfig {
 
 // Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
 //   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
-//   [dS^T: 2 x [BKV][64 q]] [lse2, delta: STAGES x 64 floats each] [kv_full, q_full[S], q_empty[S]]
+//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: STAGES x 64
+//   floats each] [kv_full, q_full[S], q_empty[S]]
 template <class Cfg>
 struct AttnBwdSmem {
   static constexpr int kChunks = Cfg::D / 64;
@@ -77,7 +81,10 @@ struct AttnBwdSmem {
   static constexpr int kQOffset = kVOffset + kKVBytes;
   static constexpr int kDOOffset = kQOffset + Cfg::STAGES * kQStageBytes;
   static constexpr int kDSOffset = kDOOffset + Cfg::STAGES * kQStageBytes;
-  static constexpr int kRowOffset = kDSOffset + 2 * kDSBytes;  // lse2 then delta, per stage
+  static constexpr int kDQChunkBytes = Cfg::BQ * 128;  // [BQ][32] fp32
+  static constexpr int kDQBytesPerWG = (Cfg::D / 2 / 32) * kDQChunkBytes;
+  static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
+  static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kBarOffset = kRowOffset + 2 * Cfg::STAGES * Cfg::BQ * 4;
   static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
@@ -87,9 +94,9 @@ struct AttnBwdSmem {
 
 struct AttnBwdParams {
   CUtensorMap q, k, v, dout;  // [B, S, H, D] maps: boxes {64, 1, BQ | BKV, 1}
+  CUtensorMap dq;             // [B, S_q, Hq, D] fp32, reduce-added into: box {32, 1, BQ, 1}
   const float* lse;           // [B, Hq, S_q] natural log (the forward's)
   const float* delta;         // [B, Hq, S_q] rowsum(dO * O) (minus d lse, if any)
-  float* dq;                  // [B, S_q, Hq, D] fp32, reduce-added into
   void* dk;                   // [B, S_kv, Hkv, D] fp32 or bf16 (kv_f32)
   void* dv;
   int B, S_q, S_kv, Hq, Hkv, group;
@@ -110,6 +117,7 @@ struct AttnBwdEngine {
   static constexpr int kKVRegs = D / 2;  // dK, dV: m64 x D
   static constexpr int kQCols = D / 2;   // dQ columns per consumer warpgroup
   static constexpr int kBarDS = 1;       // both consumers wrote their half of dS^T
+  static constexpr int kBarDQ0 = 2;      // consumer wg's dQ staging tile: kBarDQ0 + wg
   static constexpr float kLog2e = 1.4426950408889634f;
 
   struct Bars {
@@ -176,6 +184,7 @@ struct AttnBwdEngine {
     using namespace gemm;
     tma_prefetch_map(&p.q);
     tma_prefetch_map(&p.dout);
+    tma_prefetch_map(&p.dq);
     mbar_arrive_expect_tx(bars.kv_full, 2 * Map::kKVBytes);
     for (int c = 0; c < kChunks; ++c) {
       tma_load_4d(smem + Map::kKOffset + c * Map::kKVChunkBytes, &p.k, bars.kv_full, c * 64, w.hk,
@@ -247,6 +256,7 @@ struct AttnBwdEngine {
     const uint32_t k_cols =
         k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
     const float* rows = reinterpret_cast<const float*>(smem + Map::kRowOffset);
+    char* dq_smem = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
     const bool kv_clipped = kv_row0 + 64 > p.S_kv;
 
     float dk[kKVRegs], dv[kKVRegs];
@@ -356,19 +366,43 @@ struct AttnBwdEngine {
         fence_regs(dsp);
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = q0 + row_wg + 8 * h;
-          if (row >= p.S_q || Cfg::PROBE != 0) continue;
-          float* dst = p.dq + (((size_t)w.b * p.S_q + row) * p.Hq + hq) * D + wg * kQCols + 2 * q4;
-#pragma unroll
-          for (int j = 0; j < kQCols / 8; ++j)
-            red_add_v2_f32(dst + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-        }
+        if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
+    if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+  }
+
+  // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
+  // 32 columns into dq (rows >= S_q dropped by TMA), issued by the warpgroup's first thread.
+  __device__ static void reduce_dq(const AttnBwdParams& p, const Work& w, int wg, int lt, int hq,
+                                   int q0, const float (&dq)[kQCols / 2], char* dq_smem) {
+    using namespace gemm;
+    const int lane = lt % 32, q4 = lane % 4;
+    const int row_wg = 16 * (lt / 32) + lane / 4;
+    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
+    named_barrier_sync(kBarDQ0 + wg, 128);
+#pragma unroll
+    for (int j = 0; j < kQCols / 8; ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
+      char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
+      const int unit = 2 * (j % 4) + q4 / 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_wg + 8 * h;
+        *reinterpret_cast<float2*>(chunk + r * 128 + ((unit ^ (r % 8)) * 16) + 8 * (q4 % 2)) =
+            make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(kBarDQ0 + wg, 128);
+    if (lt == 0) {
+#pragma unroll
+      for (int c = 0; c < kQCols / 32; ++c)
+        tma_reduce_add_4d(&p.dq, dq_smem + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq, q0,
+                          w.b);
+      bulk_commit();
+    }
   }
 
   // Rows row0 and row0 + 8 of an m64 x D accumulator -> global [B, S_kv, Hkv, D].
@@ -398,11 +432,6 @@ struct AttnBwdEngine {
     }
   }
 
-  // dst[0..1] += {a, b}, relaxed at GPU scope (the CTAs of other kv tiles add into the same dQ).
-  __device__ static void red_add_v2_f32(float* dst, float a, float b) {
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b)
-                 : "memory");
-  }
 };
 
 }  // namespace mk::attn

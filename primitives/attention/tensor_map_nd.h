@@ -44,4 +44,17 @@ inline int make_tensor_map_bf16_bshd(CUtensorMap* map, const void* ptr, uint64_t
   return make_tensor_map_bf16_nd(map, ptr, 4, dims, strides, box, 128);
 }
 
+// The same [B, S, H, D] view of an fp32 tensor (the backward's dQ accumulator): box {32, 1,
+// box_rows, 1}, 32 floats = one 128-byte swizzle span per row.
+inline int make_tensor_map_f32_bshd(CUtensorMap* map, const void* ptr, uint64_t B, uint64_t S,
+                                    uint64_t H, uint64_t D, uint32_t box_rows) {
+  if (B < 1 || S < 1 || H < 1 || D < 1) return kTensorMapBadShape;
+  const uint64_t stride_h = D * 4, stride_s = stride_h * H, stride_b = stride_s * S;
+  if (stride_b >= (1ull << 40)) return kTensorMapBadShape;
+  const uint64_t dims[4] = {D, H, S, B};
+  const uint64_t strides[3] = {stride_h, stride_s, stride_b};
+  const uint32_t box[4] = {32, 1, box_rows, 1};
+  return make_tensor_map_nd(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ptr, 4, dims, strides, box, 128);
+}
+
 }  // namespace mk::host

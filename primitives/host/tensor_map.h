@@ -13,7 +13,8 @@
 // Requirements (checked): ptr 16-byte aligned, row_pitch * 2 a multiple of 16, box_cols * 2 <= the
 // swizzle span (when swizzled), box sides in 1..256. make_tensor_map_bf16_3d (a batch of matrices,
 // coordinates {col, row, batch}) and make_tensor_map_bf16_nd (dims innermost first, byte strides of
-// the outer dims) check the same and share one per-thread cache of encoded maps.
+// the outer dims) check the same and share one per-thread cache of encoded maps; so does
+// make_tensor_map_nd, the same for bf16 or fp32 elements.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -68,11 +69,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 get_encode_tiled() {
   return fn;
 }
 
-// Rank-N bf16 tensor map (N in 1..5): dims[0] is the contiguous dimension; strides_bytes[i] is the
-// pitch of dimension i+1 in bytes (a multiple of 16); box[i] in 1..256 elements; OOB zero fill.
-inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
-                                   const uint64_t* dims, const uint64_t* strides_bytes,
-                                   const uint32_t* box, int swizzle_bytes) {
+// Rank-N tensor map of bf16 or fp32 elements (N in 1..5): dims[0] is the contiguous dimension;
+// strides_bytes[i] is the pitch of dimension i+1 in bytes (a multiple of 16); box[i] in 1..256
+// elements; OOB zero fill (loads) / dropped (stores, reduce-stores).
+inline int make_tensor_map_nd(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
+                              int rank, const uint64_t* dims, const uint64_t* strides_bytes,
+                              const uint32_t* box, int swizzle_bytes) {
+  int elem_bytes;
+  switch (dtype) {
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16: elem_bytes = 2; break;
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32: elem_bytes = 4; break;
+    default: return kTensorMapBadShape;
+  }
   constexpr int kMaxRank = 5;
   if (rank < 1 || rank > kMaxRank) return kTensorMapBadShape;
   for (int i = 0; i < rank; ++i)
@@ -90,14 +98,14 @@ inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
   }
   for (int i = 0; i < rank; ++i)
     if (box[i] < 1 || box[i] > 256) return kTensorMapBadBox;
-  if (swizzle_bytes != 0 && box[0] * 2 > (uint32_t)swizzle_bytes) return kTensorMapBadBox;
-  if (((box[0] * 2) & 15) != 0) return kTensorMapBadBox;
+  if (swizzle_bytes != 0 && box[0] * elem_bytes > (uint32_t)swizzle_bytes) return kTensorMapBadBox;
+  if (((box[0] * elem_bytes) & 15) != 0) return kTensorMapBadBox;
   // NOTE: a call's operands are often the tensors of an earlier call (loops, the caching
   // allocator): the encoded map is a pure function of these inputs, so a small per-thread cache
   // saves the driver call (host time per launch matters for small calls).
   struct Entry {
     const void* ptr;
-    int rank, swizzle;
+    int rank, swizzle, dtype;
     uint64_t dims[kMaxRank], strides[kMaxRank];
     uint32_t box[kMaxRank];
     CUtensorMap map;
@@ -106,7 +114,7 @@ inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
   uintptr_t h = (reinterpret_cast<uintptr_t>(ptr) >> 4) ^ (uintptr_t)rank;
   for (int i = 0; i < rank; ++i) h = h * 31 + dims[i] * 7 + box[i];
   Entry& e = cache[(h ^ (h >> 6) ^ (h >> 12)) & 63];
-  bool hit = e.ptr == ptr && e.rank == rank && e.swizzle == swizzle_bytes;
+  bool hit = e.ptr == ptr && e.rank == rank && e.swizzle == swizzle_bytes && e.dtype == (int)dtype;
   for (int i = 0; hit && i < rank; ++i)
     hit = e.dims[i] == dims[i] && e.box[i] == box[i] && (i + 1 == rank || e.strides[i] == strides_bytes[i]);
   if (hit) {
@@ -123,7 +131,7 @@ inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
     cu_box[i] = box[i];
     elem_strides[i] = 1;
   }
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank,
+  CUresult r = encode(map, dtype, (cuuint32_t)rank,
                       const_cast<void*>(ptr), cu_dims, cu_strides, cu_box, elem_strides,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -132,6 +140,7 @@ inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
   e.ptr = ptr;
   e.rank = rank;
   e.swizzle = swizzle_bytes;
+  e.dtype = (int)dtype;
   for (int i = 0; i < rank; ++i) {
     e.dims[i] = dims[i];
     e.strides[i] = i + 1 < rank ? strides_bytes[i] : 0;
@@ -139,6 +148,13 @@ inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
   }
   std::memcpy(&e.map, map, sizeof(CUtensorMap));
   return kTensorMapOk;
+}
+
+inline int make_tensor_map_bf16_nd(CUtensorMap* map, const void* ptr, int rank,
+                                   const uint64_t* dims, const uint64_t* strides_bytes,
+                                   const uint32_t* box, int swizzle_bytes) {
+  return make_tensor_map_nd(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, ptr, rank, dims, strides_bytes,
+                            box, swizzle_bytes);
 }
 
 inline int make_tensor_map_bf16_2d(CUtensorMap* map, const void* ptr, uint64_t rows, uint64_t cols,
