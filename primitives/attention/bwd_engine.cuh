@@ -66,8 +66,8 @@ struct AttnBwdConfig {
 
 // Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
 //   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
-//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x 2 x D/64 x [BQ][32 fp32]] [lse2, delta: STAGES x
-//   64 floats each] [kv_full, q_full[S], q_empty[S]]
+//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: STAGES x 64
+//   floats each] [kv_full, q_full[S], q_empty[S]]
 template <class Cfg>
 struct AttnBwdSmem {
   static constexpr int kChunks = Cfg::D / 64;
@@ -84,8 +84,7 @@ struct AttnBwdSmem {
   static constexpr int kDQChunkBytes = Cfg::BQ * 128;  // [BQ][32] fp32
   static constexpr int kDQBytesPerWG = (Cfg::D / 2 / 32) * kDQChunkBytes;
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
-  // two staging tiles per warpgroup: a step refills the one whose reduce is two steps old
-  static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * 2 * kDQBytesPerWG;  // lse2, delta
+  static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kBarOffset = kRowOffset + 2 * Cfg::STAGES * Cfg::BQ * 4;
   static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
@@ -257,7 +256,7 @@ struct AttnBwdEngine {
     const uint32_t k_cols =
         k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
     const float* rows = reinterpret_cast<const float*>(smem + Map::kRowOffset);
-    char* dq_smem = smem + Map::kDQOffset + wg * 2 * Map::kDQBytesPerWG;
+    char* dq_smem = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
     const bool kv_clipped = kv_row0 + 64 > p.S_kv;
 
     float dk[kKVRegs], dv[kKVRegs];
@@ -367,14 +366,7 @@ struct AttnBwdEngine {
         fence_regs(dsp);
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE == 0) {
-          // NOTE: two call sites with constant offsets: a staging address chosen per step at
-          // run time made ptxas spill 13 registers in the consumer loop.
-          if (step & 1)
-            reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem + Map::kDQBytesPerWG);
-          else
-            reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
-        }
+        if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
@@ -389,7 +381,7 @@ struct AttnBwdEngine {
     using namespace gemm;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;
-    if (lt == 0) bulk_wait_read_n<1>();  // the reduce of two steps ago has read this tile
+    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
     named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
     for (int j = 0; j < kQCols / 8; ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
