@@ -23,7 +23,9 @@
 // 2 x 32, the bf16 P^T and dS^T fragments 2 x 16, dQ D/4). dQ is split by columns between the two
 // warpgroups, so each dQ element is reduce-added once per (q tile, kv tile), not once per half.
 // The reduce-add is one TMA instruction per 32 columns: per-thread red.add of the same bytes
-// measured 0.61x the speed of the kernel without them (benchmarks/attention_bwd_probe.py).
+// measured 0.61x the speed of the kernel without them (benchmarks/attention_bwd_probe.py), the TMA
+// reduce 0.73x; a second staging tile per warpgroup (waiting for the reduce of two steps ago)
+// measured no faster, so the reduce's cost is its L2 traffic (S_kv / 128 fp32 partials of dQ).
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
