@@ -26,6 +26,9 @@
 // measured 0.61x the speed of the kernel without them (benchmarks/attention_bwd_probe.py), the TMA
 // reduce 0.73x; a second staging tile per warpgroup (waiting for the reduce of two steps ago)
 // measured no faster, so the reduce's cost is its L2 traffic (S_kv / 128 fp32 partials of dQ).
+// Halving that traffic with clusters of two CTAs on adjacent kv tiles (the second st.async-ing its
+// partial into the first's shared memory, which reduced the sum) measured 0.77x: the pair then
+// moves in lockstep with one partner buffer, all the shared memory left (commit c46ed65, reverted).
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
