@@ -458,25 +458,36 @@ struct AttnBwdEngine {
     return (j / 4) * Map::kDQChunkBytes + r * 128 + ((unit ^ (r % 8)) * 16) + 8 * (q4 % 2);
   }
 
-  // PAIR 2, second CTA: this warpgroup's dQ partial -> the first CTA's staging tile of this step
-  // (step % 2), by st.async completing its bytes on the first CTA's partner_full (no fence: the
-  // mbarrier orders them), once that tile's previous reduce has read it (partner_empty).
+  // PAIR 2, second CTA: this warpgroup's dQ partial -> its own staging tile (step % 2) -> one bulk
+  // copy into the first CTA's tile of the step, completing its bytes on the first CTA's
+  // partner_full, once that tile's previous reduce has read it (partner_empty). NOTE: 8-byte
+  // st.async stores straight from registers measured slower than one CTA per reduce.
   template <int b>
   __device__ static void send_dq(int wg, int lt, int step, const float (&dq)[kQCols / 2],
                                  char* dq_smem, const Bars& bars) {
+    using namespace gemm;
     const int use = step >> 1;
-    gemm::mbar_wait(&bars.partner_empty[2 * wg + b], (use & 1) ^ 1);
-    const uint32_t buf = remote(dq_smem + b * Map::kDQBytesPerWG, 0);
-    const uint32_t bar = remote(&bars.partner_full[2 * wg + b], 0);
+    char* tile = dq_smem + b * Map::kDQBytesPerWG;
+    // the first CTA has reduced what the copy of two steps ago brought: that copy has read this
+    // tile, and the first CTA's tile is free (a copy to shared::cluster completes only on the
+    // destination's mbarrier, not in this thread's bulk groups)
+    if (lt == 0) mbar_wait(&bars.partner_empty[2 * wg + b], (use & 1) ^ 1);
+    named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
     for (int j = 0; j < kQCols / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        asm volatile(
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::
-                "r"(buf + dq_offset(lt, j, h)),
-            "f"(dq[4 * j + 2 * h]), "f"(dq[4 * j + 2 * h + 1]), "r"(bar)
-            : "memory");
+        *reinterpret_cast<float2*>(tile + dq_offset(lt, j, h)) =
+            make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+    fence_proxy_async_smem();
+    named_barrier_sync(kBarDQ0 + wg, 128);
+    if (lt == 0)
+      asm volatile(
+          "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
+          " [%0], [%1], %2, [%3];" ::"r"(remote(tile, 0)),
+          "r"(smem_u32(tile)), "r"(Map::kDQBytesPerWG),
+          "r"(remote(&bars.partner_full[2 * wg + b], 0))
+          : "memory");
   }
 
   // PAIR 2, first CTA: staging tile (step % 2) += this warpgroup's dQ once the partner's partial
