@@ -50,7 +50,6 @@ void bind_backward(py::module_& m) {
       .def_readwrite("causal", &AttentionBwdArgs::causal)
       .def_readwrite("kv_f32", &AttentionBwdArgs::kv_f32)
       .def_readwrite("kv_accumulate", &AttentionBwdArgs::kv_accumulate)
-      .def_readwrite("variant", &AttentionBwdArgs::variant)
       .def_readwrite("probe", &AttentionBwdArgs::probe);
   m.def(
       "launch_attention_bwd",

@@ -1,8 +1,7 @@
 // attention_bwd.cu: the attention backward launcher over mk::attn::AttnBwdEngine.
 //
-//   grid = B * Hkv * ceil(S_kv / 128) CTAs, rounded up to pairs for variant 0 (clusters of two:
-//   bwd_engine.cuh's PAIR) (not persistent: one kv tile per CTA, the engine's work order puts the
-//   longest causal walks first); threads: warpgroup 0 = producer (warp 0's
+//   grid = B * Hkv * ceil(S_kv / 128) CTAs (not persistent: one kv tile per CTA, the engine's
+//   work order puts the longest causal walks first); threads: warpgroup 0 = producer (warp 0's
 //   first thread issues TMA, warp 1 stages lse / delta rows), warpgroups 1, 2 = consumers.
 //   Five TMA maps over the [B, S, H, D] tensors: Q and dO (box 64 rows), K and V (box 128 rows),
 //   each box 64 columns = one 128-byte swizzle span; dQ (fp32, box 64 rows x 32 columns) for the
@@ -61,8 +60,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
   p.kv_accumulate = a.kv_accumulate;
   p.q_tiles = (a.S_q + Cfg::BQ - 1) / Cfg::BQ;
   p.kv_tiles = (a.S_kv + Cfg::BKV - 1) / Cfg::BKV;
-  // < 2^31: checked by launch_attention_bwd; PAIR 2 rounds the kv tiles up to pairs
-  const int grid = a.B * a.Hkv * ((p.kv_tiles + Cfg::PAIR - 1) / Cfg::PAIR) * Cfg::PAIR;
+  const int grid = a.B * a.Hkv * p.kv_tiles;  // < 2^31: checked by launch_attention_bwd
 
   auto* kernel = attention_bwd_kernel<Cfg>;
   static bool configured = false;  // NOTE: per process and instance; fine for one device kind
@@ -72,19 +70,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
       return kAttnBwdLaunchFailed;
     configured = true;
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(E::kThreads);
-  cfg.dynamicSmemBytes = E::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = Cfg::PAIR;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) return kAttnBwdLaunchFailed;
+  kernel<<<grid, E::kThreads, E::kSmemBytes, stream>>>(p);
   return cudaGetLastError() == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
 }
 
@@ -145,8 +131,7 @@ const char* attention_bwd_status_string(int s) {
              "dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
-      return "causal, kv_f32, kv_accumulate, variant must be 0 or 1, kv_accumulate needs kv_f32, "
-             "probe (0..2, nonzero only with D = 128)";
+      return "causal, kv_f32, kv_accumulate must be 0 or 1, and kv_accumulate needs kv_f32";
     case kAttnBwdTensorMap: return "could not encode a TMA tensor map (cuTensorMapEncodeTiled)";
     case kAttnBwdLaunchFailed: return "CUDA launch failed";
     default: return "unknown status";
@@ -172,23 +157,17 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 2 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 2) return kAttnBwdBadFlag;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
       !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
       !aligned(a.dk, kv_align) || !aligned(a.dv, kv_align))
     return kAttnBwdBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;
-  if (a.D == 64) {
-    if (a.probe != 0) return kAttnBwdBadFlag;
-    return a.variant == 0 ? launch<AttnBwdConfig<64, 0, 2>>(a, stream)
-                          : launch<AttnBwdConfig<64, 0, 1>>(a, stream);
-  }
-  switch (a.probe) {  // the probes are built for the benchmark's head dim only, one CTA each
+  if (a.D == 64) return a.probe == 0 ? launch<AttnBwdConfig<64>>(a, stream) : kAttnBwdBadFlag;
+  switch (a.probe) {  // the probes are built for the benchmark's head dim only
     case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);
     case 2: return launch<AttnBwdConfig<128, 2>>(a, stream);
-    default:
-      return a.variant == 0 ? launch<AttnBwdConfig<128, 0, 2>>(a, stream)
-                            : launch<AttnBwdConfig<128, 0, 1>>(a, stream);
+    default: return launch<AttnBwdConfig<128>>(a, stream);
   }
 }

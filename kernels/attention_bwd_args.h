@@ -7,8 +7,7 @@
 //   GQA: dK, dV of kv head h are summed over the Hq / Hkv query heads that read it.
 // dq is REDUCE-ADDED into (fp32: zero it first, or pass partial sums to accumulate); dk, dv are
 // stored (bf16 or fp32) or, with kv_accumulate (fp32 only), added to what they hold.
-// One launch: grid = B * Hkv * ceil(S_kv / 128) CTAs (variant 0: rounded up to pairs), one kv tile
-// each.
+// One launch: grid = B * Hkv * ceil(S_kv / 128) CTAs, one kv tile each.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -32,7 +31,6 @@ struct AttentionBwdArgs {
   int causal = 0;          // 0 or 1
   int kv_f32 = 0;          // 1: dk, dv are fp32
   int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
-  int variant = 0;  // 0: CTA pairs (clusters of two) share each dQ reduce-add; 1: one CTA each
   int probe = 0;  // measurement only, D = 128 (dq is then wrong): 1 skips dQ, 2 its reduce-adds
 };
 
@@ -43,7 +41,7 @@ enum AttentionBwdStatus : int {
   kAttnBwdBadHeads = 3,      // Hq % Hkv != 0
   kAttnBwdBadPointer = 4,    // a pointer null or misaligned
   kAttnBwdBadScale = 5,      // scale not finite or <= 0
-  kAttnBwdBadFlag = 6,       // a flag not 0 / 1, accumulate on bf16, variant or probe unknown
+  kAttnBwdBadFlag = 6,       // causal / kv_f32 / kv_accumulate not 0 or 1, or accumulate on bf16
   kAttnBwdTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed
   kAttnBwdLaunchFailed = 8,  // a CUDA runtime error at launch
 };

@@ -181,7 +181,6 @@ def attention_backward_into(
     dv: torch.Tensor,
     *,
     accumulate: bool = False,
-    variant: int = 0,
     probe: int = 0,
 ) -> None:
     """One backward launch on the current stream (kernels/attention_bwd_args.h has the meaning).
@@ -189,12 +188,10 @@ def attention_backward_into(
     dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
-    with ``accumulate``). ``variant`` 0 (default): clusters of two CTAs share each dQ reduce-add;
-    1: one CTA each. ``probe`` is for measurements only (dq is then wrong; D = 128, one CTA
-    each): 1 skips dQ's MMA and reduce-adds, 2 only the reduce-adds."""
+    with ``accumulate``). ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's MMA
+    and reduce-adds, 2 only the reduce-adds."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
-    args.variant = int(variant)
     args.probe = int(probe)
     _launch(ext, "launch_attention_bwd", args, q.device)
 

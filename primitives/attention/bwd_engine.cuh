@@ -26,6 +26,11 @@
 // measured 0.61x the speed of the kernel without them (benchmarks/attention_bwd_probe.py), the TMA
 // reduce 0.73x; a second staging tile per warpgroup (waiting for the reduce of two steps ago)
 // measured no faster, so the reduce's cost is its L2 traffic (S_kv / 128 fp32 partials of dQ).
+// Halving that traffic with clusters of two CTAs on adjacent kv tiles, the second sending its
+// partial into the first's shared memory and the first reducing the sum, measured slower in three
+// forms (S = 8192 full, one CTA each = 1.0): 8-byte st.async stores from registers into one
+// partner tile, 0.77x (commit c46ed65); the same with two tiles and one step of slack, 0.76x
+// (7401e89); the partial staged and sent by one bulk copy, 0.92x (f308563). All reverted.
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
@@ -43,7 +48,6 @@
 #include <cstdint>
 
 #include "../comm.cuh"
-#include "../gemm/cluster.cuh"
 #include "../gemm/mbarrier.cuh"
 #include "../gemm/tma.cuh"
 #include "../gemm/wgmma.cuh"
@@ -53,7 +57,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, int PAIR_ = 1>
+template <int D_, int PROBE_ = 0>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   static constexpr int PROBE = PROBE_;  // measurement only: 1 skips dQ, 2 its reduce-adds
@@ -61,10 +65,6 @@ struct AttnBwdConfig {
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
   static constexpr int STAGES = 2;
-  // 2: a cluster of two CTAs on adjacent kv tiles; the second sends its dQ partial to the first
-  // (st.async into shared memory), which reduces the sum: half the dQ reduce traffic in L2.
-  static constexpr int PAIR = PAIR_;
-  static_assert(PAIR == 1 || PAIR == 2, "one CTA or a pair per dQ reduce");
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -91,12 +91,9 @@ struct AttnBwdSmem {
   static constexpr int kDQChunkBytes = Cfg::BQ * 128;  // [BQ][32] fp32
   static constexpr int kDQBytesPerWG = (Cfg::D / 2 / 32) * kDQChunkBytes;
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
-  // PAIR 2: two staging tiles per warpgroup, alternating by step; the second CTA's partial lands
-  // in the first CTA's tile (st.async), which adds its own and reduces the sum.
-  static constexpr int kRowOffset =
-      kDQOffset + Cfg::CONSUMERS * Cfg::PAIR * kDQBytesPerWG;  // lse2, delta
+  static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kBarOffset = kRowOffset + 2 * Cfg::STAGES * Cfg::BQ * 4;
-  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES + 4 * Cfg::CONSUMERS;
+  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
   static_assert(kBytes <= 227 * 1024, "fits the 227 KiB of an sm_90 CTA");
@@ -132,46 +129,35 @@ struct AttnBwdEngine {
 
   struct Bars {
     uint64_t* kv_full;
-    uint64_t* q_full;         // [STAGES]: TMA bytes + warp 1's rows
-    uint64_t* q_empty;        // [STAGES]
-    uint64_t* partner_full;   // [CONSUMERS][2] PAIR 2, first CTA: the partner's dQ bytes landed
-    uint64_t* partner_empty;  // [CONSUMERS][2] PAIR 2, second CTA: that tile's reduce read it
+    uint64_t* q_full;   // [STAGES]: TMA bytes + warp 1's rows
+    uint64_t* q_empty;  // [STAGES]
   };
 
   struct Work {
     int b, hk, kv_tile, q_begin;  // q tiles [q_begin, q_tiles) of each of the group's heads
-    int rank;                     // PAIR 2: 0 reduces dQ, 1 sends its partial to 0
   };
 
   __device__ static Bars bars_of(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
-    const int c = Cfg::CONSUMERS;
-    return Bars{b, b + 1, b + 1 + STAGES, b + 1 + 2 * STAGES, b + 1 + 2 * STAGES + 2 * c};
+    return Bars{b, b + 1, b + 1 + STAGES};
   }
 
   // Causal: kv tile ascending over ids (the longest walks first); otherwise kv tile fastest (the
   // CTAs that run together read one head's Q and dO from L2).
-  // PAIR 2: id / 2 names a pair of kv tiles (2j, 2j + 1; a second tile past S_kv is all masked),
-  // both CTAs walk the q tiles of the first one (the second's first ones are masked for it).
   __device__ static Work work_of(const AttnBwdParams& p, int id) {
     Work w;
     int bh;
-    w.rank = Cfg::PAIR == 2 ? (int)gemm::cluster_ctarank() : 0;
-    const int unit = id / Cfg::PAIR;
-    const int units = (p.kv_tiles + Cfg::PAIR - 1) / Cfg::PAIR;  // kv tiles (pairs) per head
-    int u;
     if (p.causal) {
       const int heads = p.B * p.Hkv;
-      u = unit / heads;
-      bh = unit - u * heads;
+      w.kv_tile = id / heads;
+      bh = id - w.kv_tile * heads;
     } else {
-      bh = unit / units;
-      u = unit - bh * units;
+      bh = id / p.kv_tiles;
+      w.kv_tile = id - bh * p.kv_tiles;
     }
     w.b = bh / p.Hkv;
     w.hk = bh - w.b * p.Hkv;
-    w.kv_tile = Cfg::PAIR * u + w.rank;
-    w.q_begin = p.causal ? Cfg::PAIR * u * BKV / BQ : 0;
+    w.q_begin = p.causal ? w.kv_tile * BKV / BQ : 0;
     return w;
   }
 
@@ -184,30 +170,18 @@ struct AttnBwdEngine {
         gemm::mbar_init(&bars.q_full[s], 2);        // TMA thread + row warp
         gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
       }
-      for (int c = 0; c < 2 * Cfg::CONSUMERS; ++c) {
-        gemm::mbar_init(&bars.partner_full[c], 1);   // the first CTA's expect_tx
-        gemm::mbar_init(&bars.partner_empty[c], 1);  // the first CTA's remote arrive
-      }
       gemm::mbar_fence_init();
     }
-    // PAIR 2: the partner's barriers are initialised before any remote access
-    if constexpr (Cfg::PAIR == 2) {
-      gemm::cluster_sync_all();
-    } else {
-      __syncthreads();
-    }
+    __syncthreads();
     const Work w = work_of(p, blockIdx.x);
     if (threadIdx.x < 128) {
       gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
       if (threadIdx.x == 0) load_tiles(p, w, smem, bars);
       if (threadIdx.x / 32 == 1) load_rows(p, w, smem, bars);
-      __syncwarp();
     } else {
       gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
       consumer(p, w, smem, bars);
     }
-    // PAIR 2: neither CTA exits while the other may still write into its shared memory
-    if constexpr (Cfg::PAIR == 2) gemm::cluster_sync_all();
   }
 
  private:
@@ -289,7 +263,7 @@ struct AttnBwdEngine {
     const uint32_t k_cols =
         k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
     const float* rows = reinterpret_cast<const float*>(smem + Map::kRowOffset);
-    char* dq_smem = smem + Map::kDQOffset + wg * Cfg::PAIR * Map::kDQBytesPerWG;
+    char* dq_smem = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
     const bool kv_clipped = kv_row0 + 64 > p.S_kv;
 
     float dk[kKVRegs], dv[kKVRegs];
@@ -399,25 +373,7 @@ struct AttnBwdEngine {
         fence_regs(dsp);
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE == 0) {
-          if constexpr (Cfg::PAIR == 2) {
-            // NOTE: one call site per tile (constant offsets): a tile address picked per step at
-            // run time made ptxas spill in the consumer loop.
-            if (w.rank == 1) {
-              if (step & 1)
-                send_dq<1>(wg, lt, step, dq, dq_smem, bars);
-              else
-                send_dq<0>(wg, lt, step, dq, dq_smem, bars);
-            } else {
-              if (step & 1)
-                reduce_pair_dq<1>(p, w, wg, lt, hq, q0, step, dq, dq_smem, bars);
-              else
-                reduce_pair_dq<0>(p, w, wg, lt, hq, q0, step, dq, dq_smem, bars);
-            }
-          } else {
-            reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
-          }
-        }
+        if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
@@ -430,14 +386,21 @@ struct AttnBwdEngine {
   __device__ static void reduce_dq(const AttnBwdParams& p, const Work& w, int wg, int lt, int hq,
                                    int q0, const float (&dq)[kQCols / 2], char* dq_smem) {
     using namespace gemm;
+    const int lane = lt % 32, q4 = lane % 4;
+    const int row_wg = 16 * (lt / 32) + lane / 4;
     if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
     named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
-    for (int j = 0; j < kQCols / 8; ++j)
+    for (int j = 0; j < kQCols / 8; ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
+      char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
+      const int unit = 2 * (j % 4) + q4 / 2;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(dq_smem + dq_offset(lt, j, h)) =
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_wg + 8 * h;
+        *reinterpret_cast<float2*>(chunk + r * 128 + ((unit ^ (r % 8)) * 16) + 8 * (q4 % 2)) =
             make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+    }
     fence_proxy_async_smem();
     named_barrier_sync(kBarDQ0 + wg, 128);
     if (lt == 0) {
@@ -447,87 +410,6 @@ struct AttnBwdEngine {
                           w.b);
       bulk_commit();
     }
-  }
-
-  // Byte offset of this thread's dQ pair (8-column group j, row half h) in a swizzled fp32
-  // [64][32] staging layout (the same for the staging tile and the partner's buffer).
-  __device__ static int dq_offset(int lt, int j, int h) {
-    const int lane = lt % 32, q4 = lane % 4;
-    const int r = 16 * (lt / 32) + lane / 4 + 8 * h;
-    const int unit = 2 * (j % 4) + q4 / 2;
-    return (j / 4) * Map::kDQChunkBytes + r * 128 + ((unit ^ (r % 8)) * 16) + 8 * (q4 % 2);
-  }
-
-  // PAIR 2, second CTA: this warpgroup's dQ partial -> its own staging tile (step % 2) -> one bulk
-  // copy into the first CTA's tile of the step, completing its bytes on the first CTA's
-  // partner_full, once that tile's previous reduce has read it (partner_empty). NOTE: 8-byte
-  // st.async stores straight from registers measured slower than one CTA per reduce.
-  template <int b>
-  __device__ static void send_dq(int wg, int lt, int step, const float (&dq)[kQCols / 2],
-                                 char* dq_smem, const Bars& bars) {
-    using namespace gemm;
-    const int use = step >> 1;
-    char* tile = dq_smem + b * Map::kDQBytesPerWG;
-    // the first CTA has reduced what the copy of two steps ago brought: that copy has read this
-    // tile, and the first CTA's tile is free (a copy to shared::cluster completes only on the
-    // destination's mbarrier, not in this thread's bulk groups)
-    if (lt == 0) mbar_wait(&bars.partner_empty[2 * wg + b], (use & 1) ^ 1);
-    named_barrier_sync(kBarDQ0 + wg, 128);
-#pragma unroll
-    for (int j = 0; j < kQCols / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(tile + dq_offset(lt, j, h)) =
-            make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-    fence_proxy_async_smem();
-    named_barrier_sync(kBarDQ0 + wg, 128);
-    if (lt == 0)
-      asm volatile(
-          "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
-          " [%0], [%1], %2, [%3];" ::"r"(remote(tile, 0)),
-          "r"(smem_u32(tile)), "r"(Map::kDQBytesPerWG),
-          "r"(remote(&bars.partner_full[2 * wg + b], 0))
-          : "memory");
-  }
-
-  // PAIR 2, first CTA: staging tile (step % 2) += this warpgroup's dQ once the partner's partial
-  // has landed in it, then one TMA reduce-add of the sum; the tile of the step before goes back to
-  // the partner when its reduce has read it (one step of slack between the two CTAs).
-  template <int b>
-  __device__ static void reduce_pair_dq(const AttnBwdParams& p, const Work& w, int wg, int lt,
-                                        int hq, int q0, int step, const float (&dq)[kQCols / 2],
-                                        char* dq_smem, const Bars& bars) {
-    using namespace gemm;
-    const int use = step >> 1;
-    char* tile = dq_smem + b * Map::kDQBytesPerWG;
-    if (lt == 0) mbar_arrive_expect_tx(&bars.partner_full[2 * wg + b], Map::kDQBytesPerWG);
-    mbar_wait(&bars.partner_full[2 * wg + b], use & 1);
-#pragma unroll
-    for (int j = 0; j < kQCols / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float2* x = reinterpret_cast<float2*>(tile + dq_offset(lt, j, h));
-        const float2 y = *x;
-        *x = make_float2(y.x + dq[4 * j + 2 * h], y.y + dq[4 * j + 2 * h + 1]);
-      }
-    fence_proxy_async_smem();
-    named_barrier_sync(kBarDQ0 + wg, 128);
-    if (lt == 0) {
-#pragma unroll
-      for (int c = 0; c < kQCols / 32; ++c)
-        tma_reduce_add_4d(&p.dq, tile + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq, q0,
-                          w.b);
-      bulk_commit();
-      bulk_wait_read_n<1>();  // the previous step's reduce has read the other tile
-      if (step > 0) mbar_arrive_cluster(&bars.partner_empty[2 * wg + (b ^ 1)], 1);
-    }
-  }
-
-  // The shared::cluster address of `local`'s offset in cluster CTA `cta`.
-  __device__ static uint32_t remote(const void* local, uint32_t cta) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(local)), "r"(cta));
-    return r;
   }
 
   // Rows row0 and row0 + 8 of an m64 x D accumulator -> global [B, S_kv, Hkv, D].
