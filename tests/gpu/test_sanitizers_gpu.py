@@ -1,6 +1,7 @@
 """compute-sanitizer memcheck, racecheck and synccheck over every fused op in small emulated worlds
-(tests/gpu/sanitize_ops.py: W 2 and 3, both overlaps): each must report 0 errors. A warp that
-reaches bar.sync unconverged passes every other test and hangs one day; synccheck finds it."""
+(tests/gpu/sanitize_ops.py: W 2 and 3, both overlaps) and over the attention engines, forward and
+backward (tests/gpu/sanitize_attention.py): each must report 0 errors. A warp that reaches bar.sync
+unconverged passes every other test and hangs one day; synccheck finds it."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SCRIPTS = [("sanitize_ops.py", 16), ("sanitize_attention.py", 8)]  # (script, cases it prints)
+
+
+@pytest.mark.parametrize(("script", "runs"), SCRIPTS)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_sanitizer_reports_no_errors(tool):
+def test_sanitizer_reports_no_errors(tool, script, runs):
     cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--print-limit", "5"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run(
-        [*cmd, sys.executable, str(ROOT / "tests/gpu/sanitize_ops.py")],
+        [*cmd, sys.executable, str(ROOT / "tests/gpu" / script)],
         capture_output=True,
         text=True,
         env=env,
@@ -36,4 +41,4 @@ def test_sanitizer_reports_no_errors(tool):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out or "0 hazards displayed (0 errors" in out, out[-2000:]
-    assert out.count("ok ") >= 16, out[-2000:]  # every op, W, overlap ran
+    assert out.count("ok ") >= runs, out[-2000:]  # every case of the script ran
