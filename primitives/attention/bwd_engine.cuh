@@ -371,6 +371,9 @@ struct AttnBwdEngine {
         fence_operands(dv);
         fence_regs(pp);
         fence_regs(dsp);
+        // every lane's reads of the stage's lse / delta rows (plain loads, unlike the wgmma
+        // reads of Q and dO) before lane 0 releases it (racecheck: a race with warp 1 otherwise)
+        __syncwarp();
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
         if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
