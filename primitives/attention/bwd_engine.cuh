@@ -168,7 +168,7 @@ struct AttnBwdEngine {
       gemm::mbar_init(bars.kv_full, 1);
       for (int s = 0; s < STAGES; ++s) {
         gemm::mbar_init(&bars.q_full[s], 2);        // TMA thread + row warp
-        gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
+        gemm::mbar_init(&bars.q_empty[s], 128 * Cfg::CONSUMERS);  // every consumer thread
       }
       gemm::mbar_fence_init();
     }
@@ -371,10 +371,10 @@ struct AttnBwdEngine {
         fence_operands(dv);
         fence_regs(pp);
         fence_regs(dsp);
-        // every lane's reads of the stage's lse / delta rows (plain loads, unlike the wgmma
-        // reads of Q and dO) before lane 0 releases it (racecheck: a race with warp 1 otherwise)
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
+        // every consumer thread releases the stage: its plain loads of the lse / delta rows
+        // (unlike the wgmma reads of Q and dO) are then ordered before warp 1's next rows by the
+        // barrier itself (racecheck reported lane 0's release after __syncwarp as a race)
+        mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
         if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
