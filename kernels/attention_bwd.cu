@@ -2,7 +2,7 @@
 //
 //   grid = B * Hkv * ceil(S_kv / 128) CTAs (not persistent: one kv tile per CTA, the engine's
 //   work order puts the longest causal walks first); threads: warpgroup 0 = producer (warp 0's
-//   first thread issues TMA, warp 1 stages lse / delta rows), warpgroups 1, 2 = consumers.
+//   first thread issues TMA), warpgroups 1, 2 = consumers.
 //   Five TMA maps over the [B, S, H, D] tensors: Q and dO (box 64 rows), K and V (box 128 rows),
 //   each box 64 columns = one 128-byte swizzle span; dQ (fp32, box 64 rows x 32 columns) for the
 //   reduce-adds.

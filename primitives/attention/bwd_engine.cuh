@@ -6,9 +6,10 @@
 //   warpgroup 0 (producer)                       warpgroups 1, 2 (consumers: 64 kv rows each)
 //     warp 0, one thread: TMA K, V once;           wait K, V
 //       per q tile: wait q_empty; TMA Q, dO        per q tile (stage st):
-//     warp 1: per q tile: lse * log2(e), delta       S^T  = K_wg Q^T          (SS, k = D)
-//       into shared memory (rows >= S_q: lse =       dP^T = V_wg dO^T         (SS, k = D)
-//       +inf, delta = 0: P = dS = 0 there)           P^T = exp2(S^T * scale * log2 e - lse2)
+//                                                    lse2, delta rows (loaded a step ahead)
+//                                                    S^T  = K_wg Q^T          (SS, k = D)
+//                                                    dP^T = V_wg dO^T         (SS, k = D)
+//                                                    P^T = exp2(S^T * scale * log2 e - lse2)
 //                                                    dV += P^T dO             (RS, k = 64 q rows)
 //                                                    dS^T = P^T (dP^T - delta) * scale -> smem
 //                                                    dK += dS^T Q             (RS)
@@ -39,7 +40,7 @@
 // Contract with the kernel (kernels/attention_bwd.cu): every thread calls run_cta(params, smem);
 // kThreads threads, __launch_bounds__(kThreads, 1); kSmemBytes of dynamic shared memory,
 // 1024-byte aligned; params in param space (__grid_constant__: TMA reads the maps). Named barriers
-// 1..3 are used (0 is left to __syncthreads).
+// 1..5 are used (0 is left to __syncthreads).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -73,8 +74,8 @@ struct AttnBwdConfig {
 
 // Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
 //   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
-//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: STAGES x 64
-//   floats each] [kv_full, q_full[S], q_empty[S]]
+//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: CONSUMERS x 2
+//   x 64 floats each] [kv_full, q_full[S], q_empty[S]]
 template <class Cfg>
 struct AttnBwdSmem {
   static constexpr int kChunks = Cfg::D / 64;
@@ -92,7 +93,8 @@ struct AttnBwdSmem {
   static constexpr int kDQBytesPerWG = (Cfg::D / 2 / 32) * kDQChunkBytes;
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
   static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
-  static constexpr int kBarOffset = kRowOffset + 2 * Cfg::STAGES * Cfg::BQ * 4;
+  static constexpr int kRowBytesPerWG = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
+  static constexpr int kBarOffset = kRowOffset + Cfg::CONSUMERS * kRowBytesPerWG;
   static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
@@ -125,11 +127,12 @@ struct AttnBwdEngine {
   static constexpr int kQCols = D / 2;   // dQ columns per consumer warpgroup
   static constexpr int kBarDS = 1;       // both consumers wrote their half of dS^T
   static constexpr int kBarDQ0 = 2;      // consumer wg's dQ staging tile: kBarDQ0 + wg
+  static constexpr int kBarRows0 = 4;    // consumer wg's lse / delta rows: kBarRows0 + wg
   static constexpr float kLog2e = 1.4426950408889634f;
 
   struct Bars {
     uint64_t* kv_full;
-    uint64_t* q_full;   // [STAGES]: TMA bytes + warp 1's rows
+    uint64_t* q_full;   // [STAGES]: TMA bytes
     uint64_t* q_empty;  // [STAGES]
   };
 
@@ -167,8 +170,8 @@ struct AttnBwdEngine {
     if (threadIdx.x == 0) {
       gemm::mbar_init(bars.kv_full, 1);
       for (int s = 0; s < STAGES; ++s) {
-        gemm::mbar_init(&bars.q_full[s], 2);        // TMA thread + row warp
-        gemm::mbar_init(&bars.q_empty[s], 128 * Cfg::CONSUMERS);  // every consumer thread
+        gemm::mbar_init(&bars.q_full[s], 1);        // the TMA thread
+        gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
       }
       gemm::mbar_fence_init();
     }
@@ -177,7 +180,6 @@ struct AttnBwdEngine {
     if (threadIdx.x < 128) {
       gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
       if (threadIdx.x == 0) load_tiles(p, w, smem, bars);
-      if (threadIdx.x / 32 == 1) load_rows(p, w, smem, bars);
     } else {
       gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
       consumer(p, w, smem, bars);
@@ -218,35 +220,6 @@ struct AttnBwdEngine {
     }
   }
 
-  // Warp 1: the step's lse (as log2) and delta rows. Rows past S_q get lse = +inf and delta = 0,
-  // so P and dS are exactly 0 there whatever TMA's zero fill makes of S and dP; an empty row's
-  // lse (-inf: nothing seen in the forward) likewise gives P = 0 instead of inf.
-  __device__ static void load_rows(const AttnBwdParams& p, const Work& w, char* smem,
-                                   const Bars& bars) {
-    using namespace gemm;
-    const int lane = threadIdx.x % 32;
-    float* rows = reinterpret_cast<float*>(smem + Map::kRowOffset);
-    PipeState<STAGES> st;
-    for (int g = 0; g < p.group; ++g) {
-      const size_t head = (size_t)w.b * p.Hq + w.hk * p.group + g;
-      const float* lse = p.lse + head * p.S_q;
-      const float* delta = p.delta + head * p.S_q;
-      for (int i = w.q_begin; i < p.q_tiles; ++i) {
-        mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
-        float* lse2 = rows + st.stage * 2 * BQ;
-        for (int r = lane; r < BQ; r += 32) {
-          const int row = i * BQ + r;
-          const float l = row < p.S_q ? lse[row] : -INFINITY;
-          lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
-          lse2[BQ + r] = row < p.S_q ? delta[row] : 0.f;
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bars.q_full[st.stage]);  // release: the rows above
-        st.advance();
-      }
-    }
-  }
-
   // ------------------------------------------------------------------------------- consumer
   __device__ static void consumer(const AttnBwdParams& p, const Work& w, char* smem,
                                   const Bars& bars) {
@@ -262,7 +235,7 @@ struct AttnBwdEngine {
     // dQ columns of this warpgroup inside the K tile (B of dQ = dS K): chunk, then byte offset.
     const uint32_t k_cols =
         k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
-    const float* rows = reinterpret_cast<const float*>(smem + Map::kRowOffset);
+    float* rows = reinterpret_cast<float*>(smem + Map::kRowOffset + wg * Map::kRowBytesPerWG);
     char* dq_smem = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
     const bool kv_clipped = kv_row0 + 64 > p.S_kv;
 
@@ -272,6 +245,8 @@ struct AttnBwdEngine {
     float s[kSRegs], dp[kSRegs], dq[kQCols / 2];
     uint32_t pp[kPRegs], dsp[kPRegs];
 
+    float row_lse2 = 0.f, row_delta = 0.f;  // thread lt < BQ: row q0 + lt of the next step
+    if (w.q_begin < p.q_tiles) load_row(p, w, 0, w.q_begin, lt, row_lse2, row_delta);
     mbar_wait(bars.kv_full, 0);
     PipeState<STAGES> st;
     int step = 0;
@@ -281,8 +256,20 @@ struct AttnBwdEngine {
         const int q0 = i * BQ;
         const uint32_t q_st = smem_u32(smem + Map::kQOffset + st.stage * Map::kQStageBytes);
         const uint32_t do_st = smem_u32(smem + Map::kDOOffset + st.stage * Map::kQStageBytes);
-        const float* lse2 = rows + st.stage * 2 * BQ;
+        // this step's rows (loaded one step ahead) -> the warpgroup's buffer of the step's parity;
+        // the barrier hands them to all 128 threads, and a buffer is rewritten two steps later,
+        // after the next step's barrier, which every thread passes only after its reads of it
+        float* lse2 = rows + (step & 1) * 2 * BQ;
         const float* delta = lse2 + BQ;
+        if (lt < BQ) {
+          lse2[lt] = row_lse2;
+          lse2[BQ + lt] = row_delta;
+        }
+        if (i + 1 < p.q_tiles)
+          load_row(p, w, g, i + 1, lt, row_lse2, row_delta);
+        else if (g + 1 < p.group)
+          load_row(p, w, g + 1, w.q_begin, lt, row_lse2, row_delta);
+        named_barrier_sync(kBarRows0 + wg, 128);
         char* ds = smem + Map::kDSOffset + (step & 1) * Map::kDSBytes;
         mbar_wait(&bars.q_full[st.stage], st.phase);
 
@@ -371,10 +358,7 @@ struct AttnBwdEngine {
         fence_operands(dv);
         fence_regs(pp);
         fence_regs(dsp);
-        // every consumer thread releases the stage: its plain loads of the lse / delta rows
-        // (unlike the wgmma reads of Q and dO) are then ordered before warp 1's next rows by the
-        // barrier itself (racecheck reported lane 0's release after __syncwarp as a race)
-        mbar_arrive(&bars.q_empty[st.stage]);
+        if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);  // Q, dO: read by wgmma only
         st.advance();
         if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
@@ -382,6 +366,19 @@ struct AttnBwdEngine {
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+  }
+
+  // Row lt (< BQ) of q tile i of group head g: lse as log2 and delta. Rows past S_q get lse =
+  // +inf and delta = 0, so P and dS are exactly 0 there whatever TMA's zero fill makes of S and
+  // dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf.
+  __device__ static void load_row(const AttnBwdParams& p, const Work& w, int g, int i, int lt,
+                                  float& lse2, float& delta) {
+    if (lt >= BQ) return;
+    const int row = i * BQ + lt;
+    const size_t at = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.S_q + row;
+    const float l = row < p.S_q ? p.lse[at] : -INFINITY;
+    lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+    delta = row < p.S_q ? p.delta[at] : 0.f;
   }
 
   // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
