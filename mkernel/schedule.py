@@ -199,6 +199,8 @@ class Plan:
     compute_units: int  # per rank: compute CTAs
     comm_units: int  # per rank: comm CTAs (inter_sm) or comm warps (intra_sm, one per CTA)
     faults: Faults = field(default_factory=Faults)
+    # the world's nodes: > 1, a hierarchical plan (cross-node steps by rdma puts, docs/rdma.md)
+    nodes: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     _device_tables: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -210,6 +212,9 @@ class Plan:
             f"Plan {self.op}, W={self.world_size}, {self.shapes}: {self.overlap}, {units} per "
             f"rank, tile {self.tile.name}, {len(self.tiles)} tiles"
         )
+        if self.nodes > 1:
+            R = self.world_size // self.nodes
+            head += f", hierarchical over {self.nodes} nodes x {R} ranks (rdma puts across nodes)"
         choice = self.extra.get("choice")
         return head if choice is None else f"{head}\n{choice}"
 
@@ -500,5 +505,6 @@ def build_plan(
         compute_units=compute_units,
         comm_units=comm_units,
         faults=schedule.faults,
+        nodes=getattr(world, "nodes", 1),
         extra=extra,
     )

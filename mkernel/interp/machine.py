@@ -130,6 +130,9 @@ class Agent:
     blocked_since: int = 0
     wake_at: int = 0
     started: bool = False  # the previous call on this rank is over (stream order)
+    # a host thread (the rdma proxy): outside stream order (no call, not part of any kernel end),
+    # runs from the start, has no deadline, and the run ends without it once it is idle
+    host: bool = False
     done: bool = False
     pending: list[_Bulk] = field(default_factory=list)  # bulk copies issued, not landed
 
@@ -180,6 +183,7 @@ class Machine:
         self._lazy_expected: dict[tuple[int, int], list[tuple[str, Callable]]] = {}
         self.step = 0
         self.timeline = Timeline()
+        self.rdma: Any = None  # program.RdmaPort of a plan over several nodes
 
     # -- agents ---------------------------------------------------------------------------------
     def add_agent(
@@ -190,11 +194,14 @@ class Machine:
         tasks: list[int],
         program: Program,
         call: int = 0,
+        host: bool = False,
     ) -> None:
         """An agent running ``program`` over ``tasks`` (after ``program.prologue``, if any, and
         before ``program.epilogue``, if any), in call ``call``: calls run in stream order on each
-        rank."""
-        agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit, call=call)
+        rank. ``host``: a host thread of ``rank`` (the rdma proxy) instead: it serves every call,
+        starts at once, waits without a deadline, and the run ends when only idle (blocked) host
+        agents are left."""
+        agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit, call=call, host=host)
         self.agents.append(agent)
         agent.gen = self._drive(agent, tasks, program)
 
@@ -233,7 +240,7 @@ class Machine:
         agent.task = -1
 
     def run(self) -> Timeline:
-        calls = sorted({a.call for a in self.agents} | {c for c, _ in self.expected})
+        calls = sorted({a.call for a in self.agents if not a.host} | {c for c, _ in self.expected})
         n = len(self.agents)
         for c in calls:
             for r in range(self.W):
@@ -250,10 +257,14 @@ class Machine:
             a.proxy_clock = [0] * n
         for r in range(self.W):
             self._start_call(r, [0] * n)
+        for a in self.agents:
+            a.started = a.started or a.host
         live = [a for a in self.agents]
         while live:
             self.step += 1
             runnable = [a for a in live if self._ready(a)]
+            if not runnable and all(a.host and a.blocked is not None for a in live):
+                break  # every kernel agent is done; the host threads wait for work that never comes
             if not runnable:
                 sleepers = [a for a in live if a.started and a.blocked is None]
                 if sleepers:  # only sleepers: jump the clock to the first wake-up
@@ -275,7 +286,7 @@ class Machine:
         once."""
         while self._next_call[rank] < len(self._calls):
             c = self._calls[self._next_call[rank]]
-            members = [a for a in self.agents if a.rank == rank and a.call == c]
+            members = [a for a in self.agents if a.rank == rank and a.call == c and not a.host]
             if base is None:
                 if not all(a.done for a in members):
                     return
@@ -346,6 +357,8 @@ class Machine:
 
     def _check_deadlines(self, live: list[Agent]) -> None:
         for a in live:
+            if a.host:  # a host thread polls until it is stopped
+                continue
             if a.blocked is not None and self.step - a.blocked_since > self.deadline_steps:
                 if not self._ready(a):
                     w = a.blocked
@@ -355,7 +368,8 @@ class Machine:
         waiters = [
             (a.rank, a.role, a.task, a.blocked.peer, str(a.blocked.sig), a.unit)
             for a in live
-            if a.blocked is not None  # the others wait for their previous call to end
+            # the others wait for their previous call to end; an idle host thread is no news
+            if a.blocked is not None and not a.host
         ]
         raise DeadlockError(sorted(waiters))
 

@@ -11,6 +11,14 @@ it). Only the data movement is the op's (``moves[role](ctx, task)``); the waits 
 the plan, so what is property-tested here is the protocol the GPU runs. Signals print as the GPU
 names them (``tile_flag[tile=3, src=1]``, mkernel/protocol.py signal_name). The end of each call on
 a rank reads every output tile ``outputs(rank)`` of buffer ``out`` (or the one named ``output``).
+
+A plan over several nodes (``plan.nodes`` > 1, docs/rdma.md "Hierarchical ops"): the entry barrier
+spans the CTA's node; a raise on a rank of another node travels through the rank's ``proxy`` ring
+(interp/rdma.py, one host proxy agent per rank): carried by the put the task's data movement asked
+for (``put_on_completion``: put-with-signal), else as a put of no bytes; puts are posted when the
+task completes, after its bulk copies landed; and a unit that posted waits at its end until its
+ring's tail has passed its last ticket (the quiet: the proxy has read every source, so the next
+call may rewrite them).
 """
 
 from __future__ import annotations
@@ -20,9 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..protocol import BARRIER_PAD, MAX_BARRIER_SLOTS, Task, signal_name
+from ..errors import PlanError
+from ..protocol import BARRIER_PAD, MAX_BARRIER_SLOTS, Raise, Task, signal_name
 from . import twins
-from .machine import Machine, SigRef
+from .machine import Machine, SigRef, Wait
+from .rdma import Ring, proxy, rdma_put
+
+# Descriptor slots of each rank's ring in the interpreter: few, so that wrap-around and
+# back-pressure happen in the tests (the GPU's ring is sized by its ProxyRing).
+RING_CAPACITY = 4
 
 Rect = tuple[int, int, int, int]
 
@@ -73,9 +87,66 @@ def run_waits(ctx, plan, sig: PlanSignals, task: Task):
         yield from twins.fence_proxy_async(ctx)
 
 
+class RdmaPort:
+    """The template's side of the ``proxy`` transport in a plan over several nodes: the ring of
+    every rank, the puts each running task asked for, each unit's last ticket."""
+
+    def __init__(self, machine: Machine, ring: Ring) -> None:
+        self.m = machine
+        self.ring = ring
+        # (agent id, task id) -> {dest: (dst_buf, dst_rect, src_buf, src_rect)}
+        self.queued: dict[tuple[int, int], dict[int, tuple]] = {}
+        self.last: dict[int, int] = {}  # agent id -> the last ticket it took
+
+    def remote(self, ctx, rank: int) -> bool:
+        return self.m.node_of(rank) != self.m.node_of(ctx.rank)
+
+    def post(self, ctx, r: Raise, flag: SigRef | None, put: tuple | None):
+        """One descriptor: the bytes of ``put`` (None: none) and ``flag`` (None: no signal)."""
+        dst_buf, dst_rect, src_buf, src_rect = put or (None, None, None, None)
+        t = yield from rdma_put(
+            ctx, self.ring, r.rank, dst_buf, dst_rect, src_buf, src_rect, flag, r.value, r.op
+        )
+        self.last[ctx.agent.id] = t
+
+    def quiet(self, ctx):
+        """The unit's puts are done: its ring's tail has passed its last ticket (the proxy has read
+        every source and raised every signal; device: a bounded wait on the tail)."""
+        t = self.last.pop(ctx.agent.id, None)
+        if t is not None:
+            tail = self.ring.counter("tail", ctx.rank)
+            yield Wait(tail, t + 1, reset=False, peer=ctx.rank, at_least=True)
+
+
+def put_on_completion(
+    ctx, task: Task, dest: int, dst_buf: str, dst_rect: Rect, src_buf: str, src_rect: Rect
+) -> None:
+    """An op's data movement across nodes: copy ``src_rect`` of ``src_buf`` on this rank into
+    ``dst_rect`` of ``dst_buf`` on ``dest`` (a rank of another node) by an rdma put that the
+    template posts when ``task`` completes (after its bulk copies landed), carrying the task's raise
+    on ``dest`` (put-with-signal); one put per destination and task. The source must hold the
+    bytes by then and keep them until the unit's quiet."""
+    port, a = getattr(ctx.m, "rdma", None), ctx.agent
+    where, what = {"role": a.role, "unit": a.unit}, f"put to rank {dest}"
+    if port is None or not port.remote(ctx, dest):
+        why = "within a node data moves by peer stores and bulk copies"
+        raise PlanError("rdma put within a node", ctx.rank, task.id, what, why, **where)
+    if not any(r.rank == dest for r in task.raises):
+        why = "a put carries the task's raise on its destination (put-with-signal)"
+        raise PlanError("rdma put without a raise", ctx.rank, task.id, what, why, **where)
+    puts = port.queued.setdefault((a.id, task.id), {})
+    if dest in puts:
+        raise PlanError("two rdma puts", ctx.rank, task.id, what, "one per task", **where)
+    puts[dest] = (dst_buf, dst_rect, src_buf, src_rect)
+
+
 def run_raises(ctx, plan, sig: PlanSignals, task: Task):
     """The template's run_raises, after the task's writes have landed."""
     f = plan.faults
+    port = getattr(ctx.m, "rdma", None)
+    if port is not None:
+        yield from _run_raises_nodes(ctx, plan, sig, task, port)
+        return
     if not task.raises or ctx.rank == f.silent_rank:
         return
     if ctx.rank == f.delay_rank:
@@ -83,6 +154,29 @@ def run_raises(ctx, plan, sig: PlanSignals, task: Task):
     for r in task.raises:
         flag = sig(r.pad, r.rank, _flat_index(plan, r.pad, r.index))
         if r.op == "add":
+            yield from twins.signal_add_release(ctx, flag, r.value)
+        else:
+            yield from twins.signal_set_release(ctx, flag, r.value)
+
+
+def _run_raises_nodes(ctx, plan, sig: PlanSignals, task: Task, port: RdmaPort):
+    """run_raises over several nodes: a raise on another node's rank is a descriptor in this rank's
+    ring, with the bytes of the put the task asked for to that rank, if any. A silent rank's puts
+    still move their bytes, with no signal."""
+    f = plan.faults
+    puts = port.queued.pop((ctx.agent.id, task.id), {})
+    if not task.raises:
+        return
+    silent = ctx.rank == f.silent_rank
+    if ctx.rank == f.delay_rank:
+        yield from twins.delay(ctx, f.delay_us)
+    for r in task.raises:
+        flag = sig(r.pad, r.rank, _flat_index(plan, r.pad, r.index))
+        if port.remote(ctx, r.rank):
+            yield from port.post(ctx, r, None if silent else flag, puts.pop(r.rank, None))
+        elif silent:
+            continue
+        elif r.op == "add":
             yield from twins.signal_add_release(ctx, flag, r.value)
         else:
             yield from twins.signal_set_release(ctx, flag, r.value)
@@ -96,17 +190,17 @@ def may_defer_completion(task: Task, nxt: Task | None) -> bool:
 
 
 def entry_barrier(ctx, sig: PlanSignals, slot: int):
-    """CTA ``slot`` meets CTA ``slot`` of every peer: arrive by setting barrier[slot, me] on the
-    peer once the previous call's arrival there was consumed (the device's CAS 0 -> 1), then wait
-    for every peer's arrival on our own pad and consume it."""
-    W = ctx.W
-    for i in range(1, W):
-        peer = (ctx.rank + i) % W
+    """CTA ``slot`` meets CTA ``slot`` of every peer of its node (every rank, with one node):
+    arrive by setting barrier[slot, me] on the peer once the previous call's arrival there was
+    consumed (the device's CAS 0 -> 1), then wait for every peer's arrival on our own pad and
+    consume it. Across nodes an op orders the reuse of what it puts itself (docs/rdma.md)."""
+    W, node = ctx.W, ctx.m.node_of
+    peers = [p for p in ((ctx.rank + i) % W for i in range(1, W)) if node(p) == node(ctx.rank)]
+    for peer in peers:
         flag = sig(BARRIER_PAD, peer, slot * W + ctx.rank)
         yield from twins.wait_acquire(ctx, flag, 0, peer)
         yield from twins.signal_set_release(ctx, flag, 1)
-    for i in range(1, W):
-        peer = (ctx.rank + i) % W
+    for peer in peers:
         flag = sig(BARRIER_PAD, ctx.rank, slot * W + peer)
         yield from twins.wait_acquire_reset(ctx, flag, 1, peer)
 
@@ -155,7 +249,17 @@ def run_plan(
     pads["cta_ready"] = torch.zeros(W, MAX_BARRIER_SLOTS, dtype=torch.int32)  # inside a CTA
     data = {k: v for k, v in buffers.items() if k not in pads}
     steps = max(10_000, int(world.timeout_s * 200_000))
-    m = Machine(W, pads, data, seed=seed, deadline_steps=steps)
+    nodes = getattr(plan, "nodes", 1)
+    ring = Ring(W, RING_CAPACITY) if nodes > 1 else None
+    if ring is not None:  # the proxy transport: a ring per rank, drained by the rank's host proxy
+        pads.update(ring.pads())
+        data.update(ring.buffers())
+    m = Machine(W, pads, data, seed=seed, deadline_steps=steps, nodes=nodes)
+    port = None
+    if ring is not None:
+        m.rdma = port = RdmaPort(m, ring)
+        for r in range(W):
+            m.add_agent(r, "proxy", -1, [0], proxy(ring, None), host=True)
     sig = PlanSignals(plan)
     by_id = {
         (role, r, t.id): t
@@ -224,6 +328,8 @@ def run_plan(
         def epilogue(ctx):
             while pending:
                 yield from complete(ctx, pending.pop())
+            if port is not None:
+                yield from port.quiet(ctx)
 
         run.prologue = prologue
         run.epilogue = epilogue

@@ -23,6 +23,7 @@ the data.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +39,15 @@ Gen = Generator[Any, Any, Any]
 class Descriptor:
     """One put: copy ``src_rect`` of ``src_buf`` on the poster's rank into ``dst_rect`` of
     ``dst_buf`` on ``dest``, then raise ``signal`` (on ``dest``) by ``op`` "set" or "add" of
-    ``value``."""
+    ``value``. No bytes (``src_buf`` None): a signal only; no ``signal``: bytes only (a silent
+    rank's put)."""
 
     dest: int
-    dst_buf: str
-    dst_rect: Rect
-    src_buf: str
-    src_rect: Rect
-    signal: SigRef
+    dst_buf: str | None
+    dst_rect: Rect | None
+    src_buf: str | None
+    src_rect: Rect | None
+    signal: SigRef | None
     value: int = 1
     op: str = "set"
 
@@ -89,17 +91,19 @@ def rdma_put(
     ctx: Ctx,
     ring: Ring,
     dest: int,
-    dst_buf: str,
-    dst_rect: Rect,
-    src_buf: str,
-    src_rect: Rect,
-    signal: SigRef,
+    dst_buf: str | None,
+    dst_rect: Rect | None,
+    src_buf: str | None,
+    src_rect: Rect | None,
+    signal: SigRef | None,
     value: int = 1,
     op: str = "set",
 ) -> Gen:
-    """Device side: post one put into this rank's ring; returns once the descriptor is published
-    (not when the bytes land: the destination's ``signal`` says that)."""
-    if signal.rank != dest:
+    """Device side: post one put into this rank's ring; returns (as the generator's value) its
+    ticket once the descriptor is published (not when the bytes land: the destination's ``signal``
+    says that; the proxy's ``tail`` passing the ticket says the source may be reused). ``src_buf``
+    None: a put of no bytes (a signal only); ``signal`` None: no signal (bytes only)."""
+    if signal is not None and signal.rank != dest:
         raise ValueError(f"the signal {signal} must live on the destination rank {dest}")
     if op not in ("set", "add"):
         raise ValueError(f"op must be 'set' or 'add', got {op!r}")
@@ -117,23 +121,26 @@ def rdma_put(
     yield Wait(ring.counter("head", me), ticket, reset=False, peer=me)
     m.signal(a, ring.counter("head", me), "set", ticket + 1, release=True)
     yield STEP
+    return ticket
 
 
 def proxy(
     ring: Ring,
-    count: int,
+    count: int | None,
     stall_after: int | None = None,
     signal_early: bool = False,
     tail_early: bool = False,
 ) -> Any:
     """The host proxy of one rank, as a program for ``Machine.add_agent``: drains ``count`` puts
-    from that rank's ring. ``stall_after`` = k: it hangs after k puts (a dead proxy thread).
+    from that rank's ring (None: every put, for as long as the run goes on: run it as a host
+    agent, ``Machine.add_agent(..., host=True)``, which ends with the kernels). ``stall_after`` =
+    k: it hangs after k puts (a dead proxy thread).
     Planted bugs for tests: ``signal_early`` raises the signal before the copy; ``tail_early``
     frees the slot before reading the descriptor."""
 
     def run(ctx: Ctx, task: int) -> Gen:
         m, a, me = ctx.m, ctx.agent, ctx.rank
-        for n in range(count):
+        for n in range(count) if count is not None else itertools.count():
             if stall_after is not None and n >= stall_after:
                 yield Sleep(10 * m.deadline_steps)  # alive but stuck: waiters hit the deadline
                 return
@@ -161,6 +168,8 @@ def proxy(
 def _copy(ctx: Ctx, d: Descriptor) -> Gen:
     """cudaMemcpyAsync on the proxy's stream, then a stream sync: the copy lands at the sync."""
     m, a = ctx.m, ctx.agent
+    if d.src_buf is None:  # a signal only
+        return
     m.access(a, d.src_buf, a.rank, d.src_rect, "r")
     r0, nr, c0, nc = d.src_rect
     value = m.buffers[d.src_buf][a.rank, r0 : r0 + nr, c0 : c0 + nc]
@@ -172,5 +181,7 @@ def _copy(ctx: Ctx, d: Descriptor) -> Gen:
 
 def _raise(ctx: Ctx, d: Descriptor) -> Gen:
     """The destination's signal, raised with release (the proxy writes it over the network)."""
+    if d.signal is None:
+        return
     ctx.m.signal(ctx.agent, d.signal, d.op, d.value, release=True)
     yield STEP

@@ -19,6 +19,21 @@ tile can span several chunks and, when M/W is not a multiple of the tile height,
       [ shard 0: c0 c1 | shard 1: c0 c1 ]
     rank 0 compute: tiles of shard 0 (own, landed first), then shard 1 as its chunks land
     rank 1 compute: tiles of shard 1, then shard 0
+
+Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
+"Hierarchical ops"), R = W / N ranks per node, rank r = (node n, local index l): each own chunk
+crosses to each other node once, by an rdma put from ``a`` into the ``gather`` of the rank with the
+same local index there (its rail peer), carrying ``chunk_ready``; that rank forwards the chunk over
+NVLink to the other R - 1 ranks of its node (a forward waits for the chunk's flag, as a counted
+consumer beside the tiles). Within the node chunks move as above. A put first waits for the rail
+peer's ``rail_ready`` (a put of no bytes each rank sends its rail peers when its call begins), so
+it lands after the peer's previous call has read its gather. Comm tasks per rank: the arrival;
+per own chunk its puts, then its own copy and node pushes; then the forwards (they wait for
+remote puts, which wait only for arrivals: no cycle).
+
+    W = 4, N = 2 (nodes {0, 1}, {2, 3}); chunk g of shard 0:
+    rank 0: rdma put a -> gather of rank 2 (chunk_ready[g] on 2); stores -> gather of 0, 1
+    rank 2: waits chunk_ready[g]; forwards its rows of gather -> gather of 3 (chunk_ready[g] on 3)
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ import sys
 
 import torch
 
-from ..interp import twins
+from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
@@ -56,6 +71,19 @@ SPEC = OpSpec(
     pads=(Pad("chunk_ready", ("chunk",), ("chunks_total",), counted=True, doc="chunk g landed"),),
     scalars=("m", "n", "k", "ms", "chunks", "chunk_rows", "transfer_tma"),
 )
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+SPEC_NODES = OpSpec(
+    name="ag_gemm",
+    doc="AllGather + GEMM over nodes (no device kernel yet)",
+    buffers=SPEC.buffers,
+    pads=(
+        *SPEC.pads,
+        Pad("rail_ready", ("node",), ("nodes",), counted=True, doc="my rail peer's call began"),
+    ),
+    scalars=SPEC.scalars,
+    device=False,
+)
+PUSH, PUT, FORWARD, ARRIVE = range(4)  # comm task kinds over several nodes (args[2])
 
 
 def _chunk_of(row: int, ms: int, cr: int, chunks: int) -> int:
@@ -65,6 +93,8 @@ def _chunk_of(row: int, ms: int, cr: int, chunks: int) -> int:
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    if world.nodes > 1:
+        return _make_plan_nodes(schedule, world, m, n, k)
     W = world.size
     sms = rank_sms(schedule, world)
     cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
@@ -112,6 +142,72 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     }
     extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W * C] tiles per chunk
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
+
+
+def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    """The plan over N > 1 nodes of R ranks (module docstring)."""
+    W, N = world.size, world.nodes
+    R = W // N
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
+    ms = m // W
+    cr = min(schedule.chunk_rows or cfg.bm, ms)
+    C = -(-ms // cr)
+    tiles = [t._replace(tag=_chunk_of(t.m0, ms, cr, C)) for t in grid_tiles(0, m, n, cfg, 0, 0)]
+    needs = [range(t.tag, _chunk_of(t.m0 + t.rows - 1, ms, cr, C) + 1) for t in tiles]
+    tile_consumers = [0] * (W * C)
+    for chunks in needs:
+        for g in chunks:
+            tile_consumers[g] += 1
+    grouped = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    compute, comm, consumers = [], [], []
+    for r in range(W):
+        node, local = divmod(r, R)
+        peers = [node * R + (local + j) % R for j in range(1, R)]  # my node's other ranks
+        rail = [((node + j) % N) * R + local for j in range(1, N)]  # my local index elsewhere
+        # A chunk of a rail peer's shard lands here by rdma and is forwarded to my R - 1 peers.
+        mine = [tile_consumers[g] + (R - 1) * (g // C in rail) for g in range(W * C)]
+        consumers.append(mine)
+
+        def arrival(q, node=node, local=local):  # own, node peers, rail peers, forwarded
+            dn, dl = (q // R - node) % N, (q % R - local) % R
+            return (0 if dn == 0 else 1 + (dl != 0), dn, dl)
+
+        default = sorted(grouped, key=lambda i: max(arrival(g // C) for g in needs[i]))
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        waits = [
+            tuple(Wait("chunk_ready", r, (g,), consumers=mine[g]) for g in needs[i])
+            for i in range(len(tiles))
+        ]
+        compute.append([Task(i, (i,), waits=waits[i]) for i in order])
+        flag = lambda g, p: (Raise("chunk_ready", p, (g,)),)  # noqa: E731
+        arrive = tuple(Raise("rail_ready", q, (node,)) for q in rail)
+        tasks = [Task(W * C * W, (0, 0, ARRIVE), raises=arrive)]
+        for g in range(r * C, (r + 1) * C):
+            for q in rail:
+                ready = Wait("rail_ready", r, (q // R,), consumers=C)
+                tasks.append(Task(g * W + q, (g, q, PUT), waits=(ready,), raises=flag(g, q)))
+            for p in [r, *peers]:
+                tasks.append(Task(g * W + p, (g, p, PUSH), raises=flag(g, p)))
+        for c in range(C):
+            for q in rail:
+                g = q * C + c
+                for p in peers:
+                    landed = (Wait("chunk_ready", r, (g,), consumers=mine[g]),)
+                    tasks.append(Task(g * W + p, (g, p, FORWARD), waits=landed, raises=flag(g, p)))
+        comm.append(tasks)
+    shapes = {"m": m, "n": n, "k": k}
+    sizes = {
+        **shapes,
+        "ms": ms,
+        "chunks": C,
+        "chunk_rows": cr,
+        "chunks_total": W * C,
+        "transfer_tma": int(schedule.transfer == "tma"),
+        "nodes": N,
+    }
+    extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W, W * C] per rank
+    return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -179,10 +275,19 @@ def twins_of(plan: Plan):
 
     def comm(ctx, task):  # AgGemm::comm_move: own chunk g into rank p's gather buffer
         g, p = task.args[:2]
-        r0 = (g - ctx.rank * C) * cr
+        if plan.nodes > 1 and task.args[2] == ARRIVE:  # raises only: puts of no bytes
+            return
+        src = g // C  # == ctx.rank with one node
+        r0 = (g - src * C) * cr
         rows = min(cr, ms - r0)
-        v = yield from twins.tile_load(ctx, "a", ctx.rank, (r0, rows, 0, k))
-        dst = (ctx.rank * ms + r0, rows, 0, k)
+        dst = (src * ms + r0, rows, 0, k)
+        if plan.nodes > 1 and task.args[2] == PUT:  # across nodes: a put the template posts
+            program.put_on_completion(ctx, task, p, "gather", dst, "a", (r0, rows, 0, k))
+            return
+        if plan.nodes > 1 and task.args[2] == FORWARD:  # a chunk that landed here, to a peer
+            v = yield from twins.tile_load(ctx, "gather", ctx.rank, dst)
+        else:
+            v = yield from twins.tile_load(ctx, "a", ctx.rank, (r0, rows, 0, k))
         if bulk:
             yield from twins.tile_send_bulk(ctx, "gather", p, dst, v)
         else:

@@ -45,6 +45,26 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
     return world
 
 
+def check_nodes(module: Any, world: World) -> None:
+    """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
+    plan moves data across nodes only by rdma puts, docs/rdma.md), and for now the CPU
+    interpreter: the device kernels for nodes > 1 are not built."""
+    if world.nodes == 1:
+        return
+    name = module.SPEC.name
+    if not getattr(module, "HIERARCHICAL", False):
+        raise NotImplementedError(
+            f"{name} has no plan for a world of {world.nodes} nodes yet (nodes > 1): only "
+            "gemm_rs, ag_gemm and gemm_ar span nodes"
+        )
+    if world.on_gpu:
+        raise NotImplementedError(
+            f"{name} over {world.nodes} nodes: the device kernels for nodes > 1 are not built yet; "
+            "the hierarchical protocol runs in the CPU interpreter (World.emulated(W, nodes=N), "
+            "device='cpu')"
+        )
+
+
 _DEFAULT_SCHEDULE = Schedule()  # never handed out: calls without a schedule share it (host time)
 
 
@@ -201,8 +221,10 @@ def run_op(
     shape ``out_shape(shapes, W)``), all before anything
     runs; then the cached plan on the GPU (``run_gpu``, then the op's optional ``after_gpu``) or
     in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
-    tiles the kernel end reads (``module.outputs(plan, rank)``)."""
+    tiles the kernel end reads (``module.outputs(plan, rank)``). A world of several nodes needs a
+    hierarchical op, on the CPU (check_nodes)."""
     world = check_world_for(module.SPEC, world)
+    check_nodes(module, world)
     schedule = check_schedule(schedule)
     s = module.shapes(*inputs.values(), world)
     check_faults(schedule, world)

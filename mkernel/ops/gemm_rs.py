@@ -26,6 +26,22 @@ Peers' tiles wait on nothing and every unit runs all of its peers' tiles before 
 waits for: deadlock-free for any order. The default sends to rank r+1 first, then r+2, ..., so at
 each moment the links carry traffic in both directions. W == 1: the engine stores bf16 tiles
 straight into out, nothing to communicate.
+
+Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
+"Hierarchical ops"), R = W / N ranks per node, rank r = (node n, local index l): a tile of an owner
+o in another node is reduced within r's node first, by o's rail peer agg = (n, local(o)): every
+other rank of node n stores its fp32 partial into agg's ``stage`` (as to an owner above), agg adds
+them to its own partial in fp32 and puts the node's sum (fp32, ``xsend`` -> slot n of o's
+``xrecv``) to o by one rdma put carrying ``node_part[tile, node=n]``. The owner adds its node
+peers' partials and the N - 1 node sums in fp32 and rounds once to bf16. Each rank first tells its
+rail peers that its previous call has ended (``rail_ready``, a put of no bytes): an aggregate
+waits for it before its put may land in the owner's ``xrecv``.
+
+    W = 4, N = 2 (nodes {0, 1}, {2, 3}); tiles of owner 2 on node 0:
+    rank 1 (local 1):  partial -> stage of rank 0 (local 0 = local(2))      partial[t, src=1] on 0
+    rank 0 (agg):      waits partial[t, 1], rail_ready[node=1]; own + 1's -> xsend
+                       rdma put xsend -> xrecv[slot 0] of rank 2        node_part[u, node=0] on 2
+    rank 2 (owner):    waits partial[t, src=3], node_part[u, node=0]; own + 3's + node 0's -> out
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ import sys
 
 import torch
 
-from ..interp import twins
+from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
@@ -70,9 +86,40 @@ SPEC = OpSpec(
     pads=(Pad("partial", ("tile", "src"), ("per_owner", "W"), doc="src's partial of tile landed"),),
     scalars=("n", "k_local", "rows_per_rank"),
 )
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+SPEC_NODES = OpSpec(
+    name="gemm_rs",
+    doc="GEMM + ReduceScatter over nodes (no device kernel yet)",
+    buffers=(
+        *SPEC.buffers[:3],
+        Buffer(
+            "stage",
+            "symmetric",
+            f32,
+            ("stage_rows", "n"),
+            "slot local(s) * nodes + m: node peer s's fp32 partial of the rows of rank "
+            "(m, my local index), which I reduce (m = my node: my own rows)",
+        ),
+        Buffer("xsend", "symmetric", f32, ("node_rows", "n"), "slot m: my node's sum for (m, l)"),
+        Buffer("xrecv", "symmetric", f32, ("node_rows", "n"), "slot m: node m's sum of my rows"),
+    ),
+    pads=(
+        Pad("partial", ("tile", "src"), ("tiles", "W"), doc="src's partial landed at the reducer"),
+        Pad("node_part", ("tile", "node"), ("per_owner", "nodes"), doc="node's sum landed (rdma)"),
+        Pad("rail_ready", ("node",), ("nodes",), counted=True, doc="my rail peer's call began"),
+    ),
+    scalars=SPEC.scalars,
+    device=False,
+)
+# Over several nodes, what rank r does with a tile of owner o (_kind): store its partial to the
+# owner in its node, or to the owner's rail peer in its node; reduce its node's partials and put
+# them across (r is o's rail peer); or reduce its own tile.
+TO_OWNER, TO_AGG, AGGREGATE, OWN = range(4)
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    if world.nodes > 1:
+        return _make_plan_nodes(schedule, world, m, n, k)
     W = world.size
     sms = rank_sms(schedule, world)
     cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
@@ -113,6 +160,77 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     }
     comm = [[] for _ in range(W)]
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
+
+
+def _kind(R: int, r: int, o: int) -> int:
+    if o == r:
+        return OWN
+    if o // R == r // R:
+        return TO_OWNER
+    return AGGREGATE if o % R == r % R else TO_AGG
+
+
+def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    """The plan over N > 1 nodes of R ranks (module docstring): per rank, the tiles that wait on
+    nothing (partials to owners and reducers of its node) first, then its aggregates (they wait
+    only for those, and for the rail peer's arrival), then its own tiles; one comm task, the
+    arrival at its rail peers."""
+    W, N = world.size, world.nodes
+    R = W // N
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
+    ms = m // W
+    tiles = []
+    for owner in range(W):
+        tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
+    per_owner = len(tiles) // W
+    block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    stage_class = {TO_AGG: 0, TO_OWNER: 0, AGGREGATE: 1, OWN: 2}
+    compute, comm = [], []
+    for r in range(W):
+        node, local = divmod(r, R)
+        peers = [node * R + (local + j) % R for j in range(1, R)]  # my node's other ranks
+        # Default: the longest paths first: partials for other nodes' owners (node n+1, n+2, ...),
+        # then for my node's owners, then my aggregates, then my own tiles.
+        far = lambda o, r=r: (stage_class[_kind(R, r, o)], _kind(R, r, o), (o - r) % W)
+        owners = sorted(range(W), key=far)
+        default = [o * per_owner + j for o in owners for j in block]
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        # NOTE: whatever the hook's order (kept within each class): a unit runs its tasks in
+        # order, so a wait never blocks a task that the awaited one depends on (no deadlock).
+        order = sorted(order, key=lambda i, r=r: stage_class[_kind(R, r, tiles[i].tag)])
+        tasks = []
+        for i in order:
+            o = tiles[i].tag
+            u, kind = i - o * per_owner, _kind(R, r, o)
+            partials = tuple(Wait("partial", r, (i, s)) for s in peers)
+            if kind == TO_OWNER:
+                tasks.append(Task(i, (i,), raises=(Raise("partial", o, (i, r)),)))
+            elif kind == TO_AGG:
+                agg = node * R + o % R
+                tasks.append(Task(i, (i,), raises=(Raise("partial", agg, (i, r)),)))
+            elif kind == AGGREGATE:
+                ready = Wait("rail_ready", r, (o // R,), consumers=per_owner)
+                raises = (Raise("node_part", o, (u, node)),)
+                tasks.append(Task(i, (i,), waits=(*partials, ready), raises=raises))
+            else:
+                arrived = tuple(Wait("node_part", r, (u, (node + j) % N)) for j in range(1, N))
+                tasks.append(Task(i, (i,), waits=partials + arrived))
+        compute.append(tasks)
+        rail = [((node + j) % N) * R + local for j in range(1, N)]
+        comm.append([Task(0, (0,), raises=tuple(Raise("rail_ready", q, (node,)) for q in rail))])
+    shapes = {"m": m, "n": n, "k": k}
+    sizes = {
+        **shapes,
+        "k_local": k // W,
+        "rows_per_rank": ms,
+        "per_owner": per_owner,
+        "stage_rows": W * ms,
+        "tiles": len(tiles),
+        "nodes": N,
+        "node_rows": N * ms,
+    }
+    return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -157,6 +275,8 @@ def gemm_rs(
 
 
 def twins_of(plan: Plan):
+    if plan.nodes > 1:
+        return _twins_nodes(plan)
     W, ms, k = plan.world_size, plan.sizes["rows_per_rank"], plan.sizes["k_local"]
 
     def compute(ctx, task):  # GemmRS::dest: a peer's tile to its stage, an own tile + partials
@@ -177,6 +297,51 @@ def twins_of(plan: Plan):
         yield from twins.output_store(ctx, "out", ctx.rank, rect, part.bfloat16(), t.index)
 
     return {"compute": compute, "comm": None}
+
+
+def _twins_nodes(plan: Plan):
+    """The data movement over several nodes (no device code yet): fp32 partials by bulk copies
+    within a node, node sums by rdma puts across (program.put_on_completion)."""
+    W, N, ms, k = plan.world_size, plan.nodes, plan.sizes["rows_per_rank"], plan.sizes["k_local"]
+    R = W // N
+
+    def add_stage(ctx, t, part, node):  # the node peers' partials, in local-index order
+        for s in range(node * R, node * R + R):
+            if s != ctx.rank:
+                slot = ((s % R) * N + t.tag // R) * ms + t.m0 - t.tag * ms
+                p = yield from twins.tile_load(ctx, "stage", ctx.rank, (slot, t.rows, t.n0, t.cols))
+                part = part + p
+        return part
+
+    def compute(ctx, task):
+        t = plan.tiles[task.args[0]]
+        me, o = ctx.rank, t.tag
+        a = yield from twins.tile_load_async(ctx, "a", me, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load_async(ctx, "b", me, (0, k, t.n0, t.cols))
+        part = a.float() @ b.float()
+        row0, kind, node = t.m0 - o * ms, _kind(R, me, o), me // R
+        if kind in (TO_OWNER, TO_AGG):  # fp32 partial into slot (local(me), node(o)) there
+            dest = o if kind == TO_OWNER else node * R + o % R
+            slot = ((me % R) * N + o // R) * ms + row0
+            yield from twins.tile_send_bulk(ctx, "stage", dest, (slot, t.rows, t.n0, t.cols), part)
+            return
+        part = yield from add_stage(ctx, t, part, node)
+        if kind == AGGREGATE:  # my node's sum -> xsend (lands before the put is posted) -> owner
+            src = ((o // R) * ms + row0, t.rows, t.n0, t.cols)
+            yield from twins.tile_send_bulk(ctx, "xsend", me, src, part)
+            dst = (node * ms + row0, t.rows, t.n0, t.cols)
+            program.put_on_completion(ctx, task, o, "xrecv", dst, "xsend", src)
+            return
+        for j in range(1, N):  # own tile: the other nodes' sums, in node order from mine
+            slot = (((node + j) % N) * ms + row0, t.rows, t.n0, t.cols)
+            part = part + (yield from twins.tile_load(ctx, "xrecv", me, slot))
+        rect = (row0, t.rows, t.n0, t.cols)
+        yield from twins.output_store(ctx, "out", me, rect, part.bfloat16(), t.index)
+
+    def comm(ctx, task):  # the rail arrival: raises only (the template posts them as puts)
+        yield from ()
+
+    return {"compute": compute, "comm": comm}
 
 
 def outputs(plan: Plan, rank: int) -> dict[int, tuple[int, int, int, int]]:
