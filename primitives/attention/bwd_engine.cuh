@@ -40,7 +40,7 @@
 // Contract with the kernel (kernels/attention_bwd.cu): every thread calls run_cta(params, smem);
 // kThreads threads, __launch_bounds__(kThreads, 1); kSmemBytes of dynamic shared memory,
 // 1024-byte aligned; params in param space (__grid_constant__: TMA reads the maps). Named barriers
-// 1..5 are used (0 is left to __syncthreads).
+// 1..3 are used (0 is left to __syncthreads).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -74,8 +74,8 @@ struct AttnBwdConfig {
 
 // Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
 //   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
-//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: CONSUMERS x 2
-//   x 64 floats each] [kv_full, q_full[S], q_empty[S]]
+//   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: per consumer
+//   warp 2 x 64 floats each] [kv_full, q_full[S], q_empty[S]]
 template <class Cfg>
 struct AttnBwdSmem {
   static constexpr int kChunks = Cfg::D / 64;
@@ -93,8 +93,8 @@ struct AttnBwdSmem {
   static constexpr int kDQBytesPerWG = (Cfg::D / 2 / 32) * kDQChunkBytes;
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
   static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
-  static constexpr int kRowBytesPerWG = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
-  static constexpr int kBarOffset = kRowOffset + Cfg::CONSUMERS * kRowBytesPerWG;
+  static constexpr int kRowBytesPerWarp = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
+  static constexpr int kBarOffset = kRowOffset + 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
   static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
@@ -127,7 +127,6 @@ struct AttnBwdEngine {
   static constexpr int kQCols = D / 2;   // dQ columns per consumer warpgroup
   static constexpr int kBarDS = 1;       // both consumers wrote their half of dS^T
   static constexpr int kBarDQ0 = 2;      // consumer wg's dQ staging tile: kBarDQ0 + wg
-  static constexpr int kBarRows0 = 4;    // consumer wg's lse / delta rows: kBarRows0 + wg
   static constexpr float kLog2e = 1.4426950408889634f;
 
   struct Bars {
@@ -235,7 +234,9 @@ struct AttnBwdEngine {
     // dQ columns of this warpgroup inside the K tile (B of dQ = dS K): chunk, then byte offset.
     const uint32_t k_cols =
         k_base + (wg * kQCols / 64) * Map::kKVChunkBytes + (wg * kQCols % 64) * 2;
-    float* rows = reinterpret_cast<float*>(smem + Map::kRowOffset + wg * Map::kRowBytesPerWG);
+    // this warp's own lse / delta rows (every warp reads all BQ columns)
+    float* rows = reinterpret_cast<float*>(smem + Map::kRowOffset +
+                                           (threadIdx.x / 32 - 4) * Map::kRowBytesPerWarp);
     char* dq_smem = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
     const bool kv_clipped = kv_row0 + 64 > p.S_kv;
 
@@ -245,8 +246,9 @@ struct AttnBwdEngine {
     float s[kSRegs], dp[kSRegs], dq[kQCols / 2];
     uint32_t pp[kPRegs], dsp[kPRegs];
 
-    float row_lse2 = 0.f, row_delta = 0.f;  // thread lt < BQ: row q0 + lt of the next step
-    if (w.q_begin < p.q_tiles) load_row(p, w, 0, w.q_begin, lt, row_lse2, row_delta);
+    float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};  // rows lane, lane + 32 of the
+    if (w.q_begin < p.q_tiles)                                   // next step
+      load_rows(p, w, 0, w.q_begin, lane, row_lse2, row_delta);
     mbar_wait(bars.kv_full, 0);
     PipeState<STAGES> st;
     int step = 0;
@@ -256,20 +258,21 @@ struct AttnBwdEngine {
         const int q0 = i * BQ;
         const uint32_t q_st = smem_u32(smem + Map::kQOffset + st.stage * Map::kQStageBytes);
         const uint32_t do_st = smem_u32(smem + Map::kDOOffset + st.stage * Map::kQStageBytes);
-        // this step's rows (loaded one step ahead) -> the warpgroup's buffer of the step's parity;
-        // the barrier hands them to all 128 threads, and a buffer is rewritten two steps later,
-        // after the next step's barrier, which every thread passes only after its reads of it
+        // this step's rows (loaded one step ahead, 2 per lane) -> the warp's buffer of the step's
+        // parity; __syncwarp hands them to the warp's lanes, and a buffer is rewritten two steps
+        // later, after the next step's __syncwarp, which every lane passes after its reads of it
         float* lse2 = rows + (step & 1) * 2 * BQ;
         const float* delta = lse2 + BQ;
-        if (lt < BQ) {
-          lse2[lt] = row_lse2;
-          lse2[BQ + lt] = row_delta;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          lse2[lane + 32 * r] = row_lse2[r];
+          lse2[BQ + lane + 32 * r] = row_delta[r];
         }
         if (i + 1 < p.q_tiles)
-          load_row(p, w, g, i + 1, lt, row_lse2, row_delta);
+          load_rows(p, w, g, i + 1, lane, row_lse2, row_delta);
         else if (g + 1 < p.group)
-          load_row(p, w, g + 1, w.q_begin, lt, row_lse2, row_delta);
-        named_barrier_sync(kBarRows0 + wg, 128);
+          load_rows(p, w, g + 1, w.q_begin, lane, row_lse2, row_delta);
+        __syncwarp();
         char* ds = smem + Map::kDSOffset + (step & 1) * Map::kDSBytes;
         mbar_wait(&bars.q_full[st.stage], st.phase);
 
@@ -368,17 +371,19 @@ struct AttnBwdEngine {
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
   }
 
-  // Row lt (< BQ) of q tile i of group head g: lse as log2 and delta. Rows past S_q get lse =
+  // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get lse =
   // +inf and delta = 0, so P and dS are exactly 0 there whatever TMA's zero fill makes of S and
   // dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf.
-  __device__ static void load_row(const AttnBwdParams& p, const Work& w, int g, int i, int lt,
-                                  float& lse2, float& delta) {
-    if (lt >= BQ) return;
-    const int row = i * BQ + lt;
-    const size_t at = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.S_q + row;
-    const float l = row < p.S_q ? p.lse[at] : -INFINITY;
-    lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
-    delta = row < p.S_q ? p.delta[at] : 0.f;
+  __device__ static void load_rows(const AttnBwdParams& p, const Work& w, int g, int i,
+                                   int lane, float (&lse2)[2], float (&delta)[2]) {
+    const size_t head = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.S_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = i * BQ + lane + 32 * r;
+      const float l = row < p.S_q ? p.lse[head + row] : -INFINITY;
+      lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+      delta[r] = row < p.S_q ? p.delta[head + row] : 0.f;
+    }
   }
 
   // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
