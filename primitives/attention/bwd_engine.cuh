@@ -371,9 +371,9 @@ struct AttnBwdEngine {
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
   }
 
-  // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get lse =
-  // +inf and delta = 0, so P and dS are exactly 0 there whatever TMA's zero fill makes of S and
-  // dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf.
+  // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get
+  // lse = +inf and delta = 0, so P and dS are exactly 0 there whatever TMA's zero fill makes of S
+  // and dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf.
   __device__ static void load_rows(const AttnBwdParams& p, const Work& w, int g, int i,
                                    int lane, float (&lse2)[2], float (&delta)[2]) {
     const size_t head = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.S_q;
