@@ -1,10 +1,10 @@
-"""gemm_rs and ag_gemm over several nodes (``World.emulated(W, nodes=N)``) on the CPU interpreter:
-within a node data moves by peer stores and bulk copies, across nodes only by rdma puts through the
-proxy ring's twin (docs/rdma.md "Hierarchical ops"). Properties over W in {2, 4, 8}, N in {2, 4},
-both overlaps, shapes, tile orders and interleavings: results within the reference's rounding,
-pads back to zero, two calls in a row (and two calls on one machine state), every put drained;
-the interpreter's cross-node check never fires for these plans and does for a plan of one node;
-planted mistakes are caught."""
+"""gemm_rs, ag_gemm and gemm_ar over several nodes (``World.emulated(W, nodes=N)``) on the CPU
+interpreter: within a node data moves by peer stores and bulk copies, across nodes only by rdma
+puts through the proxy ring's twin (docs/rdma.md "Hierarchical ops"). Properties over W in {2, 4,
+8}, N in {2, 4}, both overlaps, shapes, tile orders and interleavings: results within the
+reference's rounding, pads back to zero, two calls in a row (and two calls on one machine state),
+every put drained; the interpreter's cross-node check never fires for these plans and does for a
+plan of one node; planted mistakes are caught."""
 
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ import mkernel
 from mkernel.interp import program, rdma
 from mkernel.ops import ag_gemm as ag_mod
 from mkernel.ops import common
+from mkernel.ops import gemm_ar as ar_mod
 from mkernel.ops import gemm_rs as rs_mod
 from mkernel.world import World
 from tests.helpers import (
     assert_close_bf16,
+    assert_close_exact,
     assert_pads_zero,
     gemm_inputs,
     poisoned,
     random_order,
 )
-from tests.test_laws import assert_gemm_rs
+from tests.test_laws import assert_gemm_rs, gemm_ar_formula
 
 WORLDS = [(2, 2), (4, 2), (4, 4), (8, 2), (8, 4)]  # (W, nodes)
 OVERLAP = st.sampled_from(["intra_sm", "inter_sm"])
@@ -41,7 +43,9 @@ def run_calls(module, world, sched, a, b, seed, calls=2):
     """``calls`` calls of the op's plan back to back on one machine state (program.run_plan), as
     kernels on one stream; returns the result of the last and the machine."""
     plan = sched.plan(module.SPEC.name, world, a, b)
-    out_rows = a.shape[1] // world.size if module is rs_mod else a.shape[1] * world.size
+    out_rows = {rs_mod: a.shape[1] // world.size, ag_mod: a.shape[1] * world.size}.get(
+        module, a.shape[1]
+    )
     out = poisoned((world.size, out_rows, b.shape[2]), "cpu")
     ws = common.workspace(world, plan)
     buffers = {"a": a, "b": b, "out": out, **{k: v.local for k, v in ws.items() if v is not None}}
@@ -69,6 +73,16 @@ def ag_gemm_puts(plan) -> int:
     return (plan.nodes - 1) * (1 + plan.sizes["chunks"])
 
 
+def gemm_ar_puts(plan, r: int) -> int:
+    """Rank r's puts per call: a node sum per tile a rail peer owns, its own results to every rail
+    peer (no arrivals: data flows both ways along the rails)."""
+    W, N = plan.world_size, plan.nodes
+    R = W // N
+    owned = [sum(t.tag == q for t in plan.tiles) for q in range(W)]
+    rail = [((r // R + j) % N) * R + r % R for j in range(1, N)]
+    return sum(owned[q] + owned[r] for q in rail)
+
+
 # -- results ---------------------------------------------------------------------------------------
 
 
@@ -94,7 +108,7 @@ def test_gemm_rs_over_nodes(wn, rows, n8, k8, overlap, tile, sms, seed, shuffle)
     assert_gemm_rs(out, a, b, f"W={W} nodes={N} {W * rows}x{n}x{kl}")
     assert_pads_zero(world)
     # Another call, another interleaving: the same bits (every sum is added in a fixed order).
-    again = mkernel.gemm_rs(a, b, world=world, schedule=_schedule(overlap, sms, seed + 1, False))
+    again = mkernel.gemm_rs(a, b, world, _schedule(overlap, sms, seed + 1, shuffle, tile=tile))
     assert torch.equal(again, out)
     assert_pads_zero(world)
 
@@ -123,9 +137,39 @@ def test_ag_gemm_over_nodes(wn, ms, n8, k8, overlap, chunk_rows, transfer, sms, 
     ref = mkernel.reference.ag_gemm(a, b, world=world)
     assert_close_bf16(out, ref, f"W={W} nodes={N} ms={ms} n={n} k={k} chunk_rows={chunk_rows}")
     assert_pads_zero(world)
-    again = mkernel.ag_gemm(a, b, world=world, schedule=_schedule(overlap, sms, seed + 1, False))
+    resched = _schedule(overlap, sms, seed + 1, False, chunk_rows=chunk_rows, transfer=transfer)
+    again = mkernel.ag_gemm(a, b, world=world, schedule=resched)
     assert torch.equal(again, out)
     assert_pads_zero(world)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    wn=st.sampled_from(WORLDS),
+    m=st.integers(1, 160),
+    n8=st.integers(1, 24),
+    k8=st.integers(1, 6),
+    overlap=OVERLAP,
+    sms=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    shuffle=st.booleans(),
+)
+def test_gemm_ar_over_nodes(wn, m, n8, k8, overlap, sms, seed, shuffle):
+    (W, N), n, kl = wn, 8 * n8, 8 * k8
+    world = mkernel.World.emulated(W, nodes=N)
+    a, b = gemm_inputs(W, m, n, kl, seed)
+    sched = _schedule(overlap, sms, seed, shuffle, tile="64x128x64")
+    out = mkernel.gemm_ar(a, b, world=world, schedule=sched)
+    assert_close_exact(out, *gemm_ar_formula(a, b), f"W={W} nodes={N} {m}x{n}x{kl}")
+    assert all(torch.equal(out[r], out[0]) for r in range(W)), "one result on every rank"
+    assert_pads_zero(world)
+    again = mkernel.gemm_ar(
+        a, b, world, _schedule(overlap, sms, seed + 1, shuffle, tile="64x128x64")
+    )
+    if W // N <= 2:  # the same bits: acc's red.adds are 0 + x + y; more commute only in value
+        assert torch.equal(again, out)
+    else:
+        assert_close_exact(again, *gemm_ar_formula(a, b), "again")
 
 
 @pytest.mark.parametrize("W,N", WORLDS)
@@ -144,6 +188,12 @@ def test_two_calls_on_one_machine_drain_every_put(W, N, overlap):
         out, m, plan = run_calls(ag_mod, world, sched, a, b, seed)
         assert_close_bf16(out, mkernel.reference.ag_gemm(a, b, world=world), "ag_gemm")
         assert_rings_drained(m, plan, ag_gemm_puts(plan), calls=2)
+        a, b = gemm_inputs(W, 100, 24, 16, seed)
+        out, m, plan = run_calls(ar_mod, world, sched, a, b, seed)
+        assert_close_exact(out, *gemm_ar_formula(a, b), "gemm_ar")
+        for r in range(W):
+            assert int(m.pads["rdma_tail"][r, 0]) == 2 * gemm_ar_puts(plan, r)
+            assert int(m.pads["rdma_reserve"][r, 0]) == 2 * gemm_ar_puts(plan, r)
         assert_pads_zero(world)
 
 
@@ -212,14 +262,20 @@ def test_a_plan_of_one_node_in_a_world_of_two_is_a_cross_node_error():
         program.run_plan(flat, plan, buffers, moves, 0, outputs)
 
 
-@pytest.mark.parametrize("module", [rs_mod, ag_mod])
+def _inputs(module, seed):
+    """Small operands of a 4-rank world for ``module``, and where its puts land."""
+    rows = {rs_mod: 4 * 16, ag_mod: 16, ar_mod: 16}[module]
+    dest = {rs_mod: "xrecv", ag_mod: "gather", ar_mod: "(?:xrecv|xout)"}[module]
+    return gemm_inputs(4, rows, 16, 16, seed), dest
+
+
+@pytest.mark.parametrize("module", [rs_mod, ag_mod, ar_mod])
 def test_signal_raised_before_the_put_landed_is_a_race(module, monkeypatch):
     early = lambda ring, count: rdma.proxy(ring, count, signal_early=True)  # noqa: E731
     monkeypatch.setattr(program, "proxy", early)
-    dest = "xrecv" if module is rs_mod else "gather"
     for seed in range(4):
         world = mkernel.World.emulated(4, nodes=2)
-        a, b = gemm_inputs(4, 4 * 16 if module is rs_mod else 16, 16, 16, seed)
+        (a, b), dest = _inputs(module, seed)
         sched = mkernel.Schedule(seed=seed, sms=3)
         with pytest.raises(mkernel.RaceError, match=rf"{dest}\[\d\]"):
             getattr(mkernel, module.SPEC.name)(a, b, world=world, schedule=sched)
@@ -228,47 +284,47 @@ def test_signal_raised_before_the_put_landed_is_a_race(module, monkeypatch):
 @pytest.mark.parametrize("module", [rs_mod, ag_mod])
 def test_without_the_rail_arrival_the_next_call_races_the_previous(module):
     """Strip the arrivals and their waits: a put of call 1 may land while the peer on the other
-    node still reads what call 0 put there."""
+    node still reads what call 0 put there. (gemm_ar has none: its two calls on one machine in
+    test_two_calls_on_one_machine_drain_every_put show that it needs none.)"""
     W, N = 4, 2
     world = mkernel.World.emulated(W, nodes=N)
     sched = mkernel.Schedule(overlap="inter_sm", sms=3, seed=5)
-    a, b = gemm_inputs(W, W * 16 if module is rs_mod else 16, 16, 16, 1)
+    (a, b), dest = _inputs(module, 1)
     plan = sched.plan(module.SPEC.name, world, a, b)
     for tables in plan.roles.values():
         for tasks in tables.tasks:
             for t in tasks:
                 t.waits = tuple(w for w in t.waits if w.pad != "rail_ready")
                 t.raises = tuple(x for x in t.raises if x.pad != "rail_ready")
-    dest = "xrecv" if module is rs_mod else "gather"
     with pytest.raises(mkernel.RaceError, match=rf"{dest}\[\d\].*call [01]"):
         run_calls(module, world, sched, a, b, 5)
 
 
 @pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
 def test_silent_rank_times_out_its_peers_naming_it(overlap):
-    for module in (rs_mod, ag_mod):
+    for module in (rs_mod, ag_mod, ar_mod):
         world = mkernel.World.emulated(4, nodes=2, timeout_s=0.05)
-        a, b = gemm_inputs(4, 4 * 16 if module is rs_mod else 16, 16, 16, 2)
+        (a, b), _ = _inputs(module, 2)
         sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=2))
         with pytest.raises(mkernel.CommTimeout) as e:
             getattr(mkernel, module.SPEC.name)(a, b, world=world, schedule=sched)
         assert e.value.peer == 2 and e.value.rank != 2, str(e.value)
-        pads = ("partial", "node_part", "rail_ready", "chunk_ready")
+        pads = ("partial", "node_part", "rail_ready", "chunk_ready", "tile_flag", "tile_ready")
         assert e.value.signal.startswith(pads), str(e.value)
         assert "peer 2" in str(e.value)
         assert_pads_zero(world)  # the failed call left the world clean
 
 
 def test_stalled_proxy_times_out_naming_the_signal(monkeypatch):
-    stalled = lambda ring, count: rdma.proxy(ring, count, stall_after=1)  # noqa: E731
+    stalled = lambda ring, count: rdma.proxy(ring, count, stall_after=0)  # noqa: E731
     monkeypatch.setattr(program, "proxy", stalled)
-    for module in (rs_mod, ag_mod):
+    for module in (rs_mod, ag_mod, ar_mod):
         world = mkernel.World.emulated(4, nodes=2, timeout_s=0.05)
-        a, b = gemm_inputs(4, 4 * 16 if module is rs_mod else 16, 16, 16, 3)
+        (a, b), _ = _inputs(module, 3)
         with pytest.raises(mkernel.CommTimeout) as e:
             getattr(mkernel, module.SPEC.name)(a, b, world=world)
         sig = e.value.signal
-        assert sig.startswith(("node_part", "rail_ready", "chunk_ready", "rdma_tail")), sig
+        assert sig.startswith(("node_part", "rail_ready", "chunk_ready", "tile_", "rdma_tail")), sig
         if not sig.startswith("rdma_tail"):  # a receiver: the peer is on the other node
             assert e.value.peer // 2 != e.value.rank // 2, str(e.value)
 
@@ -295,7 +351,7 @@ def test_gpu_world_over_nodes_is_not_built_yet():
     # A GPU world object without a GPU: the check comes before anything touches the device.
     world = World(size=4, device=torch.device("cuda", 0), kind="emulated", nodes=2)
     a, b = gemm_inputs(4, 16, 16, 16, 0)
-    for op in (mkernel.gemm_rs, mkernel.ag_gemm):
+    for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
         with pytest.raises(NotImplementedError, match="device kernels for nodes > 1"):
             op(a, b, world=world)
 

@@ -22,6 +22,26 @@ whole result has landed.
 
 In a distributed world the peers write into a symmetric ``result`` buffer, copied into ``out`` after
 the kernel (one extra [M, N] device copy per call); an emulated world writes ``out`` directly.
+
+Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
+"Hierarchical ops"), R = W / N ranks per node: tile t (owner o = t % W) is reduced in each node n
+by its reducer (n, local(o)) (o itself on o's node): the node's ranks red.add their fp32 partials
+into the reducer's ``acc``; a reducer on another node moves the node's sum into ``xsend``, zeroes
+``acc`` and puts the sum into slot n of o's ``xrecv`` (rdma, ``node_part[t, node=n]``); o adds
+its ``acc`` and the N - 1 node sums in fp32, rounds once to bf16, stores the tile into its node's
+results and puts it into the ``xout`` of its rail peers (the reducers of t elsewhere,
+``tile_ready[t]``), which forward it into their node's results. Comm tasks per rank, in this order
+(no cycle: each class waits only on the ones before it): the reducers' puts, the owner's
+finalizes, the forwards, the waits for the tiles of others. No rail arrival (gemm_rs, ag_gemm):
+data flows both ways along each rail, so a put of the next call already follows the previous
+call's reads of its destination (o's finalize waits for the next call's node sum; the reducer's
+next call follows its forward of o's result).
+
+    W = 4, N = 2 (nodes {0, 1}, {2, 3}); tile t of owner 2:
+    ranks 0, 1: red.add -> acc of 0 (tile_flag[t, src] on 0); ranks 2, 3: -> acc of 2
+    rank 0: waits tile_flag[t, 0..1]; acc -> xsend -> rdma put -> xrecv[slot 0] of 2
+    rank 2: waits tile_flag[t, 2..3], node_part[t, 0]; bf16 -> out of 2, 3; rdma put -> xout of 0
+    rank 0: waits tile_ready[t]; xout -> out of 0, 1 (tile_ready[t] on 1)
 """
 
 from __future__ import annotations
@@ -30,7 +50,7 @@ import sys
 
 import torch
 
-from ..interp import twins
+from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
     TILE_CONFIGS,
@@ -70,9 +90,30 @@ SPEC = OpSpec(
     ),
     scalars=("m", "n", "k_local", "tiles"),
 )
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+SPEC_NODES = OpSpec(
+    name="gemm_ar",
+    doc="GEMM + AllReduce over nodes (no device kernel yet)",
+    buffers=(
+        *SPEC.buffers[:3],
+        Buffer("acc", "symmetric", f32, ("m", "n"), "fp32 sums of my node; tiles I reduce"),
+        Buffer("xsend", "symmetric", f32, ("m", "n"), "my node's sum of a tile, put to its owner"),
+        Buffer("xrecv", "symmetric", f32, ("node_m", "n"), "slot n: node n's sum of my tiles"),
+        Buffer("xout", "symmetric", bf16, ("m", "n"), "the result of a tile, put by its owner"),
+    ),
+    pads=(
+        *SPEC.pads,
+        Pad("node_part", ("tile", "node"), ("tiles", "nodes"), doc="node's sum landed (rdma)"),
+    ),
+    scalars=SPEC.scalars,
+    device=False,
+)
+SEND, FINALIZE, FORWARD, LANDED = range(4)  # comm task kinds over several nodes (args[1])
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    if world.nodes > 1:
+        return _make_plan_nodes(schedule, world, m, n, k)
     W = world.size
     sms = rank_sms(schedule, world)
     cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k // W, sms)
@@ -111,6 +152,55 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     shapes = {"m": m, "n": n, "k": k}
     sizes = {**shapes, "k_local": k // W, "tiles": T}
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
+
+
+def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    """The plan over N > 1 nodes of R ranks (module docstring)."""
+    W, N = world.size, world.nodes
+    R = W // N
+    sms = rank_sms(schedule, world)
+    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k // W, sms)
+    tiles = [t._replace(tag=t.index % W) for t in grid_tiles(0, m, n, cfg, 0, 0)]  # tag = owner
+    T = len(tiles)
+    default = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    compute, comm = [], []
+    for r in range(W):
+        node, local = divmod(r, R)
+        peers = [node * R + (local + j) % R for j in range(1, R)]  # my node's other ranks
+        rail = [((node + j) % N) * R + local for j in range(1, N)]  # my local index elsewhere
+        team = [r, *peers]
+        reducer = lambda t, node=node: node * R + t.tag % R  # noqa: E731
+        order = apply_order(schedule.tile_order, r, tiles, default)
+        flags = [(Raise("tile_flag", reducer(t), (t.index, r)),) for t in tiles]
+        compute.append([Task(i, (i,), raises=flags[i]) for i in order])
+        mine = [t for t in tiles if t.tag % R == local]  # the tiles I reduce
+        sends = [t for t in mine if t.tag != r]
+        owned = [t for t in mine if t.tag == r]
+        node_flags = lambda t, r=r, team=team: tuple(  # noqa: E731
+            Wait("tile_flag", r, (t.index, s)) for s in team
+        )
+        tasks = []
+        for t in sends:
+            waits = node_flags(t)
+            raises = (Raise("node_part", t.tag, (t.index, node)),)
+            tasks.append(Task(1 + t.index, (t.index, SEND), waits=waits, raises=raises))
+        for t in owned:
+            arrived = tuple(Wait("node_part", r, (t.index, (node + j) % N)) for j in range(1, N))
+            waits = (*node_flags(t), *arrived)
+            raises = tuple(Raise("tile_ready", q, (t.index,)) for q in peers + rail)
+            tasks.append(Task(1 + t.index, (t.index, FINALIZE), waits=waits, raises=raises))
+        for t in sends:  # the result of a tile of another node's owner, landed here
+            landed = (Wait("tile_ready", r, (t.index,)),)
+            raises = tuple(Raise("tile_ready", q, (t.index,)) for q in peers)
+            tasks.append(Task(1 + T + t.index, (t.index, FORWARD), waits=landed, raises=raises))
+        for t in tiles:  # every other tile: its finalize or forward in my node stores it here
+            if t.tag % R != local:
+                landed = (Wait("tile_ready", r, (t.index,), patience=2),)
+                tasks.append(Task(1 + T + t.index, (t.index, LANDED), waits=landed))
+        comm.append(tasks)
+    shapes = {"m": m, "n": n, "k": k}
+    sizes = {**shapes, "k_local": k // W, "tiles": T, "nodes": N, "node_m": N * m}
+    return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 
 def shapes(a: torch.Tensor, b: torch.Tensor, world: World) -> dict[str, int]:
@@ -166,6 +256,8 @@ def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
 
 
 def twins_of(plan: Plan):
+    if plan.nodes > 1:
+        return _twins_nodes(plan)
     W, T, k = plan.world_size, plan.sizes["tiles"], plan.sizes["k_local"]
 
     def compute(ctx, task):  # GemmAR::dest: reduce-add into the owner (W == 1: bf16 into out)
@@ -188,6 +280,54 @@ def twins_of(plan: Plan):
             p = (ctx.rank + j) % W
             yield from twins.output_store(ctx, "out", p, rect, v.bfloat16(), t.index)
         yield from twins.tile_send(ctx, "acc", ctx.rank, rect, torch.zeros_like(v))
+
+    return {"compute": compute, "comm": comm}
+
+
+def _twins_nodes(plan: Plan):
+    """The data movement over several nodes (no device code yet): red.add within a node, fp32
+    node sums and bf16 results across by rdma puts (program.put_on_completion)."""
+    W, N, M, k = plan.world_size, plan.nodes, plan.sizes["m"], plan.sizes["k_local"]
+    R = W // N
+
+    def compute(ctx, task):  # reduce-add into my node's reducer of the tile
+        t = plan.tiles[task.args[0]]
+        a = yield from twins.tile_load_async(ctx, "a", ctx.rank, (t.m0, t.rows, 0, k))
+        b = yield from twins.tile_load_async(ctx, "b", ctx.rank, (0, k, t.n0, t.cols))
+        reducer = ctx.rank // R * R + t.tag % R
+        rect = (t.m0, t.rows, t.n0, t.cols)
+        yield from twins.red_add_v2_f32_sys(ctx, "acc", reducer, rect, a.float() @ b.float())
+
+    def store_team(ctx, rect, v, tile):  # my result, then my node peers'
+        me = ctx.rank
+        for j in range(R):
+            p = me // R * R + (me + j) % R
+            yield from twins.output_store(ctx, "out", p, rect, v, tile)
+
+    def comm(ctx, task):
+        i, kind = task.args[:2]
+        if kind == LANDED:  # waits only
+            return
+        me, node, t = ctx.rank, ctx.rank // R, plan.tiles[i]
+        rect = (t.m0, t.rows, t.n0, t.cols)
+        if kind == FORWARD:
+            v = yield from twins.tile_load(ctx, "xout", me, rect)
+            yield from store_team(ctx, rect, v, i)
+            return
+        v = yield from twins.tile_load(ctx, "acc", me, rect)
+        yield from twins.tile_send(ctx, "acc", me, rect, torch.zeros_like(v))
+        if kind == SEND:  # my node's sum -> xsend -> slot `node` of the owner's xrecv
+            yield from twins.tile_send(ctx, "xsend", me, rect, v)
+            dst = (node * M + t.m0, t.rows, t.n0, t.cols)
+            program.put_on_completion(ctx, task, t.tag, "xrecv", dst, "xsend", rect)
+            return
+        for j in range(1, N):  # FINALIZE: the other nodes' sums, in node order from mine
+            slot = (((node + j) % N) * M + t.m0, t.rows, t.n0, t.cols)
+            v = v + (yield from twins.tile_load(ctx, "xrecv", me, slot))
+        yield from store_team(ctx, rect, v.bfloat16(), i)
+        for j in range(1, N):  # my result tile, to the reducers of the other nodes
+            q = ((node + j) % N) * R + me % R
+            program.put_on_completion(ctx, task, q, "xout", rect, "out", rect)
 
     return {"compute": compute, "comm": comm}
 
