@@ -79,6 +79,16 @@ def _event_ms(fn: Callable[[], object], reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
+def run_rounds(cases: list[tuple], rounds: int) -> None:
+    """Interleaved timing: each round runs every version of every case once (one measurement =
+    ``reps`` back-to-back calls); cases are (S, causal, fns, errs, reps, times) and each
+    measurement is appended to ``times[name]``."""
+    for _ in range(rounds):
+        for _S, _causal, fns, _errs, reps, times in cases:
+            for name, fn in fns.items():
+                times[name].append(_event_ms(fn, reps[name]))
+
+
 def run(save_json: bool = True) -> list[dict]:
     attention_ext.load()
     cases = []
@@ -101,10 +111,7 @@ def run(save_json: bool = True) -> list[dict]:
                 print(f"S={S} causal={causal}: {name} unavailable ({exc})", file=sys.stderr)
                 del fns[name]
         cases.append((S, causal, fns, errs, reps, {name: [] for name in fns}))
-    for _ in range(ROUNDS):
-        for _S, _causal, fns, _errs, reps, times in cases:
-            for name, fn in fns.items():
-                times[name].append(_event_ms(fn, reps[name]))
+    run_rounds(cases, ROUNDS)
     rows = []
     for S, causal, fns, errs, _reps, times in cases:
         row: dict = {"S": S, "causal": causal, "B": B, "H": H, "D": D}

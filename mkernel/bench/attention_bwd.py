@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attention_ext
-from .attention import _event_ms
+from .attention import _event_ms, run_rounds
 from .timing import save, table
 
 B, H, D = 1, 32, 128
@@ -102,10 +102,7 @@ def run(save_json: bool = True) -> list[dict]:
                 fn()
             reps[name] = max(1, round(TARGET_MS / max(_event_ms(fn, 1), 1e-3)))
         cases.append((S, causal, fns, errs, reps, {name: [] for name in fns}))
-    for _ in range(ROUNDS):
-        for _S, _causal, fns, _errs, reps, times in cases:
-            for name, fn in fns.items():
-                times[name].append(_event_ms(fn, reps[name]))
+    run_rounds(cases, ROUNDS)
     rows = []
     for S, causal, fns, errs, _reps, times in cases:
         row: dict = {"S": S, "causal": causal, "B": B, "H": H, "D": D, **errs}

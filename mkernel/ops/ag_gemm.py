@@ -92,9 +92,9 @@ def _chunk_of(row: int, ms: int, cr: int, chunks: int) -> int:
     return src * chunks + (row - src * ms) // cr
 
 
-def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
-    if world.nodes > 1:
-        return _make_plan_nodes(schedule, world, m, n, k)
+def _chunked_tiles(schedule: Schedule, world: World, m: int, n: int, k: int):
+    """The tile config, rows per shard, chunk rows, chunks per shard; the output tiles tagged with
+    the first chunk they need, the chunks each needs, tiles per chunk, and the L2-friendly order."""
     W = world.size
     sms = rank_sms(schedule, world)
     cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
@@ -109,6 +109,25 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
         for g in chunks:
             consumers[g] += 1
     grouped = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly
+    return cfg, ms, cr, C, tiles, needs, consumers, grouped
+
+
+def _sizes(schedule: Schedule, shapes: dict, W: int, ms: int, cr: int, C: int) -> dict[str, int]:
+    return {
+        **shapes,
+        "ms": ms,
+        "chunks": C,
+        "chunk_rows": cr,
+        "chunks_total": W * C,
+        "transfer_tma": int(schedule.transfer == "tma"),
+    }
+
+
+def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    if world.nodes > 1:
+        return _make_plan_nodes(schedule, world, m, n, k)
+    W = world.size
+    cfg, ms, cr, C, tiles, needs, consumers, grouped = _chunked_tiles(schedule, world, m, n, k)
     compute, comm = [], []
     for r in range(W):
         # Default: arrival order. A tile's place is that of the latest shard it needs, counted from
@@ -132,14 +151,7 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
             ]
         )
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {
-        **shapes,
-        "ms": ms,
-        "chunks": C,
-        "chunk_rows": cr,
-        "chunks_total": W * C,
-        "transfer_tma": int(schedule.transfer == "tma"),
-    }
+    sizes = _sizes(schedule, shapes, W, ms, cr, C)
     extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W * C] tiles per chunk
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
 
@@ -148,18 +160,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
     """The plan over N > 1 nodes of R ranks (module docstring)."""
     W, N = world.size, world.nodes
     R = W // N
-    sms = rank_sms(schedule, world)
-    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
-    ms = m // W
-    cr = min(schedule.chunk_rows or cfg.bm, ms)
-    C = -(-ms // cr)
-    tiles = [t._replace(tag=_chunk_of(t.m0, ms, cr, C)) for t in grid_tiles(0, m, n, cfg, 0, 0)]
-    needs = [range(t.tag, _chunk_of(t.m0 + t.rows - 1, ms, cr, C) + 1) for t in tiles]
-    tile_consumers = [0] * (W * C)
-    for chunks in needs:
-        for g in chunks:
-            tile_consumers[g] += 1
-    grouped = grouped_order(-(-m // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    cfg, ms, cr, C, tiles, needs, tile_consumers, grouped = _chunked_tiles(schedule, world, m, n, k)
     compute, comm, consumers = [], [], []
     for r in range(W):
         node, local = divmod(r, R)
@@ -197,15 +198,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
                     tasks.append(Task(g * W + p, (g, p, FORWARD), waits=landed, raises=flag(g, p)))
         comm.append(tasks)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {
-        **shapes,
-        "ms": ms,
-        "chunks": C,
-        "chunk_rows": cr,
-        "chunks_total": W * C,
-        "transfer_tma": int(schedule.transfer == "tma"),
-        "nodes": N,
-    }
+    sizes = {**_sizes(schedule, shapes, W, ms, cr, C), "nodes": N}
     extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W, W * C] per rank
     return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
 

@@ -117,9 +117,9 @@ SPEC_NODES = OpSpec(
 TO_OWNER, TO_AGG, AGGREGATE, OWN = range(4)
 
 
-def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
-    if world.nodes > 1:
-        return _make_plan_nodes(schedule, world, m, n, k)
+def _owned_tiles(schedule: Schedule, world: World, m: int, n: int, k: int):
+    """The tile config, rows per rank, output tiles grouped by owner (tag = owner), tiles per
+    owner, and the L2-friendly order of one owner's block (indices within it)."""
     W = world.size
     sms = rank_sms(schedule, world)
     cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
@@ -128,7 +128,15 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     for owner in range(W):
         tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
     per_owner = len(tiles) // W
-    block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)  # L2-friendly within a block
+    block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    return cfg, ms, tiles, per_owner, block
+
+
+def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
+    if world.nodes > 1:
+        return _make_plan_nodes(schedule, world, m, n, k)
+    W = world.size
+    cfg, ms, tiles, per_owner, block = _owned_tiles(schedule, world, m, n, k)
     compute = []
     for r in range(W):
         # Default: the peers' blocks first, rank r+1's, then r+2's, ...; its own block last.
@@ -177,14 +185,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
     arrival at its rail peers."""
     W, N = world.size, world.nodes
     R = W // N
-    sms = rank_sms(schedule, world)
-    cfg = TILE_CONFIGS[schedule.tile] if schedule.tile else pick_tile(m, n, k, sms)
-    ms = m // W
-    tiles = []
-    for owner in range(W):
-        tiles += grid_tiles(owner * ms, ms, n, cfg, owner, len(tiles))
-    per_owner = len(tiles) // W
-    block = grouped_order(-(-ms // cfg.bm), -(-n // cfg.bn), cfg, sms)
+    cfg, ms, tiles, per_owner, block = _owned_tiles(schedule, world, m, n, k)
     stage_class = {TO_AGG: 0, TO_OWNER: 0, AGGREGATE: 1, OWN: 2}
     compute, comm = [], []
     for r in range(W):

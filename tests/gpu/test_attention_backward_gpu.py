@@ -72,15 +72,16 @@ def test_ring_autograd_with_the_gradient_of_lse_d128():
 
 
 def _formula(q, k, v, dout, causal, scale):
-    """fp64 autograd of top-left-causal attention with S_q != S_kv (GQA by repeat)."""
+    """fp64 autograd of top-left-causal attention with S_q != S_kv (GQA by repeat), on the
+    inputs' device."""
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     Q, K, V = leaves
     group = Q.shape[2] // K.shape[2]
     K, V = K.repeat_interleave(group, 2), V.repeat_interleave(group, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", Q, K) * scale
     if causal:
-        i = torch.arange(s.shape[2])[:, None]
-        j = torch.arange(s.shape[3])[None, :]
+        i = torch.arange(s.shape[2], device=s.device)[:, None]
+        j = torch.arange(s.shape[3], device=s.device)[None, :]
         s = s.masked_fill(j > i, -math.inf)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), V)
     return torch.autograd.grad(out, leaves, dout.double())
