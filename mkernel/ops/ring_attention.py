@@ -326,9 +326,10 @@ def ring_attention(
     Returns:
         (out, lse): out bf16 per rank [B, S_local, Hq, D]; lse fp32 per rank [B, Hq, S_local],
         the natural log of each row's softmax denominator (scaled scores). Raises TypeError /
-        ValueError naming the argument before anything runs; NotImplementedError on a distributed
-        world; CommTimeout if a wait passes the world's deadline. In an emulated world on a GPU
-        it runs unfused (ring_attention_gpu.py: the attention engine per block, lse merge).
+        ValueError naming the argument before anything runs; CommTimeout if a wait passes the
+        world's deadline. On GPUs it runs unfused: in an emulated world the attention engine per
+        block with lse merges (ring_attention_gpu.py); in a distributed world the same with the
+        K/V blocks travelling the ring by torch.distributed sends (ring_attention_dist.py).
         Differentiable: when q, k or v require grad, ``out.backward(g)`` runs
         ``ring_attention_backward`` (mkernel/ops/ring_attention_backward.py; lse's gradient too).
     """
@@ -345,6 +346,14 @@ def ring_attention(
         s = shapes(q, k, v, world, causal, layout)
         scale = check_scale(scale, s["head_dim"])
         return ring_attention_gpu.forward(q, k, v, causal, scale, layout == "zigzag")
+    if world.on_gpu:  # distributed: K/V by NCCL sends, the engine per block (ring_attention_dist)
+        from . import ring_attention_dist as rd
+
+        common.check_schedule(schedule)
+        s = shapes(q, k, v, world, causal, layout)
+        scale = check_scale(scale, s["head_dim"])
+        fwd_block, _ = rd.gpu_engines()
+        return rd.forward(q, k, v, world, causal, scale, layout == "zigzag", fwd_block)
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(q, k, v, world, causal, layout)

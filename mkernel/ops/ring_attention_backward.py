@@ -245,8 +245,9 @@ def ring_attention_backward(
     Returns:
         (dq, dk, dv): bf16, dq like q, dk and dv like k and v (GQA: summed over the q heads that
         share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
-        before anything runs. In an emulated world on a GPU it runs unfused (ring_attention_gpu.py:
-        the backward engine per block, fp32 sums); NotImplementedError on a distributed world.
+        before anything runs. On GPUs it runs unfused: the backward engine per block with fp32
+        sums, in an emulated world (ring_attention_gpu.py) or a distributed one, where K/V and
+        the dK / dV accumulators travel by torch.distributed sends (ring_attention_dist.py).
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 
@@ -278,6 +279,17 @@ def run(
         return fwd.ring_attention_gpu.backward(
             dout, q, k, v, out, lse, dlse, causal, scale, layout == "zigzag"
         )
+    if world.on_gpu:  # distributed: blocks and dK / dV by NCCL sends (ring_attention_dist)
+        from . import ring_attention_dist as rd
+
+        common.check_schedule(schedule)
+        s = shapes(dout, q, k, v, out, lse, world, causal, layout)
+        scale = fwd.check_scale(scale, s["head_dim"])
+        if dlse is not None:
+            check_lse("dlse", dlse, world, tuple(lse.shape))
+        _, bwd_block = rd.gpu_engines()
+        zigzag = layout == "zigzag"
+        return rd.backward(dout, q, k, v, out, lse, dlse, world, causal, scale, zigzag, bwd_block)
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(dout, q, k, v, out, lse, world, causal, layout)

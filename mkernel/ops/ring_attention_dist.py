@@ -1,0 +1,208 @@
+"""Ring attention over a distributed world (one process per GPU), not yet fused: K/V blocks travel
+the ring by torch.distributed point-to-point sends (NCCL on GPUs) while the attention engines
+(mkernel.attention_ext) compute on the block each rank holds; the forward merges blocks by
+log-sum-exp in fp32, the backward sends each block's fp32 dK / dV accumulator along with it and
+brings it home after the last step. The fused kernel of issue 12 (blocks moved by the kernel
+itself, consumed tile by tile) replaces this; it is also the unfused baseline that kernel is
+measured against.
+
+Step s on rank r (W ranks): rank r holds the K/V block of rank o = (r - s) mod W and, while it
+computes on it, sends it to r + 1 and receives block o - 1 from r - 1 (double-buffered). Causal:
+a query chunk sees the key chunks of lower global index in full and its own chunk causally
+(``chunks``: the layout's segments); blocks it cannot see are skipped (a step may compute
+nothing, the block still travels). Backward: at step s rank r adds its contributions into block
+o's dK / dV accumulator, then passes the accumulator on (W passes: the last one lands at o).
+
+The block engines are arguments so the ring logic runs on the CPU with torch math (tests) and on
+the GPU with the engines: ``gpu_engines()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .ring_attention_gpu import _merge, chunks
+
+# fwd(q, k, v, causal, scale) -> (o fp32 [B, n, Hq, D], lse [B, Hq, n])
+FwdBlock = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# bwd(dout, q, k, v, lse, delta, causal, scale, dq32 (added into), dk32, dv32 (stored)) -> None
+BwdBlock = Callable[..., None]
+
+
+def gpu_engines() -> tuple[FwdBlock, BwdBlock]:
+    """The attention engines as block functions (mkernel/ops/ring_attention_gpu.py's contract)."""
+    from .. import attention_ext
+    from .ring_attention_gpu import _call
+
+    return _call, attention_ext.attention_backward_into
+
+
+def _exchange(world: Any, send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
+    """Send ``send`` to rank + 1 and receive ``recv`` from rank - 1 (group ranks), asynchronously;
+    the caller waits on the returned works before touching either buffer."""
+    import torch.distributed as dist
+
+    W, r = world.size, world.rank
+    glob = lambda p: dist.get_global_rank(world.group, p) if world.group is not None else p  # noqa: E731
+    ops = [
+        dist.P2POp(dist.isend, send, glob((r + 1) % W), world.group),
+        dist.P2POp(dist.irecv, recv, glob((r - 1) % W), world.group),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
+def _visible(g: int, owner: int, W: int, S: int, zigzag: bool, causal: bool):
+    """The key chunks (first local row, rows) of block ``owner`` that query chunk ``g`` sees in
+    full, and whether it sees one of them causally (its own chunk: the diagonal)."""
+    full, diag = [], None
+    for gk, a, m in chunks(owner, W, S, zigzag):
+        if not causal or gk < g:
+            full.append((a, m))
+        elif gk == g:
+            diag = (a, m)
+    return full, diag
+
+
+def _rows(x: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """The concatenated row ranges ``parts`` of x [B, S, H, D] (dim 1), contiguous."""
+    return torch.cat([x[:, a : a + m] for a, m in parts], dim=1).contiguous()
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    world: Any,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    fwd: FwdBlock,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (out bf16 [B, S, Hq, D], lse fp32 [B, Hq, S]) of ring attention."""
+    W, r = world.size, world.rank
+    B, S, Hq, D = q.shape
+    kv = torch.stack([k, v]).contiguous()  # one message per step
+    spare = torch.empty_like(kv)
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for s in range(W):
+        owner = (r - s) % W
+        works = _exchange(world, kv, spare) if s + 1 < W else []
+        for g, r0, n in chunks(r, W, S, zigzag):
+            qc = q[:, r0 : r0 + n].contiguous()
+            full, diag = _visible(g, owner, W, S, zigzag, causal)
+            parts = []
+            if full:
+                parts.append(fwd(qc, _rows(kv[0], full), _rows(kv[1], full), False, scale))
+            if diag is not None:
+                parts.append(fwd(qc, _rows(kv[0], [diag]), _rows(kv[1], [diag]), True, scale))
+            for o32, ls in parts:
+                acc[g] = (o32, ls) if g not in acc else _merge(*acc[g], o32, ls)
+        for w in works:
+            w.wait()
+        kv, spare = spare, kv
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    for g, r0, n in chunks(r, W, S, zigzag):
+        o32, ls = acc[g]  # every chunk sees at least itself (causal) or every block
+        out[:, r0 : r0 + n] = o32.to(torch.bfloat16)
+        lse[:, :, r0 : r0 + n] = ls
+    return out, lse
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    world: Any,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    bwd: BwdBlock,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (dq, dk, dv), bf16, of ring attention's backward (global lse and delta: every
+    block's P and dS are final, so block gradients only add)."""
+    W, r = world.size, world.rank
+    S = q.shape[1]
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    if dlse is not None:
+        delta = delta - dlse
+    delta = delta.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v]).contiguous()
+    spare = torch.empty_like(kv)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
+    dkv_spare = torch.empty_like(dkv)
+    for s in range(W):
+        owner = (r - s) % W
+        works = _exchange(world, kv, spare) if s + 1 < W else []
+        for g, r0, n in chunks(r, W, S, zigzag):
+            rows = slice(r0, r0 + n)
+            qc, doc = q[:, rows].contiguous(), dout[:, rows].contiguous()
+            lc, dc = lse[:, :, rows].contiguous(), delta[:, :, rows].contiguous()
+            dqc = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)
+            full, diag = _visible(g, owner, W, S, zigzag, causal)
+            calls = ([(full, False)] if full else []) + ([([diag], True)] if diag else [])
+            for parts, is_diag in calls:
+                kf, vf = _rows(kv[0], parts), _rows(kv[1], parts)
+                dkf = torch.empty(kf.shape, dtype=torch.float32, device=q.device)
+                dvf = torch.empty_like(dkf)
+                bwd(doc, qc, kf, vf, lc, dc, is_diag, scale, dqc, dkf, dvf)
+                at = 0
+                for a, m in parts:
+                    dkv[0][:, a : a + m] += dkf[:, at : at + m]
+                    dkv[1][:, a : a + m] += dvf[:, at : at + m]
+                    at += m
+            dq[:, rows] += dqc
+        for w in works:
+            w.wait()
+        kv, spare = spare, kv
+        if W > 1:  # block owner's accumulator on to r + 1; block owner - 1's arrives from r - 1
+            for w in _exchange(world, dkv, dkv_spare):
+                w.wait()
+            dkv, dkv_spare = dkv_spare, dkv
+    # after W passes the accumulator of this rank's own block is home
+    return dq.to(torch.bfloat16), dkv[0].to(torch.bfloat16), dkv[1].to(torch.bfloat16)
+
+
+# -- block functions in torch (fp32), for the CPU tests of the ring logic -------------------------
+
+
+def _scores(q, k, causal, scale):
+    group = q.shape[2] // k.shape[2]
+    kk = k.float().repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
+    if causal:
+        i = torch.arange(s.shape[2], device=s.device)[:, None]
+        j = torch.arange(s.shape[3], device=s.device)[None, :]
+        s = s.masked_fill(j > i, float("-inf"))
+    return s, group
+
+
+def torch_fwd_block(q, k, v, causal, scale):
+    """The engine's block contract in fp32 torch: (o [B, n, Hq, D] fp32, lse [B, Hq, n])."""
+    s, group = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v.float().repeat_interleave(group, 2))
+    return o, lse
+
+
+def torch_bwd_block(dout, q, k, v, lse, delta, causal, scale, dq, dk, dv):
+    """The backward engine's contract in fp32 torch: dq += block's dQ; dk, dv = block's dK, dV."""
+    s, group = _scores(q, k, causal, scale)
+    p = torch.exp(s - lse[..., None])
+    vv = v.float().repeat_interleave(group, 2)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout.float(), vv)
+    ds = p * (dp - delta[..., None]) * scale
+    kk = k.float().repeat_interleave(group, 2)
+    dq += torch.einsum("bhqk,bkhd->bqhd", ds, kk)
+    B, n, Hkv, D = k.shape
+    dk.copy_(torch.einsum("bhqk,bqhd->bkhd", ds, q.float()).reshape(B, n, Hkv, group, D).sum(3))
+    dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, dout.float()).reshape(B, n, Hkv, group, D).sum(3))

@@ -1,0 +1,86 @@
+"""ring_attention_dist (the distributed, not yet fused ring) on the CPU: W processes joined by
+torch.distributed (gloo), the block functions in fp32 torch instead of the GPU engines, so what is
+tested is the ring itself: which block each step holds, what each query chunk sees (contiguous /
+zigzag, causal or not), the double-buffered K/V sends, the lse merges, and the dK / dV
+accumulators that travel with their blocks and come home. Every rank's out, lse, dq, dk, dv are
+checked against the fp64 formulas of tests/test_ring_attention{,_backward}.py (their tolerances,
+no bf16 rounding of P), and the public API's dispatch to this path on a distributed GPU world."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mkernel.ops import ring_attention_dist as rd
+from mkernel.world import World
+from tests.test_ring_attention import _assert_attention
+from tests.test_ring_attention_backward import _assert_grads, _inputs
+
+CASES = [(layout, causal) for layout in ("contiguous", "zigzag") for causal in (False, True)]
+SCALE = 0.3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, W: int, port: int, folder: str, B: int, S: int, heads: tuple) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    try:
+        world = World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
+                      group=dist.group.WORLD)  # fmt: skip
+        q, k, v, dout = (x[rank] for x in _inputs(W, B, S, *heads, seed=W))
+        results = {}
+        for layout, causal in CASES:
+            zigzag = layout == "zigzag"
+            out, lse = rd.forward(q, k, v, world, causal, SCALE, zigzag, rd.torch_fwd_block)
+            grads = rd.backward(
+                dout, q, k, v, out, lse, None, world, causal, SCALE, zigzag, rd.torch_bwd_block
+            )
+            results[(layout, causal)] = (out, lse, *grads)
+        torch.save(results, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("W", "B", "S", "heads"), [(2, 1, 12, (2, 1)), (3, 2, 10, (4, 2))])
+def test_every_rank_gets_the_ring_results(W, B, S, heads, tmp_path):
+    mp.spawn(_worker, args=(W, _free_port(), str(tmp_path), B, S, heads), nprocs=W, join=True)
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    q, k, v, dout = _inputs(W, B, S, *heads, seed=W)
+    for layout, causal in CASES:
+        out, lse, dq, dk, dv = (
+            torch.stack([per_rank[r][(layout, causal)][i] for r in range(W)]) for i in range(5)
+        )
+        what = f"W={W} B={B} S={S} {heads} {layout} causal={causal}"
+        _assert_attention(out, lse, q, k, v, causal, SCALE, layout, what)
+        _assert_grads((dq, dk, dv), q, k, v, dout, out, lse, causal, SCALE, layout, what)
+
+
+def test_the_api_takes_this_path_on_a_distributed_gpu_world(monkeypatch):
+    """ring_attention / ring_attention_backward on a distributed world with a CUDA device call
+    ring_attention_dist with the GPU engines (stubbed here: no GPU, no process group)."""
+    import mkernel
+    from mkernel.ops import ring_attention_backward as rb
+
+    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=1)
+    calls = []
+    monkeypatch.setattr(rd, "gpu_engines", lambda: ("fwd", "bwd"))
+    monkeypatch.setattr(rd, "forward", lambda *a: calls.append(("forward", a[3:])) or "f")
+    monkeypatch.setattr(rd, "backward", lambda *a: calls.append(("backward", a[7:])) or "b")
+    monkeypatch.setattr(rb.fwd, "shapes", lambda *a, **kw: {"head_dim": 64})
+    monkeypatch.setattr(rb, "shapes", lambda *a, **kw: {"head_dim": 64})
+    x = torch.zeros(1)
+    assert mkernel.ring_attention(x, x, x, world, True, 0.5, "zigzag") == "f"
+    assert mkernel.ring_attention_backward(x, x, x, x, x, x, world, False, None) == "b"
+    assert calls[0] == ("forward", (world, True, 0.5, True, "fwd"))
+    assert calls[1] == ("backward", (world, False, 0.125, False, "bwd"))
