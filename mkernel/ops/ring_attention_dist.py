@@ -80,8 +80,11 @@ def forward(
     scale: float,
     zigzag: bool,
     fwd: FwdBlock,
+    move: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (out bf16 [B, S, Hq, D], lse fp32 [B, Hq, S]) of ring attention."""
+    """This rank's (out bf16 [B, S, Hq, D], lse fp32 [B, Hq, S]) of ring attention. ``move``
+    False keeps the first block for every step (measurements: the compute alone; the results are
+    then not ring attention's)."""
     W, r = world.size, world.rank
     B, S, Hq, D = q.shape
     kv = torch.stack([k, v]).contiguous()  # one message per step
@@ -89,7 +92,7 @@ def forward(
     acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for s in range(W):
         owner = (r - s) % W
-        works = _exchange(world, kv, spare) if s + 1 < W else []
+        works = _exchange(world, kv, spare) if move and s + 1 < W else []
         for g, r0, n in chunks(r, W, S, zigzag):
             qc = q[:, r0 : r0 + n].contiguous()
             full, diag = _visible(g, owner, W, S, zigzag, causal)
@@ -102,7 +105,8 @@ def forward(
                 acc[g] = (o32, ls) if g not in acc else _merge(*acc[g], o32, ls)
         for w in works:
             w.wait()
-        kv, spare = spare, kv
+        if move:
+            kv, spare = spare, kv
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     for g, r0, n in chunks(r, W, S, zigzag):
