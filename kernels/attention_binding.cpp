@@ -40,6 +40,7 @@ void bind_backward(py::module_& m) {
   bind_ptr(c, "dv", &AttentionBwdArgs::dv);
   bind_ptr(c, "out", &AttentionBwdArgs::out);
   bind_ptr(c, "dlse", &AttentionBwdArgs::dlse);
+  bind_ptr(c, "rows", &AttentionBwdArgs::rows);
   c.def_readwrite("B", &AttentionBwdArgs::B)
       .def_readwrite("S_q", &AttentionBwdArgs::S_q)
       .def_readwrite("S_kv", &AttentionBwdArgs::S_kv)
@@ -50,6 +51,7 @@ void bind_backward(py::module_& m) {
       .def_readwrite("causal", &AttentionBwdArgs::causal)
       .def_readwrite("kv_f32", &AttentionBwdArgs::kv_f32)
       .def_readwrite("kv_accumulate", &AttentionBwdArgs::kv_accumulate)
+      .def_readwrite("variant", &AttentionBwdArgs::variant)
       .def_readwrite("probe", &AttentionBwdArgs::probe);
   m.def(
       "launch_attention_bwd",

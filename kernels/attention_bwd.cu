@@ -45,6 +45,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
     return kAttnBwdTensorMap;
   p.lse = a.lse;
   p.delta = a.delta;
+  p.rows = a.rows;
   p.dk = a.dk;
   p.dv = a.dv;
   p.B = a.B;
@@ -81,8 +82,8 @@ bool aligned(const void* ptr, uintptr_t bytes) {
 // One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq
 // zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy.
 __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out,
-                                          const float* dlse, float* delta, float* dq, long long rows,
-                                          int S, int Hq, int D) {
+                                          const float* dlse, float* delta, float* dq,
+                                          long long rows, int S, int Hq, int D) {
   const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -127,8 +128,8 @@ const char* attention_bwd_status_string(int s) {
     case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
     case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
     case kAttnBwdBadPointer:
-      return "q, k, v, dout, dq must be non-null and 16-byte aligned, lse and delta 4-byte, "
-             "dk and dv 16-byte (bf16) or 8-byte (fp32)";
+      return "q, k, v, dout, dq (and rows for variant 1) must be non-null and 16-byte aligned, lse "
+             "and delta 4-byte, dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
       return "causal, kv_f32, kv_accumulate must be 0 or 1, and kv_accumulate needs kv_f32";
@@ -157,13 +158,17 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 2) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 2 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
+  if (a.variant == 1 && (!aligned(a.rows, 16) || a.probe != 0)) return kAttnBwdBadPointer;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
       !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
       !aligned(a.dk, kv_align) || !aligned(a.dv, kv_align))
     return kAttnBwdBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;
+  if (a.variant == 1)
+    return a.D == 64 ? launch<AttnBwdConfig<64, 0, true>>(a, stream)
+                     : launch<AttnBwdConfig<128, 0, true>>(a, stream);
   if (a.D == 64) return a.probe == 0 ? launch<AttnBwdConfig<64>>(a, stream) : kAttnBwdBadFlag;
   switch (a.probe) {  // the probes are built for the benchmark's head dim only
     case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);

@@ -31,6 +31,10 @@ struct AttentionBwdArgs {
   int causal = 0;          // 0 or 1
   int kv_f32 = 0;          // 1: dk, dv are fp32
   int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
+  const float* rows = nullptr;  // variant 1: [B, Hq, ceil(S_q / 64), 2, 64] fp32, 16-byte aligned:
+                                // per 64-row q tile lse * log2(e) (+inf past S_q or where lse is
+                                // -inf) then delta (0 past S_q)
+  int variant = 0;  // 0: consumer warps stage lse / delta; 1: they arrive by TMA from `rows`
   int probe = 0;  // measurement only, D = 128 (dq is then wrong): 1 skips dQ, 2 its reduce-adds
 };
 
@@ -39,9 +43,9 @@ enum AttentionBwdStatus : int {
   kAttnBwdBadShape = 1,      // a size < 1, or B * Hkv * kv tiles beyond 2^31
   kAttnBwdBadHeadDim = 2,    // D not in {64, 128}
   kAttnBwdBadHeads = 3,      // Hq % Hkv != 0
-  kAttnBwdBadPointer = 4,    // a pointer null or misaligned
+  kAttnBwdBadPointer = 4,    // a pointer null or misaligned (rows: variant 1 only)
   kAttnBwdBadScale = 5,      // scale not finite or <= 0
-  kAttnBwdBadFlag = 6,       // causal / kv_f32 / kv_accumulate not 0 or 1, or accumulate on bf16
+  kAttnBwdBadFlag = 6,       // a flag not 0 / 1, accumulate on bf16, variant / probe unknown
   kAttnBwdTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed
   kAttnBwdLaunchFailed = 8,  // a CUDA runtime error at launch
 };

@@ -18,6 +18,7 @@ from . import jit
 __all__ = [
     "SPEC",
     "VARIANTS",
+    "rows_of",
     "attention_backward",
     "attention_backward_into",
     "attention_forward",
@@ -181,6 +182,7 @@ def attention_backward_into(
     dv: torch.Tensor,
     *,
     accumulate: bool = False,
+    variant: int = 0,
     probe: int = 0,
 ) -> None:
     """One backward launch on the current stream (kernels/attention_bwd_args.h has the meaning).
@@ -188,12 +190,39 @@ def attention_backward_into(
     dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
-    with ``accumulate``). ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's MMA
-    and reduce-adds, 2 only the reduce-adds."""
+    with ``accumulate``). ``variant`` 0 (default): the consumer warps stage the lse / delta rows;
+    1: they arrive by TMA from a packed copy (``rows_of``, made here). ``probe`` is for
+    measurements only (dq is then wrong): 1 skips dQ's MMA and reduce-adds, 2 only the
+    reduce-adds."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.probe = int(probe)
+    keep = _set_variant(args, variant, lse, delta)
     _launch(ext, "launch_attention_bwd", args, q.device)
+    del keep  # NOTE: the packed rows live until the launch is enqueued (stream order keeps them)
+
+
+def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The backward's per-q-tile rows for variant 1: [B, H, ceil(S / 64), 2, 64] fp32, lse * log2 e
+    (+inf where lse is -inf or past S) then delta (0 past S), so one 512-byte bulk copy brings a
+    step's rows."""
+    B, H, S = lse.shape
+    pad = -S % 64
+    lse2 = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    lse2 = torch.nn.functional.pad(lse2, (0, pad), value=math.inf).view(B, H, -1, 64)
+    d = torch.nn.functional.pad(delta, (0, pad), value=0.0).view(B, H, -1, 64)
+    return torch.stack([lse2, d], dim=3).contiguous()
+
+
+def _set_variant(args, variant: int, lse: torch.Tensor, delta: torch.Tensor):
+    if variant not in (0, 1):
+        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
+    args.variant = variant
+    if variant == 0:
+        return None
+    rows = rows_of(lse, delta)
+    args.rows = rows.data_ptr()
+    return rows
 
 
 def _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate):
@@ -261,12 +290,13 @@ def attention_backward(
     scale: float | None = None,
     *,
     dlse: torch.Tensor | None = None,
+    variant: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), bf16 like q, k, v, of ``attention_forward(q, k, v, causal, scale)``
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
     summed over the query heads of each kv head. Three launches: delta and a zeroed dq (one small
-    kernel), the backward, dq -> bf16."""
+    kernel), the backward, dq -> bf16. ``variant``: as ``attention_backward_into``."""
     for name, t in (("dout", dout), ("q", q), ("out", out)):
         _check(name, t)
     if not (dout.shape == q.shape == out.shape):
@@ -289,5 +319,7 @@ def attention_backward(
     if dlse is not None:
         args.dlse = dlse.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)
+    keep = _set_variant(args, variant, lse, delta)  # variant 1: rows from the prep's delta
     _launch(ext, "launch_attention_bwd", args, q.device)
+    del keep
     return dq.to(torch.bfloat16), dk, dv

@@ -58,10 +58,14 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = false>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   static constexpr int PROBE = PROBE_;  // measurement only: 1 skips dQ, 2 its reduce-adds
+  // true: the step's lse2 / delta rows arrive by one bulk copy with Q and dO (from the packed
+  // [B, Hq, q_tiles, 2, BQ] rows the host prepares), so no consumer work stages them; false:
+  // each consumer warp loads and stages its own (the GPU-verified default, ~10% slower measured)
+  static constexpr bool TMA_ROWS = TMA_ROWS_;
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -94,7 +98,10 @@ struct AttnBwdSmem {
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
   static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kRowBytesPerWarp = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
-  static constexpr int kBarOffset = kRowOffset + 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
+  static constexpr int kRowStageBytes = 2 * Cfg::BQ * 4;  // TMA_ROWS: [lse2 | delta][BQ]
+  static constexpr int kRowBytes = Cfg::TMA_ROWS ? Cfg::STAGES * kRowStageBytes
+                                                 : 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
+  static constexpr int kBarOffset = kRowOffset + kRowBytes;
   static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
@@ -106,6 +113,7 @@ struct AttnBwdParams {
   CUtensorMap dq;             // [B, S_q, Hq, D] fp32, reduce-added into: box {32, 1, BQ, 1}
   const float* lse;           // [B, Hq, S_q] natural log (the forward's)
   const float* delta;         // [B, Hq, S_q] rowsum(dO * O) (minus d lse, if any)
+  const float* rows;          // TMA_ROWS: [B, Hq, q_tiles, 2, BQ] lse * log2 e | delta, padded
   void* dk;                   // [B, S_kv, Hkv, D] fp32 or bf16 (kv_f32)
   void* dv;
   int B, S_q, S_kv, Hq, Hkv, group;
@@ -205,7 +213,12 @@ struct AttnBwdEngine {
       const int hq = w.hk * p.group + g;
       for (int i = w.q_begin; i < p.q_tiles; ++i) {
         mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
-        mbar_arrive_expect_tx(&bars.q_full[st.stage], 2 * Map::kQStageBytes);
+        constexpr uint32_t kTx = 2 * Map::kQStageBytes + (Cfg::TMA_ROWS ? Map::kRowStageBytes : 0);
+        mbar_arrive_expect_tx(&bars.q_full[st.stage], kTx);
+        if constexpr (Cfg::TMA_ROWS)
+          bulk_load(smem + Map::kRowOffset + st.stage * Map::kRowStageBytes,
+                    p.rows + (((size_t)w.b * p.Hq + hq) * p.q_tiles + i) * 2 * BQ,
+                    Map::kRowStageBytes, &bars.q_full[st.stage]);
         char* q = smem + Map::kQOffset + st.stage * Map::kQStageBytes;
         char* dout = smem + Map::kDOOffset + st.stage * Map::kQStageBytes;
         for (int c = 0; c < kChunks; ++c) {
@@ -247,7 +260,7 @@ struct AttnBwdEngine {
     uint32_t pp[kPRegs], dsp[kPRegs];
 
     float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};  // rows lane, lane + 32 of the
-    if (w.q_begin < p.q_tiles)                                   // next step
+    if (!Cfg::TMA_ROWS && w.q_begin < p.q_tiles)                 // next step
       load_rows(p, w, 0, w.q_begin, lane, row_lse2, row_delta);
     mbar_wait(bars.kv_full, 0);
     PipeState<STAGES> st;
@@ -261,18 +274,25 @@ struct AttnBwdEngine {
         // this step's rows (loaded one step ahead, 2 per lane) -> the warp's buffer of the step's
         // parity; __syncwarp hands them to the warp's lanes, and a buffer is rewritten two steps
         // later, after the next step's __syncwarp, which every lane passes after its reads of it
-        float* lse2 = rows + (step & 1) * 2 * BQ;
-        const float* delta = lse2 + BQ;
+        const float* lse2;
+        if constexpr (Cfg::TMA_ROWS) {  // landed with Q and dO (q_full, waited below)
+          lse2 = reinterpret_cast<const float*>(smem + Map::kRowOffset +
+                                                st.stage * Map::kRowStageBytes);
+        } else {
+          float* mine = rows + (step & 1) * 2 * BQ;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          lse2[lane + 32 * r] = row_lse2[r];
-          lse2[BQ + lane + 32 * r] = row_delta[r];
+          for (int r = 0; r < 2; ++r) {
+            mine[lane + 32 * r] = row_lse2[r];
+            mine[BQ + lane + 32 * r] = row_delta[r];
+          }
+          if (i + 1 < p.q_tiles)
+            load_rows(p, w, g, i + 1, lane, row_lse2, row_delta);
+          else if (g + 1 < p.group)
+            load_rows(p, w, g + 1, w.q_begin, lane, row_lse2, row_delta);
+          __syncwarp();
+          lse2 = mine;
         }
-        if (i + 1 < p.q_tiles)
-          load_rows(p, w, g, i + 1, lane, row_lse2, row_delta);
-        else if (g + 1 < p.group)
-          load_rows(p, w, g + 1, w.q_begin, lane, row_lse2, row_delta);
-        __syncwarp();
+        const float* delta = lse2 + BQ;
         char* ds = smem + Map::kDSOffset + (step & 1) * Map::kDSBytes;
         mbar_wait(&bars.q_full[st.stage], st.phase);
 
@@ -369,6 +389,15 @@ struct AttnBwdEngine {
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+  }
+
+  // bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
+  __device__ static void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
   }
 
   // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get

@@ -87,8 +87,9 @@ def _formula(q, k, v, dout, causal, scale):
     return torch.autograd.grad(out, leaves, dout.double())
 
 
+@pytest.mark.parametrize("variant", [0, 1])
 @pytest.mark.parametrize("D", [64, 128])
-def test_launch_contract_unequal_lengths_unseen_tiles_and_accumulate(D):
+def test_launch_contract_unequal_lengths_unseen_tiles_and_accumulate(D, variant):
     g = torch.Generator().manual_seed(D)
     B, S_q, S_kv, Hq, Hkv = 1, 70, 300, 4, 2
     q, dout = (torch.randn(B, S_q, Hq, D, generator=g).bfloat16() for _ in range(2))
@@ -101,7 +102,9 @@ def test_launch_contract_unequal_lengths_unseen_tiles_and_accumulate(D):
     dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
     dk = torch.full(k.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     dv = torch.full_like(dk, float("nan"))
-    attention_ext.attention_backward_into(dc, qc, kc, vc, lse, delta, True, scale, dq, dk, dv)
+    attention_ext.attention_backward_into(
+        dc, qc, kc, vc, lse, delta, True, scale, dq, dk, dv, variant=variant
+    )
     for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want, strict=True):
         got = got.float().cpu()
         assert not got.isnan().any(), f"{name}: an unwritten row"
@@ -114,10 +117,21 @@ def test_launch_contract_unequal_lengths_unseen_tiles_and_accumulate(D):
     dk32, dv32 = prior.clone(), prior.clone()
     dq.zero_()
     attention_ext.attention_backward_into(
-        dc, qc, kc, vc, lse, delta, True, scale, dq, dk32, dv32, accumulate=True
+        dc, qc, kc, vc, lse, delta, True, scale, dq, dk32, dv32, accumulate=True, variant=variant
     )
     torch.testing.assert_close(dk32 - prior, dk.float(), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(dv32 - prior, dv.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_variant_1_rows_by_tma_agrees_with_variant_0(D, causal):
+    q, k, v, dout = (x[0].cuda() for x in _inputs(1, 2, 333, 4, 2, D=D, seed=D + causal))
+    out, lse = attention_ext.attention_forward(q, k, v, causal)
+    want = attention_ext.attention_backward(dout, q, k, v, out, lse, causal)
+    got = attention_ext.attention_backward(dout, q, k, v, out, lse, causal, variant=1)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2, msg=name)
 
 
 def test_loop_of_300_calls_with_changing_inputs():
