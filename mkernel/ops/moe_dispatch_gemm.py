@@ -170,9 +170,9 @@ def moe_dispatch_gemm(
         topk_ids: int32 or int64, per rank [T, k]: global expert ids in [0, E), E = W * E_local,
             or -1 for an unused slot; a token's ids are distinct; 1 <= k <= E.
         w1: bf16, per rank [E_local, H, I]: this rank's experts; I a multiple of 8.
-        world: an emulated World: on the CPU the interpreter runs the fused protocol, on a GPU
-            the unfused path (moe_gpu.py); a distributed world raises NotImplementedError before
-            anything runs.
+        world: an emulated World (on the CPU the interpreter runs the fused protocol, on a GPU
+            the unfused path, moe_gpu.py) or a distributed one on GPUs (unfused: tokens by
+            all_to_all_single, moe_dist.py; the result holds one-element lists, this rank's).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, default
             64, seed).
 
@@ -182,6 +182,13 @@ def moe_dispatch_gemm(
         TypeError / ValueError naming the argument before anything runs, CommTimeout if a wait
         passes the world's deadline.
     """
+    if isinstance(world, World) and world.on_gpu and not world.emulated_world:
+        from . import moe_dist  # all-to-all between processes, the engine per rank
+
+        common.check_schedule(schedule)
+        shapes(x, topk_ids, w1, world)
+        ids = topk_ids.to(torch.int32).contiguous()
+        return moe_dist.dispatch(x, ids, w1, world, moe_dist.gpu_gemm)
     if on_gpu_path(SPEC.name, world):
         common.check_schedule(schedule)
         s = shapes(x, topk_ids, w1, world)

@@ -177,13 +177,20 @@ def moe_gemm_combine(
         w2: bf16, per rank [E_local, I, H] (emulated world: [W, E_local, I, H]).
         dispatch: the MoeDispatch of ``moe_dispatch_gemm`` in this world.
         topk_weights: fp32, per rank [T, k]: the weight of each slot (unused slots are ignored).
-        world: the dispatch's World (emulated; on a GPU the unfused path, moe_gpu.py).
+        world: the dispatch's World (emulated; on a GPU the unfused path, moe_gpu.py; or
+            distributed on GPUs, moe_dist.py, where h is this rank's tensor [R, I]).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, seed).
 
     Returns:
         bf16, per rank [T, H] (emulated: [W, T, H]). Raises TypeError / ValueError naming the
         argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
+    if isinstance(world, World) and world.on_gpu and not world.emulated_world:
+        from . import moe_dist  # products back to their tokens' ranks by all_to_all_single
+
+        common.check_schedule(schedule)
+        hr = moe_dist.check_combine(h, w2, dispatch, topk_weights, world)
+        return moe_dist.combine(hr, w2, dispatch, topk_weights, world, moe_dist.gpu_gemm)
     if on_gpu_path(SPEC.name, world):
         common.check_schedule(schedule)
         shapes(h, w2, dispatch, topk_weights, world)
