@@ -381,7 +381,10 @@ struct AttnBwdEngine {
         fence_operands(dv);
         fence_regs(pp);
         fence_regs(dsp);
-        if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);  // Q, dO: read by wgmma only
+        // Q, dO: read by wgmma only; TMA_ROWS: every lane's plain reads of the stage's rows
+        // before lane 0 releases it
+        if constexpr (Cfg::TMA_ROWS) __syncwarp();
+        if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
         if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
