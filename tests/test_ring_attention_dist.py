@@ -84,3 +84,29 @@ def test_the_api_takes_this_path_on_a_distributed_gpu_world(monkeypatch):
     assert mkernel.ring_attention_backward(x, x, x, x, x, x, world, False, None) == "b"
     assert calls[0] == ("forward", (world, True, 0.5, True, "fwd"))
     assert calls[1] == ("backward", (world, False, 0.125, False, "bwd"))
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize(("layout", "causal"), CASES)
+def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, layout, causal):
+    """ring_attention_gpu.backward (the emulated world's GPU path: which key chunks each query
+    chunk sees, at most two engine calls, dk / dv added to their owners' rows) with the backward
+    engine's contract computed in torch on the CPU."""
+    import types
+    import unittest.mock
+
+    import mkernel
+    from mkernel import attention_ext
+    from mkernel.ops import ring_attention_gpu
+
+    q, k, v, dout = _inputs(W, 2, 10, 4, 2, seed=W + 7)
+    out, lse = mkernel.ring_attention(q, k, v, mkernel.World.emulated(W), causal, SCALE, layout)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(W))
+    fake = types.SimpleNamespace(
+        attention_backward_into=rd.torch_bwd_block, delta_of=attention_ext.delta_of
+    )
+    zigzag = layout == "zigzag"
+    with unittest.mock.patch.object(ring_attention_gpu, "_engine", lambda: fake):
+        got = ring_attention_gpu.backward(dout, q, k, v, out, lse, dlse, causal, SCALE, zigzag)
+    what = f"emulated gpu path W={W} {layout} causal={causal}"
+    _assert_grads(got, q, k, v, dout, out, lse, causal, SCALE, layout, what, dlse)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .ring_attention_gpu import _merge, chunks
+from .ring_attention_gpu import _merge, block_backward, chunks
 
 # fwd(q, k, v, causal, scale) -> (o fp32 [B, n, Hq, D], lse [B, Hq, n])
 FwdBlock = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -154,15 +154,9 @@ def backward(
             full, diag = _visible(g, owner, W, S, zigzag, causal)
             calls = ([(full, False)] if full else []) + ([([diag], True)] if diag else [])
             for parts, is_diag in calls:
-                kf, vf = _rows(kv[0], parts), _rows(kv[1], parts)
-                dkf = torch.empty(kf.shape, dtype=torch.float32, device=q.device)
-                dvf = torch.empty_like(dkf)
-                bwd(doc, qc, kf, vf, lc, dc, is_diag, scale, dqc, dkf, dvf)
-                at = 0
-                for a, m in parts:
-                    dkv[0][:, a : a + m] += dkf[:, at : at + m]
-                    dkv[1][:, a : a + m] += dvf[:, at : at + m]
-                    at += m
+                at = [slice(a, a + m) for a, m in parts]
+                views = [(kv[0][:, i], kv[1][:, i], dkv[0][:, i], dkv[1][:, i]) for i in at]
+                block_backward(bwd, doc, qc, lc, dc, is_diag, scale, dqc, views)
             dq[:, rows] += dqc
         for w in works:
             w.wait()

@@ -96,6 +96,23 @@ def _kv_blocks(W: int, S: int, zigzag: bool) -> dict[int, tuple[int, int, int]]:
     return {g: (p, r0, n) for p in range(W) for g, r0, n in chunks(p, W, S, zigzag)}
 
 
+def block_backward(bwd, dout, q, lse, delta, causal: bool, scale: float, dq, views) -> None:
+    """One backward engine call over the K/V rows of ``views`` [(k, v, dk, dv)] (row ranges
+    [B, m, H, D], concatenated in order; dk, dv fp32 accumulators the call's gradients are added
+    to); dq (fp32) is reduce-added by the call."""
+    kf = torch.cat([x[0] for x in views], dim=1).contiguous()
+    vf = torch.cat([x[1] for x in views], dim=1).contiguous()
+    dkf = torch.empty(kf.shape, dtype=torch.float32, device=kf.device)
+    dvf = torch.empty_like(dkf)
+    bwd(dout, q, kf, vf, lse, delta, causal, scale, dq, dkf, dvf)
+    at = 0
+    for _, _, dk, dv in views:
+        m = dk.shape[1]
+        dk += dkf[:, at : at + m]
+        dv += dvf[:, at : at + m]
+        at += m
+
+
 def backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -131,17 +148,10 @@ def backward(
             if causal:
                 calls.append(([g], True))
             for group, diag in calls:
-                parts = [blocks[c] for c in group]
-                kf = torch.cat([k[p, :, a : a + m] for p, a, m in parts], dim=1).contiguous()
-                vf = torch.cat([v[p, :, a : a + m] for p, a, m in parts], dim=1).contiguous()
-                dkf = torch.empty(kf.shape, dtype=torch.float32, device=q.device)
-                dvf = torch.empty_like(dkf)
-                eng.attention_backward_into(doc, qc, kf, vf, lc, dc, diag, scale, dqc, dkf, dvf)
-                at = 0
-                for p, a, m in parts:
-                    dk[p, :, a : a + m] += dkf[:, at : at + m]
-                    dv[p, :, a : a + m] += dvf[:, at : at + m]
-                    at += m
+                at = [(p, slice(a, a + m)) for p, a, m in (blocks[c] for c in group)]
+                views = [(k[p, :, i], v[p, :, i], dk[p, :, i], dv[p, :, i]) for p, i in at]
+                bwd = eng.attention_backward_into
+                block_backward(bwd, doc, qc, lc, dc, diag, scale, dqc, views)
             dq[r, :, rows] = dqc
     return dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16)
 
