@@ -67,8 +67,19 @@ def _visible(g: int, owner: int, W: int, S: int, zigzag: bool, causal: bool):
 
 
 def _rows(x: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
-    """The concatenated row ranges ``parts`` of x [B, S, H, D] (dim 1), contiguous."""
-    return torch.cat([x[:, a : a + m] for a, m in parts], dim=1).contiguous()
+    """The concatenated row ranges ``parts`` of x [B, S, H, D] (dim 1), contiguous. Adjacent
+    ranges are one slice (zigzag's two chunks of a block seen in full: the whole block), and a
+    slice that is already contiguous (B = 1, or all rows) is not copied."""
+    merged: list[list[int]] = []
+    for a, m in parts:
+        if merged and merged[-1][0] + merged[-1][1] == a:
+            merged[-1][1] += m
+        else:
+            merged.append([a, m])
+    if len(merged) == 1:
+        a, m = merged[0]
+        return x[:, a : a + m].contiguous()
+    return torch.cat([x[:, a : a + m] for a, m in merged], dim=1)
 
 
 def forward(
