@@ -2,9 +2,10 @@
 
 ``python3 benchmarks/attention_bwd_probe.py [S ...]``: B=1, H=32, D=128, full and causal; times the
 kernel launch alone (``attention_backward_into``) with ``probe`` 0 (the real kernel), 2 (no dQ
-reduce-adds) and 1 (no dQ at all: no barrier, MMA or reduce-adds), interleaved in rounds, and
-prints TFLOP/s counting the full backward's 2.5x forward FLOPs in every row (so the rows compare
-times). ``--ncu``: one real launch only (for ``ncu -k regex:attention_bwd -c 1``).
+reduce-adds), 1 (no dQ at all: no barrier, MMA or reduce-adds) and 3 (Q loaded alone and used as
+dO: half the per-step L2 reads), interleaved in rounds, and prints TFLOP/s counting the full
+backward's 2.5x forward FLOPs in every row (so the rows compare times).
+``--ncu``: one real launch only (for ``ncu -k regex:attention_bwd -c 1``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def setup(S: int, causal: bool):
     )
 
 
+# probe -> column: the real kernel, no dQ reduce-adds, no dQ at all, Q loaded alone (used as dO)
+PROBES = {0: "real", 2: "no_red", 1: "no_dq", 3: "half_loads"}
+
+
 def main(argv: list[str]) -> None:
     if "--ncu" in argv:
         fn = setup(int(argv[argv.index("--ncu") + 1]), False)
@@ -43,18 +48,16 @@ def main(argv: list[str]) -> None:
         for causal in (False, True):
             fn = setup(S, causal)
             flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
-            times: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            times: dict[int, list[float]] = {pr: [] for pr in PROBES}
             for pr in times:
                 fn(pr)
             for _ in range(8):
                 for pr in times:
                     times[pr].append(_event_ms(lambda pr=pr, fn=fn: fn(pr), 5))
-            rows.append(
-                (S, causal, *(flops / statistics.median(times[pr]) / 1e9 for pr in (0, 2, 1)))
-            )
-    print("   S  causal  real  no_red  no_dq   (TFLOP/s of the full backward's FLOPs)")
-    for S, causal, a, b, c in rows:
-        print(f"{S:5d}  {causal!s:6}  {a:5.0f}  {b:6.0f}  {c:5.0f}")
+            rows.append((S, causal, *(flops / statistics.median(times[pr]) / 1e9 for pr in PROBES)))
+    print("   S  causal  " + "  ".join(f"{n:>10}" for n in PROBES.values()) + "  (TFLOP/s)")
+    for S, causal, *tf in rows:
+        print(f"{S:5d}  {causal!s:6}  " + "  ".join(f"{x:10.0f}" for x in tf))
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 2 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 3 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
   if (a.variant == 1 && (!aligned(a.rows, 16) || a.probe != 0)) return kAttnBwdBadPointer;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
@@ -173,6 +173,7 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   switch (a.probe) {  // the probes are built for the benchmark's head dim only
     case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);
     case 2: return launch<AttnBwdConfig<128, 2>>(a, stream);
+    case 3: return launch<AttnBwdConfig<128, 3>>(a, stream);
     default: return launch<AttnBwdConfig<128>>(a, stream);
   }
 }

@@ -35,7 +35,8 @@ struct AttentionBwdArgs {
                                 // per 64-row q tile lse * log2(e) (+inf past S_q or where lse is
                                 // -inf) then delta (0 past S_q)
   int variant = 0;  // 0: consumer warps stage lse / delta; 1: they arrive by TMA from `rows`
-  int probe = 0;  // measurement only, D = 128 (dq is then wrong): 1 skips dQ, 2 its reduce-adds
+  int probe = 0;  // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its reduce-adds,
+                  // 3 loads Q alone (used as dO too)
 };
 
 enum AttentionBwdStatus : int {

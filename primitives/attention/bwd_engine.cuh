@@ -61,7 +61,9 @@ namespace mk::attn {
 template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = false>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
-  static constexpr int PROBE = PROBE_;  // measurement only: 1 skips dQ, 2 its reduce-adds
+  // measurement only: 1 skips dQ, 2 its reduce-adds, 3 loads Q alone and uses it as dO (half
+  // the per-step L2 reads: whether they limit the kernel)
+  static constexpr int PROBE = PROBE_;
   // true: the step's lse2 / delta rows arrive by one bulk copy with Q and dO (from the packed
   // [B, Hq, q_tiles, 2, BQ] rows the host prepares), so no consumer work stages them; false:
   // each consumer warp loads and stages its own (the GPU-verified default, ~10% slower measured)
@@ -213,7 +215,8 @@ struct AttnBwdEngine {
       const int hq = w.hk * p.group + g;
       for (int i = w.q_begin; i < p.q_tiles; ++i) {
         mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
-        constexpr uint32_t kTx = 2 * Map::kQStageBytes + (Cfg::TMA_ROWS ? Map::kRowStageBytes : 0);
+        constexpr uint32_t kTx = (Cfg::PROBE == 3 ? 1 : 2) * Map::kQStageBytes +
+                                 (Cfg::TMA_ROWS ? Map::kRowStageBytes : 0);
         mbar_arrive_expect_tx(&bars.q_full[st.stage], kTx);
         if constexpr (Cfg::TMA_ROWS)
           bulk_load(smem + Map::kRowOffset + st.stage * Map::kRowStageBytes,
@@ -224,8 +227,9 @@ struct AttnBwdEngine {
         for (int c = 0; c < kChunks; ++c) {
           tma_load_4d(q + c * Map::kQChunkBytes, &p.q, &bars.q_full[st.stage], c * 64, hq, i * BQ,
                       w.b);
-          tma_load_4d(dout + c * Map::kQChunkBytes, &p.dout, &bars.q_full[st.stage], c * 64, hq,
-                      i * BQ, w.b);
+          if constexpr (Cfg::PROBE != 3)
+            tma_load_4d(dout + c * Map::kQChunkBytes, &p.dout, &bars.q_full[st.stage], c * 64, hq,
+                        i * BQ, w.b);
         }
         st.advance();
       }
@@ -270,7 +274,8 @@ struct AttnBwdEngine {
       for (int i = w.q_begin; i < p.q_tiles; ++i, ++step) {
         const int q0 = i * BQ;
         const uint32_t q_st = smem_u32(smem + Map::kQOffset + st.stage * Map::kQStageBytes);
-        const uint32_t do_st = smem_u32(smem + Map::kDOOffset + st.stage * Map::kQStageBytes);
+        const uint32_t do_st =
+            Cfg::PROBE == 3 ? q_st : smem_u32(smem + Map::kDOOffset + st.stage * Map::kQStageBytes);
         // this step's rows (loaded one step ahead, 2 per lane) -> the warp's buffer of the step's
         // parity; __syncwarp hands them to the warp's lanes, and a buffer is rewritten two steps
         // later, after the next step's __syncwarp, which every lane passes after its reads of it
@@ -386,7 +391,8 @@ struct AttnBwdEngine {
         if constexpr (Cfg::TMA_ROWS) __syncwarp();
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE == 0) reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
+        if constexpr (Cfg::PROBE == 0 || Cfg::PROBE == 3)
+          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
