@@ -196,8 +196,8 @@ def attention_backward_into(
     reduce-adds."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
-    args.probe = int(probe)
-    keep = _set_variant(args, variant, lse, delta)
+    args.variant, args.probe = _check_variant(variant), int(probe)
+    keep = _rows_for(args, lse, delta)
     _launch(ext, "launch_attention_bwd", args, q.device)
     del keep  # NOTE: the packed rows live until the launch is enqueued (stream order keeps them)
 
@@ -214,11 +214,15 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.stack([lse2, d], dim=3).contiguous()
 
 
-def _set_variant(args, variant: int, lse: torch.Tensor, delta: torch.Tensor):
+def _check_variant(variant: int) -> int:
     if variant not in (0, 1):
         raise ValueError(f"variant must be 0 or 1, got {variant!r}")
-    args.variant = variant
-    if variant == 0:
+    return variant
+
+
+def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """Variant 1: the packed rows (kept by the caller until the launch is enqueued)."""
+    if args.variant == 0:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()
@@ -315,11 +319,12 @@ def attention_backward(
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, False)
+    args.variant = _check_variant(variant)  # before any launch
     args.out = out.data_ptr()
     if dlse is not None:
         args.dlse = dlse.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)
-    keep = _set_variant(args, variant, lse, delta)  # variant 1: rows from the prep's delta
+    keep = _rows_for(args, lse, delta)  # variant 1: rows from the prep's delta
     _launch(ext, "launch_attention_bwd", args, q.device)
     del keep
     return dq.to(torch.bfloat16), dk, dv
