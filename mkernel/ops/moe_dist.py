@@ -56,11 +56,8 @@ def _all_to_all(world: Any, send: torch.Tensor, splits: list[int], recv_splits: 
 
 def _counts(world: Any, counts: torch.Tensor) -> torch.Tensor:
     """[W, c] int64 counts for each destination -> [W, c] counts from each source."""
-    import torch.distributed as dist
-
-    recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts.contiguous(), group=world.group)
-    return recv
+    ones = [1] * world.size
+    return _all_to_all(world, counts, ones, ones)
 
 
 def dispatch(

@@ -143,12 +143,11 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dq, dk, dv), bf16, of ring attention's backward (global lse and delta: every
     block's P and dS are final, so block gradients only add)."""
+    from ..attention_ext import delta_of  # NOTE: imported on use, as ring_attention_gpu does
+
     W, r = world.size, world.rank
     S = q.shape[1]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        delta = delta - dlse
-    delta = delta.contiguous()
+    delta = delta_of(dout, out, dlse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     spare = torch.empty_like(kv)
