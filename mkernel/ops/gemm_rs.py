@@ -132,6 +132,16 @@ def _owned_tiles(schedule: Schedule, world: World, m: int, n: int, k: int):
     return cfg, ms, tiles, per_owner, block
 
 
+def _sizes(shapes: dict[str, int], W: int, ms: int, per_owner: int) -> dict[str, int]:
+    return {
+        **shapes,
+        "k_local": shapes["k"] // W,
+        "rows_per_rank": ms,
+        "per_owner": per_owner,
+        "stage_rows": W * ms,
+    }
+
+
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     if world.nodes > 1:
         return _make_plan_nodes(schedule, world, m, n, k)
@@ -159,13 +169,7 @@ def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
                 tasks.append(Task(i, (i,), waits=tuple(Wait("partial", r, (u, s)) for s in peers)))
         compute.append(tasks)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {
-        **shapes,
-        "k_local": k // W,
-        "rows_per_rank": ms,
-        "per_owner": per_owner,
-        "stage_rows": W * ms,
-    }
+    sizes = _sizes(shapes, W, ms, per_owner)
     comm = [[] for _ in range(W)]
     return build_plan(SPEC, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
@@ -222,11 +226,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
         comm.append([Task(0, (0,), raises=tuple(Raise("rail_ready", q, (node,)) for q in rail))])
     shapes = {"m": m, "n": n, "k": k}
     sizes = {
-        **shapes,
-        "k_local": k // W,
-        "rows_per_rank": ms,
-        "per_owner": per_owner,
-        "stage_rows": W * ms,
+        **_sizes(shapes, W, ms, per_owner),
         "tiles": len(tiles),
         "nodes": N,
         "node_rows": N * ms,
