@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mkernel  # noqa: E402
+from tests.distributed._common import report, start  # noqa: E402
 from tests.test_moe import routing  # noqa: E402
 
 
@@ -55,19 +56,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--loop", type=int, default=10)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, W = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    world = mkernel.World.from_process_group()
+    world = start()
+    W, rank = world.size, world.rank
     failures = 0
     for mode in ("uniform", "one_expert", "rank0", "none"):
         results = [check(world, W, rank, mode, seed) for seed in range(args.loop)]
-        flag = torch.tensor([int(not all(r[0] for r in results))], device=world.device)
-        dist.all_reduce(flag)
-        failures += int(flag.item() > 0)
-        if rank == 0:
-            verdict = "PASS" if flag.item() == 0 else "FAIL"
-            print(f"{verdict} moe W={W} {mode} x{args.loop}: {results[-1][1]}", flush=True)
+        ok = all(r[0] for r in results)
+        failures += report(world, ok, f"moe W={W} {mode} x{args.loop}: {results[-1][1]}")
     dist.destroy_process_group()
     return 1 if failures else 0
 

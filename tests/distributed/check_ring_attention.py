@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mkernel  # noqa: E402
+from tests.distributed._common import report, start  # noqa: E402
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -58,21 +59,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--loop", type=int, default=20)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, W = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    world = mkernel.World.from_process_group()
+    world = start()
+    W, rank = world.size, world.rank
     failures = 0
     for layout in ("contiguous", "zigzag"):
         for causal in (False, True):
             results = [check(world, W, rank, layout, causal, seed) for seed in range(args.loop)]
             ok = all(r[0] for r in results)
-            flag = torch.tensor([int(not ok)], device=world.device)
-            dist.all_reduce(flag)  # a failure on any rank fails the line
-            failures += int(flag.item() > 0)
-            if rank == 0:
-                print(f"{'PASS' if flag.item() == 0 else 'FAIL'} ring_attention W={W} {layout} "
-                      f"causal={causal} x{args.loop}: {results[-1][1]}", flush=True)  # fmt: skip
+            line = f"ring_attention W={W} {layout} causal={causal} x{args.loop}: {results[-1][1]}"
+            failures += report(world, ok, line)
     dist.destroy_process_group()
     return 1 if failures else 0
 

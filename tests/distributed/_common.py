@@ -1,0 +1,28 @@
+"""What the distributed checks of the unfused GPU paths (check_ring_attention.py, check_moe.py)
+share: this process's World (its GPU chosen before NCCL starts) and one PASS / FAIL line per check
+that every rank agrees on (a failure on any rank fails the line)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import mkernel
+
+
+def start() -> mkernel.World:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    return mkernel.World.from_process_group()
+
+
+def report(world: mkernel.World, ok: bool, line: str) -> bool:
+    """Prints ``PASS line`` / ``FAIL line`` on rank 0; True when any rank failed."""
+    flag = torch.tensor([int(not ok)], device=world.device)
+    dist.all_reduce(flag)
+    failed = flag.item() > 0
+    if world.rank == 0:
+        print(f"{'FAIL' if failed else 'PASS'} {line}", flush=True)
+    return failed
