@@ -1,10 +1,11 @@
 """moe_dist (the distributed, not yet fused MoE pair) on the CPU: W processes joined by
-torch.distributed (gloo), the grouped GEMM in fp32 torch instead of the engine, so what is tested
-is the exchange: each token sent once per destination rank and expanded there, the row order
-(local expert, source, token, slot), src and expert_offsets, the products sent back and summed in
-slot order. Every rank's results are checked with tests/test_moe.py's formulas (W 2 and 3; uniform
-routing with unused slots, all tokens to one expert, all to rank 0, none routed; T = 0; k 1, 2, 8),
-and the public API's dispatch to this path on a distributed GPU world."""
+torch.distributed (gloo), the grouped GEMM as mkernel.grouped_gemm runs it on the CPU (its fp32
+reference), so what is tested is the exchange: each token sent once per destination rank and
+expanded there, the row order (local expert, source, token, slot), src and expert_offsets, the
+products sent back and summed in slot order. Every rank's results are checked with
+tests/test_moe.py's formulas (W 2 and 3; uniform routing with unused slots, all tokens to one
+expert, all to rank 0, none routed; T = 0; k 1, 2, 8), and the public API's dispatch to this path
+on a distributed GPU world."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def _worker(rank: int, W: int, port: int, folder: str) -> None:
             if mode == "one_expert" or k <= W * E:
                 x, ids, w1, w2, weights = _inputs(W, T, E, k, mode, i)
                 ids32 = ids[rank].to(torch.int32)
-                d = moe_dist.dispatch(x[rank], ids32, w1[rank], world, moe_dist.torch_gemm)
+                d = moe_dist.dispatch(x[rank], ids32, w1[rank], world, moe_dist.engine_gemm)
                 h = torch.relu(d.y[0])
-                out = moe_dist.combine(h, w2[rank], d, weights[rank], world, moe_dist.torch_gemm)
+                out = moe_dist.combine(h, w2[rank], d, weights[rank], world, moe_dist.engine_gemm)
                 results.append((d.y[0], d.src[0], d.expert_offsets[0], out))
             else:
                 results.append(None)
@@ -90,4 +91,4 @@ def test_the_api_takes_this_path_on_a_distributed_gpu_world(monkeypatch):
     ids = torch.zeros(1, 1, dtype=torch.int32)
     assert mkernel.moe_dispatch_gemm(torch.zeros(1), ids, torch.zeros(1), world) == "d"
     assert mkernel.moe_gemm_combine("h", "w2", "disp", "wt", world) == "c"
-    assert calls == [(world, moe_dist.gpu_gemm), (world, moe_dist.gpu_gemm)]
+    assert calls == [(world, moe_dist.engine_gemm), (world, moe_dist.engine_gemm)]

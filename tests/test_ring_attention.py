@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import mkernel
 from mkernel.errors import RaceError, TileWriteError
 from mkernel.interp import program, twins
-from mkernel.ops import common, ring_attention_gpu
+from mkernel.ops import common, ring_attention_dist, ring_attention_gpu
 from mkernel.ops import ring_attention as ra
 from mkernel.ops.ring_attention import attention, ring_attention
 from mkernel.protocol import RoleTables
@@ -292,15 +292,9 @@ def test_bad_input_is_named_before_anything_runs():
 
 def _fake_engine_forward(q, k, v, causal, scale, out_f32=None):
     """The engine's contract (mkernel.attention_ext.attention_forward) computed in fp32 on the
-    CPU: top-left causal mask, natural-log lse, O unrounded into out_f32."""
-    group = q.shape[2] // k.shape[2]
-    kk, vv = (x.float().repeat_interleave(group, 2) for x in (k, v))
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), kk) * scale
-    if causal:
-        i, j = torch.arange(q.shape[1]), torch.arange(k.shape[1])
-        s = s.masked_fill(j[None, :] > i[:, None], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.einsum("bhij,bjhd->bihd", torch.exp(s - lse[..., None]), vv)
+    CPU (ring_attention_dist's torch block: top-left causal mask, natural-log lse), O unrounded
+    into out_f32."""
+    o, lse = ring_attention_dist.torch_fwd_block(q, k, v, causal, scale)
     if out_f32 is not None:
         out_f32.copy_(o)
     return o.bfloat16(), lse

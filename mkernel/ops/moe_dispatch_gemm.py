@@ -188,7 +188,7 @@ def moe_dispatch_gemm(
         common.check_schedule(schedule)
         shapes(x, topk_ids, w1, world)
         ids = topk_ids.to(torch.int32).contiguous()
-        return moe_dist.dispatch(x, ids, w1, world, moe_dist.gpu_gemm)
+        return moe_dist.dispatch(x, ids, w1, world, moe_dist.engine_gemm)
     if on_gpu_path(SPEC.name, world):
         common.check_schedule(schedule)
         s = shapes(x, topk_ids, w1, world)

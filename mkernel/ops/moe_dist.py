@@ -10,8 +10,9 @@ In a distributed world every tensor is this rank's: x [T, H], topk_ids [T, k], w
 the MoeDispatch holds one-element lists (this rank's y, src, expert_offsets) and this rank's
 routing ids [T, k]. Row order on rank d: local expert, then source rank, token, slot.
 
-The grouped GEMM is an argument (``gemm(a, w, offsets, out_dtype) -> rows``), so the exchange
-logic runs on the CPU with torch math (tests) and on the GPU with the engine (``gpu_gemm``).
+The grouped GEMM is an argument (``gemm(a, w, offsets, out_dtype) -> rows``; ``engine_gemm``:
+mkernel.grouped_gemm, which runs its fp32 reference on CPU tensors), so the exchange logic runs on
+the CPU too (tests) and benchmarks can swap the GEMM.
 """
 
 from __future__ import annotations
@@ -26,20 +27,11 @@ from .moe_common import MoeDispatch
 Gemm = Callable[..., torch.Tensor]
 
 
-def gpu_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
+def engine_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
+    """mkernel.grouped_gemm: the engine on CUDA tensors, its fp32 reference on CPU ones (tests)."""
     from .grouped_gemm import grouped_gemm
 
     return grouped_gemm(a.contiguous(), w, offsets, out_dtype=out_dtype)
-
-
-def torch_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
-    """The grouped GEMM's contract in fp32 torch (rows of group e: offsets[e]:offsets[e + 1])."""
-    out = torch.zeros(a.shape[0], w.shape[-1], dtype=torch.float32, device=a.device)
-    offs = offsets.tolist()
-    for e in range(w.shape[0]):
-        if offs[e + 1] > offs[e]:
-            out[offs[e] : offs[e + 1]] = a[offs[e] : offs[e + 1]].float() @ w[e].float()
-    return out.to(out_dtype)
 
 
 def _all_to_all(world: Any, send: torch.Tensor, splits: list[int], recv_splits: list[int]):

@@ -190,7 +190,7 @@ def moe_gemm_combine(
 
         common.check_schedule(schedule)
         hr = moe_dist.check_combine(h, w2, dispatch, topk_weights, world)
-        return moe_dist.combine(hr, w2, dispatch, topk_weights, world, moe_dist.gpu_gemm)
+        return moe_dist.combine(hr, w2, dispatch, topk_weights, world, moe_dist.engine_gemm)
     if on_gpu_path(SPEC.name, world):
         common.check_schedule(schedule)
         shapes(h, w2, dispatch, topk_weights, world)
