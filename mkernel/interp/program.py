@@ -126,7 +126,7 @@ def put_on_completion(
     template posts when ``task`` completes (after its bulk copies landed), carrying the task's raise
     on ``dest`` (put-with-signal); one put per destination and task. The source must hold the
     bytes by then and keep them until the unit's quiet."""
-    port, a = getattr(ctx.m, "rdma", None), ctx.agent
+    port, a = ctx.m.rdma, ctx.agent
     where, what = {"role": a.role, "unit": a.unit}, f"put to rank {dest}"
     if port is None or not port.remote(ctx, dest):
         why = "within a node data moves by peer stores and bulk copies"
@@ -143,7 +143,7 @@ def put_on_completion(
 def run_raises(ctx, plan, sig: PlanSignals, task: Task):
     """The template's run_raises, after the task's writes have landed."""
     f = plan.faults
-    port = getattr(ctx.m, "rdma", None)
+    port = ctx.m.rdma
     if port is not None:
         yield from _run_raises_nodes(ctx, plan, sig, task, port)
         return
@@ -249,7 +249,7 @@ def run_plan(
     pads["cta_ready"] = torch.zeros(W, MAX_BARRIER_SLOTS, dtype=torch.int32)  # inside a CTA
     data = {k: v for k, v in buffers.items() if k not in pads}
     steps = max(10_000, int(world.timeout_s * 200_000))
-    nodes = getattr(plan, "nodes", 1)
+    nodes = plan.nodes
     ring = Ring(W, RING_CAPACITY) if nodes > 1 else None
     if ring is not None:  # the proxy transport: a ring per rank, drained by the rank's host proxy
         pads.update(ring.pads())
