@@ -9,7 +9,6 @@ module; ``attention_forward`` and ``attention_backward`` run it on torch tensors
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
 
@@ -41,17 +40,7 @@ SPEC = jit.ExtensionSpec(
 VARIANTS = {"pingpong": 0, "overlap": 1, "plain": 2}
 
 
-_EXT: ModuleType | None = None
-
-
-def load(*, verbose: bool = False) -> ModuleType:
-    """The built ``_mkernel_attention`` module (built on the first call, then cached).
-    NOTE: kept here after the first call: jit.load hashes every source (milliseconds of host
-    time), which a per-call path cannot afford."""
-    global _EXT
-    if _EXT is None:
-        _EXT = jit.load(SPEC, verbose=verbose)
-    return _EXT
+load = jit.cached_loader(SPEC)  # the built ``_mkernel_attention`` module, kept after the first call
 
 
 def _check(name: str, t: torch.Tensor) -> None:

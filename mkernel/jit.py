@@ -32,7 +32,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -416,6 +416,13 @@ def _try_load(spec: ExtensionSpec, folder: Path) -> ModuleType | None:
     module = importlib.util.module_from_spec(mspec)
     loader.exec_module(module)
     return module
+
+
+def cached_loader(spec: ExtensionSpec) -> Callable[[], ModuleType]:
+    """A ``load()`` of ``spec`` for the per-call paths of a separately built extension: built or
+    imported on the first call, then kept (``load`` hashes every source: milliseconds of host time
+    that a per-call path cannot afford)."""
+    return functools.cache(lambda: load(spec))
 
 
 def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleType:

@@ -7,8 +7,6 @@ module; mkernel/rdma.py is the Python API over it.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from . import jit
 
 __all__ = ["SPEC", "load"]
@@ -27,13 +25,4 @@ SPEC = jit.ExtensionSpec(
     ),
 )
 
-_EXT: ModuleType | None = None
-
-
-def load(*, verbose: bool = False) -> ModuleType:
-    """The built ``_mkernel_rdma`` module (built on the first call, then cached here: jit.load
-    hashes every source, which a per-call path cannot afford)."""
-    global _EXT
-    if _EXT is None:
-        _EXT = jit.load(SPEC, verbose=verbose)
-    return _EXT
+load = jit.cached_loader(SPEC)  # the built ``_mkernel_rdma`` module, kept after the first call
