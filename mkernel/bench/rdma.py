@@ -4,7 +4,8 @@ plain device copy of the same bytes.
 ``python3 -m mkernel.bench.rdma [--save]``: an emulated world of W = 2 ranks on 2 virtual nodes,
 each rank putting to the other through its ring and host proxy thread (mkernel/rdma.py), message
 sizes 4 KiB .. 64 MiB. Every number is wall-clock per call to completion (``exchange`` waits for
-its kernel, and its receivers for every signal), the median of ITERS calls after a warm-up:
+its kernel, and its receivers for every signal), the median of ITERS calls after a warm-up, the
+proxy and the device copy taking turns in rounds:
 
 - latency_us: one put per rank (post -> proxy copy -> signal -> receiver sees it), and
   copy_latency_us: ``dst.copy_(src)`` of one message then a synchronize;
@@ -31,40 +32,54 @@ from .timing import save, table
 
 W, NODES, PUTS, CAPACITY = 2, 2, 8, 8
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-ITERS, WARMUP = 30, 5
+ITERS, WARMUP, ROUNDS = 30, 5, 5
 
 
-def wall_us(fn: Callable[[], object], iters: int = ITERS, warmup: int = WARMUP) -> float:
-    """Median wall-clock microseconds of fn() to completion (fn synchronizes, or we do)."""
-    for _ in range(warmup):
-        fn()
+def interleaved_wall_us(
+    fns: dict[str, Callable[[], object]], rounds: int = ROUNDS, warmup: int = WARMUP
+) -> dict[str, float]:
+    """Median wall-clock microseconds of each fn() to completion (fn synchronizes, or we do). The
+    versions take turns in ``rounds`` rounds of ITERS // rounds calls (the first of a round
+    rotates), so clock and thermal drift hit the proxy and the copy it is compared with alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            for _ in range(ITERS // rounds):
+                t0 = time.perf_counter()
+                fns[name]()
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def measure(size: int, ring: ProxyRing) -> dict:
-    """One row: latency and throughput of the proxy path and of a device copy at ``size``."""
+    """One row: latency and throughput of the proxy path and of a device copy at ``size``, timed
+    interleaved."""
     one = torch.randint(0, 255, (W, size), dtype=torch.uint8, device="cuda")
     many = torch.randint(0, 255, (W, PUTS * size), dtype=torch.uint8, device="cuda")
     d_one, d_many = torch.empty_like(one), torch.empty_like(many)
-    lat = wall_us(lambda: exchange(one, ring, NODES, 1, receive="wait", dst=d_one))
-    thr = wall_us(lambda: exchange(many, ring, NODES, PUTS, posters=2, receive="wait", dst=d_many))
-    assert torch.equal(d_many, torch.roll(many, W // NODES, dims=0))  # the timed calls were right
-    copy_lat = wall_us(lambda: d_one[0].copy_(one[0]))
-    copy_thr = wall_us(lambda: d_many.copy_(many))
+    us = interleaved_wall_us(
+        {
+            "lat": lambda: exchange(one, ring, NODES, 1, receive="wait", dst=d_one),
+            "thr": lambda: exchange(many, ring, NODES, PUTS, posters=2, receive="wait", dst=d_many),
+            "copy_lat": lambda: d_one[0].copy_(one[0]),
+            "copy_thr": lambda: d_many.copy_(many),
+        }
+    )
+    exchange(many, ring, NODES, PUTS, posters=2, receive="wait", dst=d_many)
+    assert torch.equal(d_many, torch.roll(many, W // NODES, dims=0))  # the timed call is right
     total = W * PUTS * size
     return {
         "kib": size >> 10,
-        "latency_us": lat,
-        "copy_latency_us": copy_lat,
-        "gbps": total / thr / 1e3,
-        "copy_gbps": total / copy_thr / 1e3,
+        "latency_us": us["lat"],
+        "copy_latency_us": us["copy_lat"],
+        "gbps": total / us["thr"] / 1e3,
+        "copy_gbps": total / us["copy_thr"] / 1e3,
     }
 
 
