@@ -31,10 +31,11 @@ struct AttentionBwdArgs {
   int causal = 0;          // 0 or 1
   int kv_f32 = 0;          // 1: dk, dv are fp32
   int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
-  const float* rows = nullptr;  // variant 1: [B, Hq, ceil(S_q / 64), 2, 64] fp32, 16-byte aligned:
+  const float* rows = nullptr;  // variants 1, 3: [B, Hq, ceil(S_q / 64), 2, 64] fp32, 16-byte aligned:
                                 // per 64-row q tile lse * log2(e) (+inf past S_q or where lse is
                                 // -inf) then delta (0 past S_q)
-  int variant = 0;  // 0: consumer warps stage lse / delta; 1: they arrive by TMA from `rows`
+  int variant = 0;  // 0: consumer warps stage lse / delta; 1: they arrive by TMA from `rows`;
+                   // 2: as 0, half of dK issued after dQ (dQ's staging overlaps it); 3: 1 + 2
   int probe = 0;  // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its reduce-adds,
                   // 3 loads Q alone (used as dO too)
 };

@@ -180,8 +180,9 @@ def attention_backward_into(
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
     with ``accumulate``). ``variant`` 0 (default): the consumer warps stage the lse / delta rows;
-    1: they arrive by TMA from a packed copy (``rows_of``, made here). ``probe`` is for
-    measurements only (dq is then wrong): 1 skips dQ's MMA and reduce-adds, 2 only the
+    1: they arrive by TMA from a packed copy (``rows_of``, made here); 2: as 0, with half of dK's
+    MMAs issued after dQ's, so that dQ's staging overlaps them; 3: 1 and 2 together. ``probe``
+    is for measurements only (dq is then wrong): 1 skips dQ's MMA and reduce-adds, 2 only the
     reduce-adds."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
@@ -204,14 +205,14 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def _check_variant(variant: int) -> int:
-    if variant not in (0, 1):
-        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
+    if variant not in (0, 1, 2, 3):
+        raise ValueError(f"variant must be 0, 1, 2 or 3, got {variant!r}")
     return variant
 
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """Variant 1: the packed rows (kept by the caller until the launch is enqueued)."""
-    if args.variant == 0:
+    """Variants 1 and 3: the packed rows (kept by the caller until the launch is enqueued)."""
+    if not args.variant & 1:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()

@@ -58,7 +58,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = false>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = false, bool SPLIT_DK_ = false>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its reduce-adds, 3 loads Q alone and uses it as dO (half
@@ -68,6 +68,9 @@ struct AttnBwdConfig {
   // [B, Hq, q_tiles, 2, BQ] rows the host prepares), so no consumer work stages them; false:
   // each consumer warp loads and stages its own (the GPU-verified default, ~10% slower measured)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
+  // true: half of dK's k-steps are issued after dQ's wgmma, so dQ's staging stores (reduce_dq)
+  // run while the tensor cores finish dK; false: dK whole before dQ, staging with them idle
+  static constexpr bool SPLIT_DK = SPLIT_DK_;
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -362,9 +365,10 @@ struct AttnBwdEngine {
                 dsp[2 * j + h];
           }
         }
+        constexpr int kDKEarly = Cfg::SPLIT_DK ? BQ / 32 : BQ / 16;  // dK k-steps before dQ
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
+        for (int kk = 0; kk < kDKEarly; ++kk)  // dK += dS^T Q
           WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
                           desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
         wgmma_commit();
@@ -380,6 +384,17 @@ struct AttnBwdEngine {
                                  kk > 0);
           wgmma_commit();
         }
+        if constexpr (Cfg::SPLIT_DK) {
+          wgmma_fence();  // the barrier's branch ended the fenced region
+#pragma unroll
+          for (int kk = kDKEarly; kk < BQ / 16; ++kk)  // dK's second half
+            WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
+                            desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+          wgmma_commit();
+          wgmma_wait<1>();  // dQ done, dK's second half still running
+          fence_operands(dq);
+          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
+        }
         wgmma_wait<0>();
         fence_operands(dq);
         fence_operands(dk);
@@ -391,7 +406,7 @@ struct AttnBwdEngine {
         if constexpr (Cfg::TMA_ROWS) __syncwarp();
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE == 0 || Cfg::PROBE == 3)
+        if constexpr (!Cfg::SPLIT_DK && (Cfg::PROBE == 0 || Cfg::PROBE == 3))
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
