@@ -64,9 +64,11 @@ struct AttnBwdConfig {
   // measurement only: 1 skips dQ, 2 its reduce-adds, 3 loads Q alone and uses it as dO (half
   // the per-step L2 reads: whether they limit the kernel)
   static constexpr int PROBE = PROBE_;
-  // true: the step's lse2 / delta rows arrive by one bulk copy with Q and dO (from the packed
-  // [B, Hq, q_tiles, 2, BQ] rows the host prepares), so no consumer work stages them; false:
-  // each consumer warp loads and stages its own (the GPU-verified default, ~10% slower measured)
+  // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
+  // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
+  // buffer; false: every lane loads two rows and stores them there. (A form in which the producer
+  // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
+  // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
   // true: half of dK's k-steps are issued after dQ's wgmma, so dQ's staging stores (reduce_dq)
   // run while the tensor cores finish dK; false: dK whole before dQ, staging with them idle
@@ -84,7 +86,7 @@ struct AttnBwdConfig {
 // Shared memory (every tile 1024-byte aligned; D/64 chunks of 128-byte rows per tile):
 //   [K: D/64 x [BKV][64]] [V: same] [Q: STAGES x D/64 x [BQ][64]] [dO: same]
 //   [dS^T: 2 x [BKV][64 q]] [dQ: CONSUMERS x D/64 x [BQ][32 fp32]] [lse2, delta: per consumer
-//   warp 2 x 64 floats each] [kv_full, q_full[S], q_empty[S]]
+//   warp 2 x 2 x 64 floats] [kv_full, q_full[S], q_empty[S], TMA_ROWS: rows_full[warp][2]]
 template <class Cfg>
 struct AttnBwdSmem {
   static constexpr int kChunks = Cfg::D / 64;
@@ -103,11 +105,11 @@ struct AttnBwdSmem {
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
   static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kRowBytesPerWarp = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
-  static constexpr int kRowStageBytes = 2 * Cfg::BQ * 4;  // TMA_ROWS: [lse2 | delta][BQ]
-  static constexpr int kRowBytes = Cfg::TMA_ROWS ? Cfg::STAGES * kRowStageBytes
-                                                 : 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
+  static constexpr int kRowStepBytes = 2 * Cfg::BQ * 4;  // one step's [lse2 | delta][BQ]
+  static constexpr int kRowBytes = 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
   static constexpr int kBarOffset = kRowOffset + kRowBytes;
-  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES;
+  // kv_full, q_full[S], q_empty[S], TMA_ROWS: rows_full[consumer warp][step % 2]
+  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES + (Cfg::TMA_ROWS ? 8 * Cfg::CONSUMERS : 0);
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
   static_assert(kBytes <= 227 * 1024, "fits the 227 KiB of an sm_90 CTA");
@@ -146,6 +148,7 @@ struct AttnBwdEngine {
     uint64_t* kv_full;
     uint64_t* q_full;   // [STAGES]: TMA bytes
     uint64_t* q_empty;  // [STAGES]
+    uint64_t* rows_full;  // TMA_ROWS: [consumer warp][2], the warp's rows of a step landed
   };
 
   struct Work {
@@ -154,7 +157,7 @@ struct AttnBwdEngine {
 
   __device__ static Bars bars_of(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
-    return Bars{b, b + 1, b + 1 + STAGES};
+    return Bars{b, b + 1, b + 1 + STAGES, b + 1 + 2 * STAGES};
   }
 
   // Causal: kv tile ascending over ids (the longest walks first); otherwise kv tile fastest (the
@@ -185,6 +188,8 @@ struct AttnBwdEngine {
         gemm::mbar_init(&bars.q_full[s], 1);        // the TMA thread
         gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
       }
+      if constexpr (Cfg::TMA_ROWS)
+        for (int i = 0; i < 8 * Cfg::CONSUMERS; ++i) gemm::mbar_init(&bars.rows_full[i], 1);
       gemm::mbar_fence_init();
     }
     __syncthreads();
@@ -218,13 +223,8 @@ struct AttnBwdEngine {
       const int hq = w.hk * p.group + g;
       for (int i = w.q_begin; i < p.q_tiles; ++i) {
         mbar_wait(&bars.q_empty[st.stage], st.phase ^ 1u);
-        constexpr uint32_t kTx = (Cfg::PROBE == 3 ? 1 : 2) * Map::kQStageBytes +
-                                 (Cfg::TMA_ROWS ? Map::kRowStageBytes : 0);
+        constexpr uint32_t kTx = (Cfg::PROBE == 3 ? 1 : 2) * Map::kQStageBytes;
         mbar_arrive_expect_tx(&bars.q_full[st.stage], kTx);
-        if constexpr (Cfg::TMA_ROWS)
-          bulk_load(smem + Map::kRowOffset + st.stage * Map::kRowStageBytes,
-                    p.rows + (((size_t)w.b * p.Hq + hq) * p.q_tiles + i) * 2 * BQ,
-                    Map::kRowStageBytes, &bars.q_full[st.stage]);
         char* q = smem + Map::kQOffset + st.stage * Map::kQStageBytes;
         char* dout = smem + Map::kDOOffset + st.stage * Map::kQStageBytes;
         for (int c = 0; c < kChunks; ++c) {
@@ -267,8 +267,14 @@ struct AttnBwdEngine {
     uint32_t pp[kPRegs], dsp[kPRegs];
 
     float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};  // rows lane, lane + 32 of the
-    if (!Cfg::TMA_ROWS && w.q_begin < p.q_tiles)                 // next step
-      load_rows(p, w, 0, w.q_begin, lane, row_lse2, row_delta);
+    uint64_t* rows_full = bars.rows_full + 2 * (threadIdx.x / 32 - 4);  // next step (TMA_ROWS:
+    if (w.q_begin < p.q_tiles) {                                        // this warp's barriers)
+      if constexpr (Cfg::TMA_ROWS) {
+        if (lane == 0) fetch_rows(p, w, 0, w.q_begin, rows, rows_full);
+      } else {
+        load_rows(p, w, 0, w.q_begin, lane, row_lse2, row_delta);
+      }
+    }
     mbar_wait(bars.kv_full, 0);
     PipeState<STAGES> st;
     int step = 0;
@@ -283,9 +289,19 @@ struct AttnBwdEngine {
         // parity; __syncwarp hands them to the warp's lanes, and a buffer is rewritten two steps
         // later, after the next step's __syncwarp, which every lane passes after its reads of it
         const float* lse2;
-        if constexpr (Cfg::TMA_ROWS) {  // landed with Q and dO (q_full, waited below)
-          lse2 = reinterpret_cast<const float*>(smem + Map::kRowOffset +
-                                                st.stage * Map::kRowStageBytes);
+        if constexpr (Cfg::TMA_ROWS) {
+          // the other buffer held the previous step's rows: every lane has read them (program
+          // order, then __syncwarp) before lane 0 rewrites it with the next step's
+          const int buf = step & 1;
+          __syncwarp();
+          if (lane == 0) {
+            if (i + 1 < p.q_tiles)
+              fetch_rows(p, w, g, i + 1, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
+            else if (g + 1 < p.group)
+              fetch_rows(p, w, g + 1, w.q_begin, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
+          }
+          mbar_wait(&rows_full[buf], (step >> 1) & 1);
+          lse2 = rows + buf * 2 * BQ;
         } else {
           float* mine = rows + (step & 1) * 2 * BQ;
 #pragma unroll
@@ -401,9 +417,7 @@ struct AttnBwdEngine {
         fence_operands(dv);
         fence_regs(pp);
         fence_regs(dsp);
-        // Q, dO: read by wgmma only; TMA_ROWS: every lane's plain reads of the stage's rows
-        // before lane 0 releases it
-        if constexpr (Cfg::TMA_ROWS) __syncwarp();
+        // Q, dO: read by wgmma only
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
         if constexpr (!Cfg::SPLIT_DK && (Cfg::PROBE == 0 || Cfg::PROBE == 3))
@@ -422,6 +436,14 @@ struct AttnBwdEngine {
             "r"(smem_u32(dst)),
         "l"(src), "r"(bytes), "r"(smem_u32(bar))
         : "memory");
+  }
+
+  // TMA_ROWS, one lane: q tile i of group head g's packed rows (lse2, delta) -> dst, landing on bar.
+  __device__ static void fetch_rows(const AttnBwdParams& p, const Work& w, int g, int i, float* dst,
+                                    uint64_t* bar) {
+    gemm::mbar_arrive_expect_tx(bar, Map::kRowStepBytes);
+    const size_t tile = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.q_tiles + i;
+    bulk_load(dst, p.rows + tile * 2 * BQ, Map::kRowStepBytes, bar);
   }
 
   // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get
