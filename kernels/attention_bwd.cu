@@ -80,10 +80,13 @@ bool aligned(const void* ptr, uintptr_t bytes) {
 }
 
 // One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq
-// zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy.
+// zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy. With
+// packed (variant 0's rows) also the row's lse * log2 e and delta there; the last row of a
+// sequence pads its q tile (+inf, 0: rows past S_q see nothing).
 __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out,
-                                          const float* dlse, float* delta, float* dq,
-                                          long long rows, int S, int Hq, int D) {
+                                          const float* dlse, const float* lse, float* delta,
+                                          float* dq, float* packed, long long rows, int S, int Hq,
+                                          int D) {
   const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -106,7 +109,19 @@ __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_
   if (lane == 0) {
     const long long h = row % Hq, bs = row / Hq, s = bs % S, b = bs / S;
     const long long at = (b * Hq + h) * S + s;  // [B, Hq, S]
-    delta[at] = dlse != nullptr ? acc - dlse[at] : acc;
+    const float d = dlse != nullptr ? acc - dlse[at] : acc;
+    delta[at] = d;
+    if (packed != nullptr) {  // [B, Hq, q_tiles, 2, 64]
+      constexpr float kLog2e = 1.4426950408889634f;
+      float* tile = packed + ((b * Hq + h) * ((S + 63) / 64) + s / 64) * 128;
+      tile[s % 64] = lse[at] == -INFINITY ? INFINITY : lse[at] * kLog2e;
+      tile[64 + s % 64] = d;
+      if (s == S - 1)
+        for (int i = (int)(s % 64) + 1; i < 64; ++i) {
+          tile[i] = INFINITY;
+          tile[64 + i] = 0.f;
+        }
+    }
   }
 }
 
@@ -128,7 +143,7 @@ const char* attention_bwd_status_string(int s) {
     case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
     case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
     case kAttnBwdBadPointer:
-      return "q, k, v, dout, dq (and rows for variant 1) must be non-null and 16-byte aligned, lse "
+      return "q, k, v, dout, dq (and rows for variant 0) must be non-null and 16-byte aligned, lse "
              "and delta 4-byte, dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
@@ -142,14 +157,15 @@ const char* attention_bwd_status_string(int s) {
 int launch_attention_bwd_prep(const AttentionBwdArgs& a, cudaStream_t stream) {
   if (const int e = check_common(a); e != kAttnBwdOk) return e;
   if (!aligned(a.dout, 16) || !aligned(a.out, 16) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
-      (a.dlse != nullptr && !aligned(a.dlse, 4)))
+      (a.dlse != nullptr && !aligned(a.dlse, 4)) ||
+      (a.rows != nullptr && (!aligned(a.rows, 16) || !aligned(a.lse, 4))))
     return kAttnBwdBadPointer;
   const long long rows = (long long)a.B * a.S_q * a.Hq;
   constexpr int kRowsPerBlock = 8;
   attention_bwd_prep_kernel<<<(unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock),
                               32 * kRowsPerBlock, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.dout), static_cast<const __nv_bfloat16*>(a.out), a.dlse,
-      a.delta, a.dq, rows, a.S_q, a.Hq, a.D);
+      a.lse, a.delta, a.dq, a.rows, rows, a.S_q, a.Hq, a.D);
   return cudaGetLastError() == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
 }
 
@@ -158,9 +174,9 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 3 || a.variant < 0 || a.variant > 3) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 3 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
   if (a.variant != 0 && a.probe != 0) return kAttnBwdBadFlag;  // probes: variant 0 only
-  if ((a.variant & 1) && !aligned(a.rows, 16)) return kAttnBwdBadPointer;
+  if (a.variant == 0 && !aligned(a.rows, 16)) return kAttnBwdBadPointer;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
       !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
@@ -168,14 +184,8 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
     return kAttnBwdBadPointer;
   if (!std::isfinite(a.scale) || !(a.scale > 0.f)) return kAttnBwdBadScale;
   if (a.variant == 1)
-    return a.D == 64 ? launch<AttnBwdConfig<64, 0, true>>(a, stream)
-                     : launch<AttnBwdConfig<128, 0, true>>(a, stream);
-  if (a.variant == 2)
-    return a.D == 64 ? launch<AttnBwdConfig<64, 0, false, true>>(a, stream)
-                     : launch<AttnBwdConfig<128, 0, false, true>>(a, stream);
-  if (a.variant == 3)
-    return a.D == 64 ? launch<AttnBwdConfig<64, 0, true, true>>(a, stream)
-                     : launch<AttnBwdConfig<128, 0, true, true>>(a, stream);
+    return a.D == 64 ? launch<AttnBwdConfig<64, 0, false>>(a, stream)
+                     : launch<AttnBwdConfig<128, 0, false>>(a, stream);
   if (a.D == 64) return a.probe == 0 ? launch<AttnBwdConfig<64>>(a, stream) : kAttnBwdBadFlag;
   switch (a.probe) {  // the probes are built for the benchmark's head dim only
     case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);

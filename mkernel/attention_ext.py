@@ -179,11 +179,10 @@ def attention_backward_into(
     dout, q [B, S_q, Hq, D], k, v [B, S_kv, Hkv, D]: contiguous CUDA bf16; lse, delta [B, Hq, S_q]
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
-    with ``accumulate``). ``variant`` 0 (default): the consumer warps stage the lse / delta rows;
-    1: they arrive by TMA from a packed copy (``rows_of``, made here); 2: as 0, with half of dK's
-    MMAs issued after dQ's, so that dQ's staging overlaps them; 3: 1 and 2 together. ``probe``
-    is for measurements only (dq is then wrong): 1 skips dQ's MMA and reduce-adds, 2 only the
-    reduce-adds."""
+    with ``accumulate``). ``variant`` 0 (default, the faster): each consumer warp fetches its lse /
+    delta rows by a bulk copy from a packed copy (``rows_of``, made here); 1: every lane loads
+    them from lse and delta. ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's
+    MMA and reduce-adds, 2 only the reduce-adds, 3 loads Q alone and uses it as dO."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.variant, args.probe = _check_variant(variant), int(probe)
@@ -193,7 +192,7 @@ def attention_backward_into(
 
 
 def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """The backward's per-q-tile rows for variant 1: [B, H, ceil(S / 64), 2, 64] fp32, lse * log2 e
+    """The backward's per-q-tile rows for variant 0: [B, H, ceil(S / 64), 2, 64] fp32, lse * log2 e
     (+inf where lse is -inf or past S) then delta (0 past S), so one 512-byte bulk copy brings a
     step's rows."""
     B, H, S = lse.shape
@@ -205,14 +204,14 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def _check_variant(variant: int) -> int:
-    if variant not in (0, 1, 2, 3):
-        raise ValueError(f"variant must be 0, 1, 2 or 3, got {variant!r}")
+    if variant not in (0, 1):
+        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
     return variant
 
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """Variants 1 and 3: the packed rows (kept by the caller until the launch is enqueued)."""
-    if not args.variant & 1:
+    """Variant 0: the packed rows (kept by the caller until the launch is enqueued)."""
+    if args.variant != 0:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()
@@ -290,7 +289,8 @@ def attention_backward(
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
     summed over the query heads of each kv head. Three launches: delta and a zeroed dq (one small
-    kernel), the backward, dq -> bf16. ``variant``: as ``attention_backward_into``."""
+    kernel, which also packs variant 0's rows), the backward, dq -> bf16. ``variant``: as
+    ``attention_backward_into``."""
     for name, t in (("dout", dout), ("q", q), ("out", out)):
         _check(name, t)
     if not (dout.shape == q.shape == out.shape):
@@ -313,8 +313,11 @@ def attention_backward(
     args.out = out.data_ptr()
     if dlse is not None:
         args.dlse = dlse.data_ptr()
+    rows = None
+    if args.variant == 0:  # packed by the prep kernel, from lse and the delta it computes
+        rows = torch.empty(B, Hq, -(-S_q // 64), 2, 64, device=q.device, dtype=torch.float32)
+        args.rows = rows.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)
-    keep = _rows_for(args, lse, delta)  # variant 1: rows from the prep's delta
     _launch(ext, "launch_attention_bwd", args, q.device)
-    del keep
+    del rows  # NOTE: the stream's order keeps it alive for the enqueued launches
     return dq.to(torch.bfloat16), dk, dv

@@ -5,8 +5,8 @@ backward.
 causal. Each version is timed on the backward alone (the forward ran once, outside the timing):
 - ``mk``: ``attention_ext.attention_backward`` as a user calls it: delta = rowsum(dO * O) (torch),
   a zeroed fp32 dq, the kernel, dq -> bf16;
-- ``mk_rows_tma``: the same with variant 1 (lse / delta rows by TMA from a packed copy);
-- ``mk_split`` / ``mk_split_rows``: variants 2 / 3 (half of dK after dQ; 3 with variant 1's rows);
+- ``mk_rows_lanes``: the same with variant 1 (every lane loads and stages its lse / delta rows;
+  the default, variant 0, fetches them by one bulk copy per warp from rows the prep packed);
 - ``mk_kernel``: the kernel launch alone (delta and dq made once; dq keeps accumulating, so its
   values are meaningless: this row only shows what the torch glue around the kernel costs);
 - ``cudnn`` / ``flash``: ``torch.autograd.grad`` through SDPA with that backend on [B, H, S, D]
@@ -65,14 +65,8 @@ def _versions(q, k, v, dout, causal: bool) -> dict[str, Callable[[], object]]:
     scale = 1.0 / D**0.5
     fns: dict[str, Callable[[], object]] = {
         "mk": lambda: attention_ext.attention_backward(dout, q, k, v, out, lse, causal),
-        "mk_rows_tma": lambda: attention_ext.attention_backward(
+        "mk_rows_lanes": lambda: attention_ext.attention_backward(
             dout, q, k, v, out, lse, causal, variant=1
-        ),
-        "mk_split": lambda: attention_ext.attention_backward(
-            dout, q, k, v, out, lse, causal, variant=2
-        ),
-        "mk_split_rows": lambda: attention_ext.attention_backward(
-            dout, q, k, v, out, lse, causal, variant=3
         ),
         "mk_kernel": lambda: attention_ext.attention_backward_into(
             dout, q, k, v, lse, delta, causal, scale, dq, dk, dv

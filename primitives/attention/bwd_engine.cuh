@@ -32,6 +32,14 @@
 // forms (S = 8192 full, one CTA each = 1.0): 8-byte st.async stores from registers into one
 // partner tile, 0.77x (commit c46ed65); the same with two tiles and one step of slack, 0.76x
 // (7401e89); the partial staged and sent by one bulk copy, 0.92x (f308563). All reverted.
+// The lse / delta rows: every lane loading two and storing them into its warp's buffer (variant 1)
+// measured 0.68-0.69x cuDNN at S = 8192 full, each warp's lane 0 fetching them by one bulk copy
+// from rows the prep kernel packs (TMA_ROWS, the default) 0.74-0.76x (benchmarks/results/
+// attention_bwd_2026-12-01_*rows*.json). Issuing half of dK's MMAs after dQ's, so that dQ's
+// staging stores overlap them, read 0.70x with lane-loaded rows and no better with fetched ones
+// (_split_variants.json, _warp_fetched_rows.json): not kept. Deferring a step's dQ stores into the
+// next step (behind its S^T and dP^T MMAs) does not compile well: ptxas injects a wgmma wait before
+// the reads of registers a wgmma wrote in the previous iteration, and (D = 128) spills.
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
@@ -58,7 +66,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = false, bool SPLIT_DK_ = false>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its reduce-adds, 3 loads Q alone and uses it as dO (half
@@ -70,9 +78,6 @@ struct AttnBwdConfig {
   // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
   // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
-  // true: half of dK's k-steps are issued after dQ's wgmma, so dQ's staging stores (reduce_dq)
-  // run while the tensor cores finish dK; false: dK whole before dQ, staging with them idle
-  static constexpr bool SPLIT_DK = SPLIT_DK_;
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -381,10 +386,9 @@ struct AttnBwdEngine {
                 dsp[2 * j + h];
           }
         }
-        constexpr int kDKEarly = Cfg::SPLIT_DK ? BQ / 32 : BQ / 16;  // dK k-steps before dQ
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kDKEarly; ++kk)  // dK += dS^T Q
+        for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
           WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
                           desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
         wgmma_commit();
@@ -400,17 +404,6 @@ struct AttnBwdEngine {
                                  kk > 0);
           wgmma_commit();
         }
-        if constexpr (Cfg::SPLIT_DK) {
-          wgmma_fence();  // the barrier's branch ended the fenced region
-#pragma unroll
-          for (int kk = kDKEarly; kk < BQ / 16; ++kk)  // dK's second half
-            WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
-                            desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
-          wgmma_commit();
-          wgmma_wait<1>();  // dQ done, dK's second half still running
-          fence_operands(dq);
-          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
-        }
         wgmma_wait<0>();
         fence_operands(dq);
         fence_operands(dk);
@@ -420,7 +413,7 @@ struct AttnBwdEngine {
         // Q, dO: read by wgmma only
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (!Cfg::SPLIT_DK && (Cfg::PROBE == 0 || Cfg::PROBE == 3))
+        if constexpr (Cfg::PROBE == 0 || Cfg::PROBE == 3)
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
