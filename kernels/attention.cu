@@ -16,17 +16,11 @@
 #include "../primitives/attention/tensor_map_nd.h"
 #include "../primitives/host/device.h"
 #include "attention_args.h"
+#include "attention_launch.cuh"
 
 namespace {
 
 using namespace mk::attn;
-
-template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
-    attention_kernel(const __grid_constant__ AttnParams p) {
-  extern __shared__ __align__(1024) char smem[];
-  AttnEngine<Cfg>::run_cta(p, smem);
-}
 
 template <class Cfg>
 int launch(const AttentionArgs& a, cudaStream_t stream, int num_sms) {
@@ -52,17 +46,8 @@ int launch(const AttentionArgs& a, cudaStream_t stream, int num_sms) {
   p.m_tiles = (a.S_q + Cfg::BM - 1) / Cfg::BM;
   p.total = a.B * a.Hq * p.m_tiles;  // < 2^31: checked by launch_attention
 
-  auto* kernel = attention_kernel<Cfg>;
-  static bool configured = false;  // NOTE: per process and instance; fine for one device kind
-  if (!configured) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             E::kSmemBytes) != cudaSuccess)
-      return kAttnLaunchFailed;
-    configured = true;
-  }
   const int grid = num_sms < p.total ? num_sms : p.total;
-  kernel<<<grid, E::kThreads, E::kSmemBytes, stream>>>(p);
-  return cudaGetLastError() == cudaSuccess ? kAttnOk : kAttnLaunchFailed;
+  return launch_engine<E>(p, grid, stream) == cudaSuccess ? kAttnOk : kAttnLaunchFailed;
 }
 
 template <int D>
@@ -73,10 +58,6 @@ int launch_variant(const AttentionArgs& a, cudaStream_t stream, int num_sms) {
     case 2: return launch<AttnConfig<D, false, false>>(a, stream, num_sms);
     default: return kAttnBadFlag;
   }
-}
-
-bool aligned(const void* ptr, uintptr_t bytes) {
-  return ptr != nullptr && (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
 }
 
 }  // namespace

@@ -15,17 +15,11 @@
 #include "../primitives/attention/bwd_engine.cuh"
 #include "../primitives/attention/tensor_map_nd.h"
 #include "attention_bwd_args.h"
+#include "attention_launch.cuh"
 
 namespace {
 
 using namespace mk::attn;
-
-template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
-    attention_bwd_kernel(const __grid_constant__ AttnBwdParams p) {
-  extern __shared__ __align__(1024) char smem[];
-  AttnBwdEngine<Cfg>::run_cta(p, smem);
-}
 
 template <class Cfg>
 int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
@@ -63,20 +57,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
   p.kv_tiles = (a.S_kv + Cfg::BKV - 1) / Cfg::BKV;
   const int grid = a.B * a.Hkv * p.kv_tiles;  // < 2^31: checked by launch_attention_bwd
 
-  auto* kernel = attention_bwd_kernel<Cfg>;
-  static bool configured = false;  // NOTE: per process and instance; fine for one device kind
-  if (!configured) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             E::kSmemBytes) != cudaSuccess)
-      return kAttnBwdLaunchFailed;
-    configured = true;
-  }
-  kernel<<<grid, E::kThreads, E::kSmemBytes, stream>>>(p);
-  return cudaGetLastError() == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
-}
-
-bool aligned(const void* ptr, uintptr_t bytes) {
-  return ptr != nullptr && (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+  return launch_engine<E>(p, grid, stream) == cudaSuccess ? kAttnBwdOk : kAttnBwdLaunchFailed;
 }
 
 // One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq

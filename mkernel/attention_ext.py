@@ -33,6 +33,7 @@ SPEC = jit.ExtensionSpec(
         "primitives/**/*.h",
         "kernels/attention_args.h",
         "kernels/attention_bwd_args.h",
+        "kernels/attention_launch.cuh",
     ),
 )
 

@@ -87,107 +87,119 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 
-// m64nNk16, bf16 x bf16 -> f32, A K-major from shared memory, B MN-major (transposed) from shared
-// memory, scale_d = 0 overwrites D (first k-step of a tile), 1 accumulates.
+// m64nNk16, bf16 x bf16 -> f32: D[64 x N] (N/2 fp32 registers) (+)= A[64 x 16] * B[16 x N];
+// scale_d = 0 overwrites D (first k-step of a tile), 1 accumulates. N is 32, 64, 128 or 256.
+//   WgmmaSS<N, kTransA, kTransB>::mma(d, desc_a, desc_b, scale_d)   A and B from shared memory
+//       (descriptors); kTransA / kTransB are PTX's imm-trans-a / imm-trans-b: 0 = K-major,
+//       1 = MN-major ("transposed").
+//   WgmmaRS<N, kTransB>::mma(d, a0, a1, a2, a3, desc_b, scale_d)   A from REGISTERS (four b32 of
+//       bf16 pairs: mk::attn's wgmma_attn.cuh gives the fragment), B from shared memory.
+//   Wgmma<N>: the GEMM engine's form, A K-major, B MN-major (transposed), both from shared memory.
+namespace detail {
+
+// NOTE: nvcc takes an inline-asm template only as one string literal, rejects symbolic operand
+// names (%[name]: "symbolic operand reference not supported") and expands no parameter pack in an
+// operand list; so the preprocessor spells the operands. MK_WGMMA_D<R>: "%0, ..., %<R-1>", the R
+// accumulator registers; MK_WGMMA_D<R>_OUT(d): their "+f" bindings to d[0 .. R-1].
+#define MK_WGMMA_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define MK_WGMMA_D32 \
+  MK_WGMMA_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MK_WGMMA_D64                                                                   \
+  MK_WGMMA_D32                                                                         \
+  ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define MK_WGMMA_D128                                                                            \
+  MK_WGMMA_D64                                                                                   \
+  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "           \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "             \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define MK_WGMMA_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define MK_WGMMA_F16(d, i) \
+  MK_WGMMA_F4(d, i), MK_WGMMA_F4(d, i + 4), MK_WGMMA_F4(d, i + 8), MK_WGMMA_F4(d, i + 12)
+#define MK_WGMMA_D16_OUT(d) MK_WGMMA_F16(d, 0)
+#define MK_WGMMA_D32_OUT(d) MK_WGMMA_D16_OUT(d), MK_WGMMA_F16(d, 16)
+#define MK_WGMMA_D64_OUT(d) MK_WGMMA_D32_OUT(d), MK_WGMMA_F16(d, 32), MK_WGMMA_F16(d, 48)
+#define MK_WGMMA_D128_OUT(d)                                                          \
+  MK_WGMMA_D64_OUT(d), MK_WGMMA_F16(d, 64), MK_WGMMA_F16(d, 80), MK_WGMMA_F16(d, 96), \
+      MK_WGMMA_F16(d, 112)
+
+// The two asm statements of m64nNk16 with R = N/2 accumulators. o0..o6 are the numbers R .. R+6 of
+// the operands that follow the accumulators, written out (the preprocessor cannot add).
+// clang-format off
+#define MK_WGMMA_DEFINE(N, R, o0, o1, o2, o3, o4, o5, o6)                                          \
+  template <>                                                                                      \
+  struct WgmmaAsm<N> {                                                                             \
+    template <int kTransA, int kTransB>                                                            \
+    __device__ __forceinline__ static void ss(float (&d)[R], uint64_t desc_a, uint64_t desc_b,     \
+                                              uint32_t scale_d) {                                  \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" #o2 ", 0;\n"                                        \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "                              \
+          "{" MK_WGMMA_D##R " }, "                                                                 \
+          "%" #o0 ", %" #o1 ", p, 1, 1, %" #o3 ", %" #o4 ";\n}\n"                                  \
+          : MK_WGMMA_D##R##_OUT(d)                                                                 \
+          : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));                   \
+    }                                                                                              \
+    template <int kTransB>                                                                         \
+    __device__ __forceinline__ static void rs(float (&d)[R], uint32_t a0, uint32_t a1,             \
+                                              uint32_t a2, uint32_t a3, uint64_t desc_b,           \
+                                              uint32_t scale_d) {                                  \
+      asm volatile(                                                                                \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" #o5 ", 0;\n"                                        \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "                              \
+          "{" MK_WGMMA_D##R " }, "                                                                 \
+          "{%" #o0 ", %" #o1 ", %" #o2 ", %" #o3 "}, %" #o4 ", p, 1, 1, %" #o6 ";\n}\n"            \
+          : MK_WGMMA_D##R##_OUT(d)                                                                 \
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d), "n"(kTransB));          \
+    }                                                                                              \
+  };
+// clang-format on
+
 template <int N>
-struct Wgmma;
+struct WgmmaAsm {
+  static_assert(N != N, "no wgmma operand list for this N: add an MK_WGMMA_DEFINE line");
+};
+MK_WGMMA_DEFINE(32, 16, 16, 17, 18, 19, 20, 21, 22)
+MK_WGMMA_DEFINE(64, 32, 32, 33, 34, 35, 36, 37, 38)
+MK_WGMMA_DEFINE(128, 64, 64, 65, 66, 67, 68, 69, 70)
+MK_WGMMA_DEFINE(256, 128, 128, 129, 130, 131, 132, 133, 134)
 
-template <>
-struct Wgmma<64> {
-  static constexpr int kRegs = 32;
-  // D[64x64] (+)= A[64x16] (K-major, smem desc) * B[16x64] (MN-major = transposed, smem desc).
-  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+#undef MK_WGMMA_DEFINE
+#undef MK_WGMMA_D128_OUT
+#undef MK_WGMMA_D64_OUT
+#undef MK_WGMMA_D32_OUT
+#undef MK_WGMMA_D16_OUT
+#undef MK_WGMMA_F16
+#undef MK_WGMMA_F4
+#undef MK_WGMMA_D128
+#undef MK_WGMMA_D64
+#undef MK_WGMMA_D32
+#undef MK_WGMMA_D16
+
+}  // namespace detail
+
+template <int N, int kTransA, int kTransB>
+struct WgmmaSS {
+  static constexpr int kRegs = N / 2;
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint64_t desc_a, uint64_t desc_b,
                                              uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
-        "}, "
-        "%32, %33, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    detail::WgmmaAsm<N>::template ss<kTransA, kTransB>(d, desc_a, desc_b, scale_d);
   }
 };
 
-template <>
-struct Wgmma<128> {
-  static constexpr int kRegs = 64;
-  // D[64x128] (+)= A[64x16] (K-major, smem desc) * B[16x128] (MN-major = transposed, smem desc).
-  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+template <int N, int kTransB>
+struct WgmmaRS {
+  static constexpr int kRegs = N / 2;
+  __device__ __forceinline__ static void mma(float (&d)[kRegs], uint32_t a0, uint32_t a1,
+                                             uint32_t a2, uint32_t a3, uint64_t desc_b,
                                              uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63 "
-        "}, "
-        "%64, %65, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    detail::WgmmaAsm<N>::template rs<kTransB>(d, a0, a1, a2, a3, desc_b, scale_d);
   }
 };
 
-template <>
-struct Wgmma<256> {
-  static constexpr int kRegs = 128;
-  // D[64x256] (+)= A[64x16] (K-major, smem desc) * B[16x256] (MN-major = transposed, smem desc).
-  __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                             uint32_t scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "
-        "%111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
-        "%127 "
-        "}, "
-        "%128, %129, p, 1, 1, 0, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-          "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-          "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-          "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-          "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-          "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
-          "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-};
+// D[64xN] (+)= A[64x16] (K-major, smem desc) * B[16xN] (MN-major = transposed, smem desc).
+template <int N>
+using Wgmma = WgmmaSS<N, 0, 1>;
 
 }  // namespace mk::gemm
