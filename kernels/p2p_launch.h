@@ -8,7 +8,7 @@ struct P2PLaunch {
   uint64_t src = 0, dst = 0;  // 16-byte aligned
   long long bytes = 0;        // multiple of 16
   int ctas = 1, threads = 256, mode = 0;
-  int chunk_bytes = 16384;  // per bulk op; four of them in flight per CTA (kernels/p2p.cu)
+  int chunk_bytes = 16384;  // per bulk op (kernels/p2p.cu: how many are in flight per mode)
 };
 
 }  // namespace mk

@@ -39,6 +39,17 @@ __device__ __forceinline__ void tile_send_bulk(void* dst, const void* src_smem, 
                : "memory");
 }
 
+// TMA bulk copy global -> shared, completing on the mbarrier `bar` (whose expected transaction
+// bytes the issuer raised by `bytes`). bytes % 16 == 0, both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_load(void* dst_smem, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst_smem)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // TMA reduce-store: dst[i] += src[i] at the destination, fp32.
 __device__ __forceinline__ void reduce_add_bulk_f32(float* dst, const float* src_smem,
                                                     uint32_t bytes) {

@@ -422,15 +422,6 @@ struct AttnBwdEngine {
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
   }
 
-  // bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on bar.
-  __device__ static void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar))
-        : "memory");
-  }
-
   // TMA_ROWS, one lane: q tile i of group head g's packed rows (lse2, delta) -> dst, landing on bar.
   __device__ static void fetch_rows(const AttnBwdParams& p, const Work& w, int g, int i, float* dst,
                                     uint64_t* bar) {
