@@ -12,6 +12,7 @@
 //   rank 1 comm:    s1c0 -> r1, r0; s1c1 -> r1, r0           (chunk_ready[2], [3] on each)
 //   rank 0 compute: tiles of rows s0 (wait chunk_ready[0..1]), then rows s1 (wait [2..3])
 #include "kernels/fused_host.cuh"
+#include "primitives/bulk_ring.cuh"
 
 namespace mk {
 
@@ -31,7 +32,9 @@ struct AgGemm {
   using Layout = spec::ag_gemm::Layout;
   using Args = FusedArgs<AgGemm>;
   static constexpr int kCommSmemBytes = 0;
-  static constexpr int kPiece = 16384, kBufs = 8;  // TMA pushes: 8 staged 16 KB pieces in flight
+  static constexpr int kPiece = 16384, kBufs = 8;  // TMA pushes: a ring of 8 16 KB buffers
+  static_assert(kBufs * kPiece + 8 * kBufs <= Engine::kSmemBytes,
+                "a comm CTA's TMA ring lives in the engine's shared memory");
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
@@ -56,27 +59,19 @@ struct AgGemm {
     }
   }
 
-  // TMA push (inter_sm comm CTAs, which own the whole shared memory): the team stages 16 KB pieces
-  // in a ring of kBufs buffers; lane 0 sends each piece with a bulk copy (the template waits for
-  // them to land before it raises).
+  // TMA push (inter_sm comm CTAs, which own the whole shared memory): lane 0 alone moves the chunk
+  // through a ring of kBufs 16 KB buffers, kBufs / 2 bulk loads and kBufs / 2 bulk stores in
+  // flight (primitives/bulk_ring.cuh); the template waits for the stores to land before it
+  // raises. Staging by the team's threads kept one piece in flight: 8 GB/s per CTA.
   static __device__ void push_bulk(const Team& team, char* smem, const __nv_bfloat16* src,
                                    __nv_bfloat16* dst, long long bytes) {
-    const char* from = reinterpret_cast<const char*>(src);
-    char* to = reinterpret_cast<char*>(dst);
-    for (long long off = 0, i = 0; off < bytes; off += kPiece, ++i) {
-      const int n = (int)min((long long)kPiece, bytes - off);  // a multiple of 16: K % 8 == 0
-      char* stage = smem + (i % kBufs) * kPiece;
-      if (team.lane == 0) bulk_wait_read_n<kBufs - 1>();  // the piece that used this buffer
-      team.sync();
-      for (int v = team.lane; v < n / 16; v += team.size)
-        reinterpret_cast<uint4*>(stage)[v] = reinterpret_cast<const uint4*>(from + off)[v];
-      fence_proxy_async_smem();
-      team.sync();
-      if (team.lane == 0) {
-        tile_send_bulk(to + off, stage, n);
-        bulk_commit();
-      }
-    }
+    if (team.lane != 0) return;
+    BulkRing<kBufs, kBufs / 2> ring{smem, reinterpret_cast<uint64_t*>(smem + kBufs * kPiece),
+                                    kPiece};
+    ring.init();
+    ring.copy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), bytes,
+              Drain::kStore);
+    ring.inval();
   }
 
   static bool prepare(const long long*, Args& args) {

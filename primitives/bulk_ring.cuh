@@ -14,7 +14,10 @@
 //   store              S0   S1   S2   S3   S4 ...        S0 has read it (wait_group.read 1)
 //
 // Protocol (issuer = one thread; the ring's buffers and barriers are its own):
-//   ring.init()          once, before any copy: mbarriers (count 1); then mbar_fence_init
+//   ring.init()          before the first copy: mbarriers (count 1); then mbar_fence_init
+//   ring.inval()         after the last (every load has completed by then): the barriers' shared
+//                        memory may be used otherwise, or init() run again (an op whose copies
+//                        are separate tasks brackets each one: no state survives the task)
 //   ring.copy(dst, src, bytes, drain)   any number of times; returns with every store issued and
 //                        every buffer read (so the ring is free again), not with the data landed
 //   ring.landed()        bulk_wait_all: every byte of every copy is at its destination (before a
@@ -70,6 +73,12 @@ struct BulkRing {
   }
 
   __device__ void landed() const { bulk_wait_all(); }
+
+  __device__ void inval() {
+    for (int s = 0; s < kStages; ++s)
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_u32(&full[s])) : "memory");
+    used = 0;
+  }
 
  private:
   __device__ uint32_t size_of(long long bytes, long long c) const {
