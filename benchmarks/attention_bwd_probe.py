@@ -2,8 +2,9 @@
 
 ``python3 benchmarks/attention_bwd_probe.py [S ...]``: B=1, H=32, D=128, full and causal; times the
 kernel launch alone (``attention_backward_into``) with ``probe`` 0 (the real kernel), 2 (no dQ
-reduce-adds), 1 (no dQ at all: no barrier, MMA or reduce-adds) and 3 (Q loaded alone and used as
-dO: half the per-step L2 reads), interleaved in rounds, and prints TFLOP/s counting the full
+reduce-adds nor staging), 1 (no dQ at all: no barrier, MMA or reduce-adds), 3 (Q loaded alone and
+used as dO: half the per-step L2 reads), 4 (dQ staged, no reduce-add issued) and 5 (reduce-adds
+issued from an unwritten staging tile), interleaved in rounds, and prints TFLOP/s counting the full
 backward's 2.5x forward FLOPs in every row (so the rows compare times).
 ``--ncu``: one real launch only (for ``ncu -k regex:attention_bwd -c 1``).
 """
@@ -33,7 +34,7 @@ def setup(S: int, causal: bool):
 
 
 # probe -> column: the real kernel, no dQ reduce-adds, no dQ at all, Q loaded alone (used as dO)
-PROBES = {0: "real", 2: "no_red", 1: "no_dq", 3: "half_loads"}
+PROBES = {0: "real", 2: "no_red", 1: "no_dq", 3: "half_loads", 4: "no_tma_red", 5: "no_stage"}
 
 
 def main(argv: list[str]) -> None:

@@ -182,8 +182,8 @@ def attention_backward_into(
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
     with ``accumulate``). ``variant`` 0 (default, the faster): each consumer warp fetches its lse /
     delta rows by a bulk copy from a packed copy (``rows_of``, made here); 1: every lane loads
-    them from lse and delta. ``probe`` is for measurements only (dq is then wrong): 1 skips dQ's
-    MMA and reduce-adds, 2 only the reduce-adds, 3 loads Q alone and uses it as dO."""
+    them from lse and delta. ``probe`` is for measurements only (D = 128; dq is then wrong):
+    kernels/attention_bwd_args.h lists them."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.variant, args.probe = _check_variant(variant), int(probe)

@@ -69,8 +69,9 @@ namespace mk::attn {
 template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
-  // measurement only: 1 skips dQ, 2 its reduce-adds, 3 loads Q alone and uses it as dO (half
-  // the per-step L2 reads: whether they limit the kernel)
+  // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
+  // dO (half the per-step L2 reads: whether they limit the kernel), 4 stages dQ but issues no
+  // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there)
   static constexpr int PROBE = PROBE_;
   // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
   // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
@@ -413,7 +414,7 @@ struct AttnBwdEngine {
         // Q, dO: read by wgmma only
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE == 0 || Cfg::PROBE == 3)
+        if constexpr (Cfg::PROBE != 1 && Cfg::PROBE != 2)
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
@@ -455,7 +456,7 @@ struct AttnBwdEngine {
     if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
     named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
-    for (int j = 0; j < kQCols / 8; ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
+    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
       char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
       const int unit = 2 * (j % 4) + q4 / 2;
 #pragma unroll
@@ -467,7 +468,7 @@ struct AttnBwdEngine {
     }
     fence_proxy_async_smem();
     named_barrier_sync(kBarDQ0 + wg, 128);
-    if (lt == 0) {
+    if (lt == 0 && Cfg::PROBE != 4) {
 #pragma unroll
       for (int c = 0; c < kQCols / 32; ++c)
         tma_reduce_add_4d(&p.dq, dq_smem + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq, q0,
