@@ -66,7 +66,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true, bool WARP_DQ_ = true>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
@@ -79,11 +79,6 @@ struct AttnBwdConfig {
   // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
   // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
-  // true: each consumer warp stages its own 16 rows of dQ and its lane 0 reduce-adds them (boxes
-  // of 16 rows), synchronised by __syncwarp alone; false: the warpgroup stages its 64 rows between
-  // two 128-thread named barriers and one thread reduce-adds them
-  static constexpr bool WARP_DQ = WARP_DQ_;
-  static constexpr int kDQBoxRows = WARP_DQ ? 16 : 64;  // rows per dQ reduce-add (the TMA map's)
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -128,7 +123,7 @@ struct AttnBwdSmem {
 
 struct AttnBwdParams {
   CUtensorMap q, k, v, dout;  // [B, S, H, D] maps: boxes {64, 1, BQ | BKV, 1}
-  CUtensorMap dq;             // [B, S_q, Hq, D] fp32, reduce-added into: box {32, 1, kDQBoxRows, 1}
+  CUtensorMap dq;             // [B, S_q, Hq, D] fp32, reduce-added into: box {32, 1, BQ, 1}
   const float* lse;           // [B, Hq, S_q] natural log (the forward's)
   const float* delta;         // [B, Hq, S_q] rowsum(dO * O) (minus d lse, if any)
   const float* rows;          // TMA_ROWS: [B, Hq, q_tiles, 2, BQ] lse * log2 e | delta, padded
@@ -423,8 +418,7 @@ struct AttnBwdEngine {
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
-    if (Cfg::WARP_DQ ? lane == 0 : lt == 0) bulk_wait_all();  // the last dQ reduce has read
-                                                               // its staging rows
+    if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
   }
@@ -453,24 +447,16 @@ struct AttnBwdEngine {
   }
 
   // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
-  // 32 columns into dq (rows >= S_q dropped by TMA). WARP_DQ: every warp its own 16 rows (a
-  // warp's accumulator rows are 16w .. 16w + 15), issued by its lane 0; the rows start at
-  // 2048-byte offsets, so a 16-row box sees the tile's 128-byte swizzle. Otherwise the warpgroup's
-  // 64 rows, by its first thread.
+  // 32 columns into dq (rows >= S_q dropped by TMA), issued by the warpgroup's first thread.
   __device__ static void reduce_dq(const AttnBwdParams& p, const Work& w, int wg, int lt, int hq,
                                    int q0, const float (&dq)[kQCols / 2], char* dq_smem) {
     using namespace gemm;
-    const int lane = lt % 32, q4 = lane % 4, warp = lt / 32;
-    const int row_wg = 16 * warp + lane / 4;
-    if constexpr (Cfg::WARP_DQ) {
-      if (lane == 0) bulk_wait_read();  // this warp's previous reduce has read its rows
-      __syncwarp();
-    } else {
-      if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
-      named_barrier_sync(kBarDQ0 + wg, 128);
-    }
+    const int lane = lt % 32, q4 = lane % 4;
+    const int row_wg = 16 * (lt / 32) + lane / 4;
+    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
+    named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
-    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {  // 8 columns: chunk j / 4
+    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
       char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
       const int unit = 2 * (j % 4) + q4 / 2;
 #pragma unroll
@@ -481,24 +467,13 @@ struct AttnBwdEngine {
       }
     }
     fence_proxy_async_smem();
-    if constexpr (Cfg::WARP_DQ) {
-      __syncwarp();
-      if (lane == 0 && Cfg::PROBE != 4) {
+    named_barrier_sync(kBarDQ0 + wg, 128);
+    if (lt == 0 && Cfg::PROBE != 4) {
 #pragma unroll
-        for (int c = 0; c < kQCols / 32; ++c)
-          tma_reduce_add_4d(&p.dq, dq_smem + c * Map::kDQChunkBytes + warp * 16 * 128,
-                            wg * kQCols + c * 32, hq, q0 + 16 * warp, w.b);
-        bulk_commit();
-      }
-    } else {
-      named_barrier_sync(kBarDQ0 + wg, 128);
-      if (lt == 0 && Cfg::PROBE != 4) {
-#pragma unroll
-        for (int c = 0; c < kQCols / 32; ++c)
-          tma_reduce_add_4d(&p.dq, dq_smem + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq,
-                            q0, w.b);
-        bulk_commit();
-      }
+      for (int c = 0; c < kQCols / 32; ++c)
+        tma_reduce_add_4d(&p.dq, dq_smem + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq, q0,
+                          w.b);
+      bulk_commit();
     }
   }
 
