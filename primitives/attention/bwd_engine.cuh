@@ -40,6 +40,12 @@
 // (_split_variants.json, _warp_fetched_rows.json): not kept. Deferring a step's dQ stores into the
 // next step (behind its S^T and dP^T MMAs) does not compile well: ptxas injects a wgmma wait before
 // the reads of registers a wgmma wrote in the previous iteration, and (D = 128) spills.
+// Each consumer warp staging and reduce-adding its own 16 rows of dQ (16-row TMA boxes, no named
+// barriers) read 0.66x / 0.73x cuDNN (S = 8192 full / causal) where the warpgroup form read 0.77x /
+// 0.86x in the same run (_warp_dq_rejected.json): four times the reduce instructions cost more
+// than the barriers (reverted). The probes (benchmarks/attention_bwd_probe.py, S = 8192 full,
+// TFLOP/s): real 435, dQ staged but not reduced 407, reduced from an unwritten tile 430, neither
+// (nor the barriers) 537: no one part of the reduce is the cost alone.
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
