@@ -181,10 +181,9 @@ def attention_backward_into(
     fp32 (``delta_of``). dq [B, S_q, Hq, D] fp32 (16-byte aligned) is REDUCE-ADDED into (zero it,
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
     with ``accumulate``). ``variant`` 0 (default, the faster): each consumer warp fetches its lse /
-    delta rows by a bulk copy from a packed copy (``rows_of``, made here) and a producer thread
-    issues dQ's reduce-adds; 1: every lane loads the rows from lse and delta; 2: as 0, each
-    consumer warpgroup reduce-adds its own dQ between named barriers. ``probe`` is for
-    measurements only (D = 128; dq is then wrong): kernels/attention_bwd_args.h lists them."""
+    delta rows by a bulk copy from a packed copy (``rows_of``, made here); 1: every lane loads
+    them from lse and delta. ``probe`` is for measurements only (D = 128; dq is then wrong):
+    kernels/attention_bwd_args.h lists them."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.variant, args.probe = _check_variant(variant), int(probe)
@@ -206,14 +205,14 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def _check_variant(variant: int) -> int:
-    if variant not in (0, 1, 2):
-        raise ValueError(f"variant must be 0, 1 or 2, got {variant!r}")
+    if variant not in (0, 1):
+        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
     return variant
 
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """Variants 0, 2: the packed rows (kept by the caller until the launch is enqueued)."""
-    if args.variant == 1:
+    """Variant 0: the packed rows (kept by the caller until the launch is enqueued)."""
+    if args.variant != 0:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()
@@ -316,7 +315,7 @@ def attention_backward(
     if dlse is not None:
         args.dlse = dlse.data_ptr()
     rows = None
-    if args.variant != 1:  # packed by the prep kernel, from lse and the delta it computes
+    if args.variant == 0:  # packed by the prep kernel, from lse and the delta it computes
         rows = torch.empty(B, Hq, -(-S_q // 64), 2, 64, device=q.device, dtype=torch.float32)
         args.rows = rows.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)

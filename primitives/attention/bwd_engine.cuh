@@ -45,7 +45,13 @@
 // 0.86x in the same run (_warp_dq_rejected.json): four times the reduce instructions cost more
 // than the barriers (reverted). The probes (benchmarks/attention_bwd_probe.py, S = 8192 full,
 // TFLOP/s): real 435, dQ staged but not reduced 407, reduced from an unwritten tile 430, neither
-// (nor the barriers) 537: no one part of the reduce is the cost alone.
+// (nor the barriers) 537: no one part of the reduce is the cost alone. A dQ writer thread (producer
+// warpgroup) issuing the reduce-adds from the consumers' staging tiles (dq_full / dq_empty
+// mbarriers), so that the consumers only store and arrive, read 0.70x / 0.75x where this form read
+// 0.77x / 0.86x in the same run (_dq_writer_rejected.json; its probes: 391 real, 529 with the
+// writer reducing an unwritten tile, 393 with the tile stored and nothing reduced): the
+// consumers then wait for the writer's reduce to have read the single staging tile (no room
+// for two: 227 KiB), reverted.
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
@@ -72,7 +78,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true, bool DQ_WRITER_ = true>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
@@ -85,11 +91,6 @@ struct AttnBwdConfig {
   // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
   // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
-  // true: the consumers only stage dQ and arrive on dq_full; lane 0 of the producer warpgroup's
-  // warp 1 issues the reduce-adds, waits until they have read the staging tile and arrives on
-  // dq_empty; false: each consumer warpgroup stages between two named barriers and its first
-  // thread issues the reduce-adds (and waits for them to read the tile before the next staging)
-  static constexpr bool DQ_WRITER = DQ_WRITER_;
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -125,9 +126,8 @@ struct AttnBwdSmem {
   static constexpr int kRowStepBytes = 2 * Cfg::BQ * 4;  // one step's [lse2 | delta][BQ]
   static constexpr int kRowBytes = 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
   static constexpr int kBarOffset = kRowOffset + kRowBytes;
-  // kv_full, q_full[S], q_empty[S], dq_full[C], dq_empty[C], TMA_ROWS: rows_full[warp][2]
-  static constexpr int kNumBars =
-      1 + 2 * Cfg::STAGES + 2 * Cfg::CONSUMERS + (Cfg::TMA_ROWS ? 8 * Cfg::CONSUMERS : 0);
+  // kv_full, q_full[S], q_empty[S], TMA_ROWS: rows_full[consumer warp][step % 2]
+  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES + (Cfg::TMA_ROWS ? 8 * Cfg::CONSUMERS : 0);
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
   static_assert(kBytes <= 227 * 1024, "fits the 227 KiB of an sm_90 CTA");
@@ -166,8 +166,6 @@ struct AttnBwdEngine {
     uint64_t* kv_full;
     uint64_t* q_full;   // [STAGES]: TMA bytes
     uint64_t* q_empty;  // [STAGES]
-    uint64_t* dq_full;    // DQ_WRITER: [consumer wg], its 4 warps staged the step's dQ
-    uint64_t* dq_empty;   // DQ_WRITER: [consumer wg], the reduce-adds have read the staging tile
     uint64_t* rows_full;  // TMA_ROWS: [consumer warp][2], the warp's rows of a step landed
   };
 
@@ -177,8 +175,7 @@ struct AttnBwdEngine {
 
   __device__ static Bars bars_of(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
-    uint64_t* dq = b + 1 + 2 * STAGES;
-    return Bars{b, b + 1, b + 1 + STAGES, dq, dq + Cfg::CONSUMERS, dq + 2 * Cfg::CONSUMERS};
+    return Bars{b, b + 1, b + 1 + STAGES, b + 1 + 2 * STAGES};
   }
 
   // Causal: kv tile ascending over ids (the longest walks first); otherwise kv tile fastest (the
@@ -209,10 +206,6 @@ struct AttnBwdEngine {
         gemm::mbar_init(&bars.q_full[s], 1);        // the TMA thread
         gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
       }
-      for (int c = 0; c < Cfg::CONSUMERS; ++c) {
-        gemm::mbar_init(&bars.dq_full[c], 4);   // lane 0 of each of the warpgroup's warps
-        gemm::mbar_init(&bars.dq_empty[c], 1);  // the dQ writer
-      }
       if constexpr (Cfg::TMA_ROWS)
         for (int i = 0; i < 8 * Cfg::CONSUMERS; ++i) gemm::mbar_init(&bars.rows_full[i], 1);
       gemm::mbar_fence_init();
@@ -222,8 +215,6 @@ struct AttnBwdEngine {
     if (threadIdx.x < 128) {
       gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
       if (threadIdx.x == 0) load_tiles(p, w, smem, bars);
-      if (Cfg::DQ_WRITER && Cfg::PROBE != 1 && Cfg::PROBE != 2 && threadIdx.x == 32)
-        write_dq(p, w, smem, bars);
     } else {
       gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
       consumer(p, w, smem, bars);
@@ -435,15 +426,11 @@ struct AttnBwdEngine {
         // Q, dO: read by wgmma only
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (Cfg::PROBE != 1 && Cfg::PROBE != 2) {
-          if constexpr (Cfg::DQ_WRITER)
-            stage_dq(wg, lt, step, dq, dq_smem, bars);
-          else
-            reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
-        }
+        if constexpr (Cfg::PROBE != 1 && Cfg::PROBE != 2)
+          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
-    if (!Cfg::DQ_WRITER && lt == 0) bulk_wait_all();  // the last reduce has read its tile
+    if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
   }
@@ -471,54 +458,17 @@ struct AttnBwdEngine {
     }
   }
 
-  // DQ_WRITER, consumer side: this warpgroup's dQ of its step-th step -> its staging tile, once
-  // the writer's reduce-adds of the previous one have read it; every warp arrives when its rows
-  // are in (fenced for the async proxy that reads them).
-  __device__ static void stage_dq(int wg, int lt, int step, const float (&dq)[kQCols / 2],
-                                  char* dq_smem, const Bars& bars) {
-    gemm::mbar_wait(&bars.dq_empty[wg], (uint32_t)((step & 1) ^ 1));
-    if constexpr (Cfg::PROBE != 5) store_dq(lt, dq, dq_smem);
-    fence_proxy_async_smem();
-    __syncwarp();
-    if (lt % 32 == 0) gemm::mbar_arrive(&bars.dq_full[wg]);
-  }
-
-  // DQ_WRITER, one thread of the producer warpgroup: per step (the consumers' order), per
-  // consumer warpgroup, its staged dQ -> one TMA reduce-add per 32 columns, then dq_empty once
-  // they have read the tile. The consumers never wait for a reduce or issue one.
-  __device__ static void write_dq(const AttnBwdParams& p, const Work& w, char* smem,
-                                  const Bars& bars) {
-    gemm::tma_prefetch_map(&p.dq);
-    int step = 0;
-    for (int g = 0; g < p.group; ++g) {
-      const int hq = w.hk * p.group + g;
-      for (int i = w.q_begin; i < p.q_tiles; ++i, ++step) {
-#pragma unroll
-        for (int wg = 0; wg < Cfg::CONSUMERS; ++wg) {
-          gemm::mbar_wait(&bars.dq_full[wg], (uint32_t)(step & 1));
-          char* tile = smem + Map::kDQOffset + wg * Map::kDQBytesPerWG;
-          if constexpr (Cfg::PROBE != 4) {
-#pragma unroll
-            for (int c = 0; c < kQCols / 32; ++c)
-              tma_reduce_add_4d(&p.dq, tile + c * Map::kDQChunkBytes, wg * kQCols + c * 32, hq,
-                                i * BQ, w.b);
-            bulk_commit();
-            bulk_wait_read();
-          }
-          gemm::mbar_arrive(&bars.dq_empty[wg]);
-        }
-      }
-    }
-    bulk_wait_all();
-  }
-
-  // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile (the TMA map's 128-byte
-  // swizzle: 16-byte unit u of row r at u ^ (r % 8)).
-  __device__ static void store_dq(int lt, const float (&dq)[kQCols / 2], char* dq_smem) {
+  // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
+  // 32 columns into dq (rows >= S_q dropped by TMA), issued by the warpgroup's first thread.
+  __device__ static void reduce_dq(const AttnBwdParams& p, const Work& w, int wg, int lt, int hq,
+                                   int q0, const float (&dq)[kQCols / 2], char* dq_smem) {
+    using namespace gemm;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;
+    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
+    named_barrier_sync(kBarDQ0 + wg, 128);
 #pragma unroll
-    for (int j = 0; j < kQCols / 8; ++j) {  // 8 columns: chunk j / 4
+    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
       char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
       const int unit = 2 * (j % 4) + q4 / 2;
 #pragma unroll
@@ -528,16 +478,6 @@ struct AttnBwdEngine {
             make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
-  }
-
-  // This warpgroup's m64 x kQCols dQ -> its swizzled fp32 staging tile -> one TMA reduce-add per
-  // 32 columns into dq (rows >= S_q dropped by TMA), issued by the warpgroup's first thread.
-  __device__ static void reduce_dq(const AttnBwdParams& p, const Work& w, int wg, int lt, int hq,
-                                   int q0, const float (&dq)[kQCols / 2], char* dq_smem) {
-    using namespace gemm;
-    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
-    named_barrier_sync(kBarDQ0 + wg, 128);
-    if constexpr (Cfg::PROBE != 5) store_dq(lt, dq, dq_smem);
     fence_proxy_async_smem();
     named_barrier_sync(kBarDQ0 + wg, 128);
     if (lt == 0 && Cfg::PROBE != 4) {
