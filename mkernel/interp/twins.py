@@ -75,6 +75,12 @@ def tile_load_async(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
     return value
 
 
+def bulk_load(ctx: Ctx, buf: str, rank: int, rect: Rect) -> Gen:
+    """cp.async.bulk global -> shared (comm.cuh ``bulk_load``, the loads of bulk_ring.cuh): an
+    async-proxy read, as ``tile_load_async``."""
+    return (yield from tile_load_async(ctx, buf, rank, rect))
+
+
 def fence_proxy_async(ctx: Ctx) -> Gen:
     """fence.proxy.async: generic-proxy writes this agent is ordered after become visible to its
     async-proxy (TMA) reads."""

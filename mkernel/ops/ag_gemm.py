@@ -277,10 +277,11 @@ def twins_of(plan: Plan):
         if plan.nodes > 1 and task.args[2] == PUT:  # across nodes: a put the template posts
             program.put_on_completion(ctx, task, p, "gather", dst, "a", (r0, rows, 0, k))
             return
+        load = twins.bulk_load if bulk else twins.tile_load  # TMA: the BulkRing's loads
         if plan.nodes > 1 and task.args[2] == FORWARD:  # a chunk that landed here, to a peer
-            v = yield from twins.tile_load(ctx, "gather", ctx.rank, dst)
+            v = yield from load(ctx, "gather", ctx.rank, dst)
         else:
-            v = yield from twins.tile_load(ctx, "a", ctx.rank, (r0, rows, 0, k))
+            v = yield from load(ctx, "a", ctx.rank, (r0, rows, 0, k))
         if bulk:
             yield from twins.tile_send_bulk(ctx, "gather", p, dst, v)
         else:
