@@ -109,6 +109,19 @@ class ProxyRing:
         self.reserve.zero_()
         self.posted = 0
 
+    def count_posted(self, puts: int) -> None:
+        """Counts ``puts`` more puts per ring: after a launch of ``exchange(..., sync=False)`` or a
+        replay of a graph that captured one."""
+        if not isinstance(puts, int) or puts < 0 or self.posted + puts > _MAX_COUNT:
+            raise ValueError(f"puts must be an int >= 0 that the counters can hold, got {puts!r}")
+        self.posted += puts
+
+    def check(self) -> None:
+        """Waits for the device and raises CommTimeout if a wait of an unsynchronized exchange
+        timed out (the ring is then stopped and reset, as after a synchronous call)."""
+        torch.cuda.synchronize(self.device)
+        _raise_timeout(self)
+
     def restart(self) -> None:
         self.stop()
         self.reset()
@@ -217,6 +230,7 @@ def exchange(
     timeout_s: float = 5.0,
     dst: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sync: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every emulated rank r puts its row ``src[r]`` to rank ``(r + W // nodes) % W`` (a rank of
     the next virtual node) through its ring and proxy, in ``puts`` equal tiles posted by
@@ -232,11 +246,19 @@ def exchange(
     Synchronizes the current stream. Raises ValueError before launching on bad input, and
     CommTimeout (naming rank, peer and signal) when a wait timed out; the ring is then stopped and
     reset (``ring.start()`` resumes).
+
+    ``sync=False`` (receive "copy" or "wait"): only enqueues the kernel, so the call can be
+    captured in a CUDA graph. The caller then counts the launch's puts (``ring.count_posted(puts)``
+    after each launch or replay) and calls ``ring.check()`` for the timeout. A replay needs nothing
+    else from the host but the proxy threads running: the device takes its tickets from the
+    ring's counters and the receivers reset the signals they consumed.
     """
     ext = ring.ext
     op_id = _choice("op", op, ext.OPS)
     receive_id = _choice("receive", receive, ext.RECEIVE)
     bytes_per_put = _check_exchange(src, ring, nodes, puts, posters, receive_id, timeout_s)
+    if not sync and receive == "none":
+        raise ValueError('sync=False needs receivers (receive "copy" or "wait")')
     dst = _check_buffer("dst", dst, src)
     out = _check_buffer("out", out, src) if receive == "copy" else None
     ring.launches += 1
@@ -254,6 +276,8 @@ def exchange(
         rc = ext.launch_rdma_test(a, stream.cuda_stream)
         if rc != 0:
             raise RuntimeError(f"launch_rdma_test: {ext.rdma_test_status_string(rc)}")
+        if not sync:
+            return dst, out
         ring.posted += puts
         stream.synchronize()
     _raise_timeout(ring)

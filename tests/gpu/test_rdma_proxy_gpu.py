@@ -85,6 +85,41 @@ def test_thousand_calls_with_changing_data():
         assert ring.counters(0)["tail"] == 8000
 
 
+def test_graph_replay_with_new_data():
+    """A CUDA graph captures one exchange; 50 replays over fresh data land it exactly. What the
+    proxy needs there: its threads running, and the host's count of posted puts advanced per
+    replay (ring.count_posted); tickets and signals carry over on the device."""
+    W, nodes, puts = 4, 2, 8
+    with ProxyRing(W, 2) as ring:
+        src = _data(W, puts, 4096, 0)
+        dst, out = _poisoned(src), _poisoned(src)
+        exchange(src, ring, nodes, puts, dst=dst, out=out, posters=2)  # warm-up, outside
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            exchange(src, ring, nodes, puts, dst=dst, out=out, posters=2, sync=False)
+        for replay in range(50):
+            src.copy_(_data(W, puts, 4096, replay + 1))
+            dst.fill_(POISON)
+            out.fill_(POISON)
+            graph.replay()
+            ring.count_posted(puts)
+            ring.check()
+            want = torch.roll(src, W // nodes, dims=0)
+            assert torch.equal(dst, want), replay
+            assert torch.equal(out, want), replay
+        _tails_catch_up(ring)
+        assert ring.counters(0)["tail"] == 51 * puts
+        assert not ring.signal_values().any()
+        assert not ring.errors()
+
+
+def test_unsynchronized_exchange_needs_receivers():
+    with ProxyRing(4, 2) as ring:
+        src = _data(4, 4, 4096, 0)
+        with pytest.raises(ValueError, match="sync=False needs receivers"):
+            exchange(src, ring, 2, 4, receive="none", sync=False)
+
+
 def test_posters_only_then_drained():
     """receive="none": the call waits for the proxies itself and leaves the signals at zero."""
     with ProxyRing(4, 1) as ring:
