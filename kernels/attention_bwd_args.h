@@ -31,15 +31,15 @@ struct AttentionBwdArgs {
   int causal = 0;          // 0 or 1
   int kv_f32 = 0;          // 1: dk, dv are fp32
   int kv_accumulate = 0;   // 1 (with kv_f32): dk += result, dv += result
-  float* rows = nullptr;  // variant 0: [B, Hq, ceil(S_q / 64), 2, 64] fp32, 16-byte aligned: per
-                          // 64-row q tile lse * log2(e) (+inf past S_q or where lse is -inf),
-                          // then delta (0 past S_q). Read by the backward; the prep kernel
-                          // writes it when set (then lse is read there too)
+  float* rows = nullptr;   // variant 0: [B, Hq, ceil(S_q / 64), 2, 64] fp32, 16-byte aligned: per
+                           // 64-row q tile lse * log2(e) (+inf past S_q or where lse is -inf),
+                           // then delta (0 past S_q). Read by the backward; the prep kernel
+                           // writes it when set (then lse is read there too)
   int variant = 0;  // 0: each consumer warp fetches its lse / delta rows from `rows` by a bulk
                     // copy; 1: every lane loads them from lse and delta and stages them
-  int probe = 0;  // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its staging and
-                  // reduce-adds, 3 loads Q alone (used as dO too), 4 no reduce-add issued, 5 no
-                  // staging stores
+  int probe = 0;    // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its staging and
+                    // reduce-adds, 3 loads Q alone (used as dO too), 4 no reduce-add issued, 5 no
+                    // staging stores
 };
 
 enum AttentionBwdStatus : int {

@@ -65,7 +65,7 @@ __device__ void ring_copy(const P2PLaunch& L, char* smem) {
   BulkRing<kRingStages, kRingStores> ring{
       smem, reinterpret_cast<uint64_t*>(smem + kRingStages * L.chunk_bytes), L.chunk_bytes};
   ring.init();
-  const Drain drain = L.mode == 5 ? Drain::kStore
+  const Drain drain = L.mode == 5   ? Drain::kStore
                       : L.mode == 6 ? Drain::kReduceAddBf16
                                     : Drain::kReduceAddF32;
   // two copies (the first of an odd number of chunks, when it can), so the second starts

@@ -41,8 +41,8 @@ template <int kStages, int kStores>
 struct BulkRing {
   static_assert(kStages >= 2 && kStores >= 1 && kStores < kStages,
                 "a ring needs a buffer loading while kStores store");
-  char* buffers;        // kStages x chunk_bytes of shared memory, 16-byte aligned
-  uint64_t* full;       // kStages mbarriers in shared memory
+  char* buffers;   // kStages x chunk_bytes of shared memory, 16-byte aligned
+  uint64_t* full;  // kStages mbarriers in shared memory
   int chunk_bytes;
   unsigned long long used = 0;  // chunks through the ring so far: buffer and phase of the next
 
@@ -101,8 +101,7 @@ struct BulkRing {
                              reinterpret_cast<const __nv_bfloat16*>(buf), n);
         break;
       case Drain::kReduceAddF32:
-        reduce_add_bulk_f32(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(buf),
-                            n);
+        reduce_add_bulk_f32(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(buf), n);
         break;
     }
   }

@@ -123,7 +123,7 @@ struct AttnBwdSmem {
   static constexpr int kDQOffset = kDSOffset + 2 * kDSBytes;
   static constexpr int kRowOffset = kDQOffset + Cfg::CONSUMERS * kDQBytesPerWG;  // lse2, delta
   static constexpr int kRowBytesPerWarp = 2 * 2 * Cfg::BQ * 4;  // [step % 2][lse2 | delta][BQ]
-  static constexpr int kRowStepBytes = 2 * Cfg::BQ * 4;  // one step's [lse2 | delta][BQ]
+  static constexpr int kRowStepBytes = 2 * Cfg::BQ * 4;         // one step's [lse2 | delta][BQ]
   static constexpr int kRowBytes = 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
   static constexpr int kBarOffset = kRowOffset + kRowBytes;
   // kv_full, q_full[S], q_empty[S], TMA_ROWS: rows_full[consumer warp][step % 2]
@@ -467,8 +467,9 @@ struct AttnBwdEngine {
     const int row_wg = 16 * (lt / 32) + lane / 4;
     if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
     named_barrier_sync(kBarDQ0 + wg, 128);
+    // 8-column group j: chunk j / 4, 16-byte unit below (probe 5: none stored)
 #pragma unroll
-    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {  // 8-column group j: chunk j/4, 16-byte unit below
+    for (int j = 0; j < (Cfg::PROBE == 5 ? 0 : kQCols / 8); ++j) {
       char* chunk = dq_smem + (j / 4) * Map::kDQChunkBytes;
       const int unit = 2 * (j % 4) + q4 / 2;
 #pragma unroll
