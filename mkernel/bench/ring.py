@@ -1,4 +1,4 @@
-"""Ring attention on W GPUs (issue 12's two-GPU benchmark), forward:
+"""Ring attention on W GPUs (issues 12 and 13: the two-GPU benchmarks), forward and backward:
 
   ``torchrun --nproc_per_node=2 -m mkernel.bench.ring``
 
@@ -11,10 +11,14 @@ median):
   recipe users copy: NCCL send/recv of K/V per step, cuDNN on the block, lse merge);
 - ``compute``: our engine's per-step calls with no sends (the attention alone);
 - ``traffic``: the W - 1 K/V exchanges alone;
-and ideal = max(compute, traffic). Prints ours/unfused_cudnn and ours/ideal per row (< 1 beats the
-unfused ring; 1.0 is ideal) and writes ring_w<W>_<date>.json. NOT yet run: written when no
-two-GPU machine was lent; check the cuDNN block's lse convention against ours (max |out - ours|
-is printed) the first time.
+and ideal = max(compute, traffic). The backward rows (``pass="bwd"``) time the same four:
+``ours`` = mkernel.ring_attention_backward (our backward engine per block, fp32 dK / dV
+accumulators travelling the ring), ``unfused_cudnn`` = the same ring with SDPA's cuDNN backward per
+block (given the global out and lse of the query rows, as the unfused recipes do),
+``compute`` = no sends, ``traffic`` = the K/V exchanges and the W passes of the fp32 accumulators.
+Prints ours/unfused_cudnn and ours/ideal per row (< 1 beats the unfused ring; 1.0 is ideal) and
+writes ring_w<W>_<date>.json. NOT yet run on two GPUs; the cuDNN block functions are checked
+against our engines on one GPU by tests/gpu/test_ring_bench_blocks_gpu.py.
 """
 
 from __future__ import annotations
@@ -48,30 +52,67 @@ def cudnn_block(q, k, v, causal: bool, scale: float):
     return out.transpose(1, 2).float(), lse.reshape(q.shape[0], q.shape[2], q.shape[1]).float()
 
 
+def cudnn_bwd_block(dout, q, k, v, lse, delta, causal, scale, dq32, dk32, dv32, *, out):
+    """The backward block contract (ring_attention_dist.BwdBlock: dq32 += dq; dk32, dv32 = dk, dv,
+    fp32, GQA summed over each group) through SDPA's cuDNN backward, which computes delta itself
+    from ``out``: the GLOBAL out of these query rows (``backward(..., pass_out=True)``), with the
+    global lse, so each block's P and dS are the final ones."""
+    B, Sq, Hq, _ = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    qh, oh, gh = (x.transpose(1, 2) for x in (q, out, dout))
+    kh = k.repeat_interleave(group, 2).transpose(1, 2)
+    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        gh, qh, kh, vh, oh, lse.reshape(B, Hq, Sq, 1), None, None, None, None, None, Sq, Sk,
+        0.0, causal, scale=scale,
+    )  # fmt: skip
+    dq32 += dqh.transpose(1, 2).float()
+    dk32.copy_(dkh.transpose(1, 2).float().reshape(B, Sk, Hkv, group, -1).sum(3))
+    dv32.copy_(dvh.transpose(1, 2).float().reshape(B, Sk, Hkv, group, -1).sum(3))
+
+
 def flops(S: int, W: int, causal: bool) -> float:
     full = 4.0 * B * H * S * (W * S) * D  # this rank's queries against every key
     return full / 2 if causal else full
 
 
-def bench_case(world: mkernel.World, S: int, layout: str, causal: bool) -> dict:
+def bench_case(world: mkernel.World, S: int, layout: str, causal: bool, bwd: bool) -> dict:
     W, zigzag, scale = world.size, layout == "zigzag", D**-0.5
     g = torch.Generator(device="cuda").manual_seed(world.rank)
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16() for _ in range(3))
-    ours_fwd, _ = rd.gpu_engines()
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", generator=g).bfloat16() for _ in "qkvd")
+    ours_fwd, ours_bwd = rd.gpu_engines()
     kv = torch.stack([k, v]).contiguous()
     spare = torch.empty_like(kv)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+    dkv_spare = torch.empty_like(dkv)
 
     def traffic():
         for _ in range(W - 1):
             for w in rd._exchange(world, kv, spare):
                 w.wait()
+        for _ in range(W if bwd else 0):  # the backward's accumulators: W passes, fp32
+            for w in rd._exchange(world, dkv, dkv_spare):
+                w.wait()
 
-    fns = {
-        "ours": lambda: mkernel.ring_attention(q, k, v, world, causal, None, layout),
-        "unfused_cudnn": lambda: rd.forward(q, k, v, world, causal, scale, zigzag, cudnn_block),
-        "compute": lambda: rd.forward(q, k, v, world, causal, scale, zigzag, ours_fwd, False),
-        "traffic": traffic,
-    }
+    if bwd:
+        out, lse = mkernel.ring_attention(q, k, v, world, causal, None, layout)
+        args = (dout, q, k, v, out, lse, None, world, causal, scale, zigzag)
+        fns = {
+            "ours": lambda: mkernel.ring_attention_backward(
+                dout, q, k, v, out, lse, world, causal, None, layout
+            ),
+            "unfused_cudnn": lambda: rd.backward(*args, cudnn_bwd_block, pass_out=True),
+            "compute": lambda: rd.backward(*args, ours_bwd, move=False),
+            "traffic": traffic,
+        }
+    else:
+        fns = {
+            "ours": lambda: mkernel.ring_attention(q, k, v, world, causal, None, layout),
+            "unfused_cudnn": lambda: rd.forward(q, k, v, world, causal, scale, zigzag, cudnn_block),
+            "compute": lambda: rd.forward(q, k, v, world, causal, scale, zigzag, ours_fwd, False),
+            "traffic": traffic,
+        }
     ours = fns["ours"]()[0].float()
     try:
         err = float((fns["unfused_cudnn"]()[0].float() - ours).abs().max())
@@ -81,11 +122,12 @@ def bench_case(world: mkernel.World, S: int, layout: str, causal: bool) -> dict:
         if world.rank == 0:
             print(f"unfused_cudnn unavailable: {exc}", flush=True)
     ms = interleaved_dist_ms(fns)
-    row: dict = {"S_local": S, "layout": layout, "causal": causal, "W": W, "B": B, "H": H, "D": D}
+    row: dict = {"pass": "bwd" if bwd else "fwd", "S_local": S, "layout": layout}
+    row |= {"causal": causal, "W": W, "B": B, "H": H, "D": D}
     row |= {f"{k}_ms": v for k, v in ms.items()}
-    row["max_abs_out_cudnn_vs_ours"] = err
+    row["max_abs_first_grad_or_out_cudnn_vs_ours"] = err
     if ms.get("ours"):
-        row["ours_tflops"] = flops(S, W, causal) / ms["ours"] / 1e9
+        row["ours_tflops"] = flops(S, W, causal) * (2.5 if bwd else 1.0) / ms["ours"] / 1e9
         ideal = max(ms.get("compute") or 0.0, ms.get("traffic") or 0.0)
         row["ideal_ms"] = ideal
         row["ours_over_ideal"] = ms["ours"] / ideal if ideal else None
@@ -98,10 +140,11 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     world = mkernel.World.from_process_group()
-    rows = [bench_case(world, S, layout, causal) for S, layout, causal in CASES]
+    rows = [bench_case(world, *case, bwd) for bwd in (False, True) for case in CASES]
     if world.rank == 0:
-        cols = ["S_local", "layout", "ours_ms", "unfused_cudnn_ms", "compute_ms", "traffic_ms",
-                "ours_over_unfused", "ours_over_ideal", "max_abs_out_cudnn_vs_ours"]  # fmt: skip
+        cols = ["pass", "S_local", "layout", "ours_ms", "unfused_cudnn_ms", "compute_ms",
+                "traffic_ms", "ours_over_unfused", "ours_over_ideal",
+                "max_abs_first_grad_or_out_cudnn_vs_ours"]  # fmt: skip
         print(table(rows, cols))
         print("saved", save(f"ring_w{world.size}", rows))
     dist.destroy_process_group()

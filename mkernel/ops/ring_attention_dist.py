@@ -140,9 +140,14 @@ def backward(
     scale: float,
     zigzag: bool,
     bwd: BwdBlock,
+    move: bool = True,
+    pass_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dq, dk, dv), bf16, of ring attention's backward (global lse and delta: every
-    block's P and dS are final, so block gradients only add)."""
+    block's P and dS are final, so block gradients only add). ``move`` False keeps the first block
+    and its accumulator for every step (measurements: the compute alone). ``pass_out`` gives
+    ``bwd`` the query chunk's rows of ``out`` as keyword ``out`` (a block function that computes
+    delta itself, as cuDNN's backward does)."""
     from ..attention_ext import delta_of  # NOTE: imported on use, as ring_attention_gpu does
 
     W, r = world.size, world.rank
@@ -155,10 +160,11 @@ def backward(
     dkv_spare = torch.empty_like(dkv)
     for s in range(W):
         owner = (r - s) % W
-        works = _exchange(world, kv, spare) if s + 1 < W else []
+        works = _exchange(world, kv, spare) if move and s + 1 < W else []
         for g, r0, n in chunks(r, W, S, zigzag):
             rows = slice(r0, r0 + n)
             qc, doc = q[:, rows].contiguous(), dout[:, rows].contiguous()
+            kw = {"out": out[:, rows].contiguous()} if pass_out else {}
             lc, dc = lse[:, :, rows].contiguous(), delta[:, :, rows].contiguous()
             dqc = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)
             full, diag = _visible(g, owner, W, S, zigzag, causal)
@@ -166,10 +172,12 @@ def backward(
             for parts, is_diag in calls:
                 at = [slice(a, a + m) for a, m in parts]
                 views = [(kv[0][:, i], kv[1][:, i], dkv[0][:, i], dkv[1][:, i]) for i in at]
-                block_backward(bwd, doc, qc, lc, dc, is_diag, scale, dqc, views)
+                block_backward(bwd, doc, qc, lc, dc, is_diag, scale, dqc, views, **kw)
             dq[:, rows] += dqc
         for w in works:
             w.wait()
+        if not move:
+            continue
         kv, spare = spare, kv
         if W > 1:  # block owner's accumulator on to r + 1; block owner - 1's arrives from r - 1
             for w in _exchange(world, dkv, dkv_spare):

@@ -96,15 +96,15 @@ def _kv_blocks(W: int, S: int, zigzag: bool) -> dict[int, tuple[int, int, int]]:
     return {g: (p, r0, n) for p in range(W) for g, r0, n in chunks(p, W, S, zigzag)}
 
 
-def block_backward(bwd, dout, q, lse, delta, causal: bool, scale: float, dq, views) -> None:
+def block_backward(bwd, dout, q, lse, delta, causal: bool, scale: float, dq, views, **kw) -> None:
     """One backward engine call over the K/V rows of ``views`` [(k, v, dk, dv)] (row ranges
     [B, m, H, D], concatenated in order; dk, dv fp32 accumulators the call's gradients are added
-    to); dq (fp32) is reduce-added by the call."""
+    to); dq (fp32) is reduce-added by the call. ``kw`` goes to ``bwd`` as it is."""
     kf = torch.cat([x[0] for x in views], dim=1).contiguous()
     vf = torch.cat([x[1] for x in views], dim=1).contiguous()
     dkf = torch.empty(kf.shape, dtype=torch.float32, device=kf.device)
     dvf = torch.empty_like(dkf)
-    bwd(dout, q, kf, vf, lse, delta, causal, scale, dq, dkf, dvf)
+    bwd(dout, q, kf, vf, lse, delta, causal, scale, dq, dkf, dvf, **kw)
     at = 0
     for _, _, dk, dv in views:
         m = dk.shape[1]
