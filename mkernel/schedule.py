@@ -466,7 +466,8 @@ def build_plan(
         schedule, extra["choice"] = resolve(schedule, spec.name, world, shapes)
     n_compute = compute.rows if isinstance(compute, Capacity) else len(compute[0])
     compute_units, comm_units = split_units(schedule, world, n_compute)
-    sizes = {"W": world.size, **sizes}
+    nodes = getattr(world, "nodes", 1)
+    sizes = {"W": world.size, "nodes": nodes, **sizes}  # the extents every pad may name
     device_filled = {
         role: empty_tables(world.size, ts)
         for role, ts in (("compute", compute), ("comm", comm))
@@ -505,6 +506,6 @@ def build_plan(
         compute_units=compute_units,
         comm_units=comm_units,
         faults=schedule.faults,
-        nodes=getattr(world, "nodes", 1),
+        nodes=nodes,
         extra=extra,
     )

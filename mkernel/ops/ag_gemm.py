@@ -198,7 +198,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
                     tasks.append(Task(g * W + p, (g, p, FORWARD), waits=landed, raises=flag(g, p)))
         comm.append(tasks)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {**_sizes(schedule, shapes, W, ms, cr, C), "nodes": N}
+    sizes = _sizes(schedule, shapes, W, ms, cr, C)
     extra = {"consumers": torch.tensor(consumers, dtype=torch.int32)}  # [W, W * C] per rank
     return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm, extra)
 

@@ -199,7 +199,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
                 tasks.append(Task(1 + T + t.index, (t.index, LANDED), waits=landed))
         comm.append(tasks)
     shapes = {"m": m, "n": n, "k": k}
-    sizes = {**shapes, "k_local": k // W, "tiles": T, "nodes": N, "node_m": N * m}
+    sizes = {**shapes, "k_local": k // W, "tiles": T, "node_m": N * m}
     return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
 
 

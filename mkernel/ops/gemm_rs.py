@@ -228,7 +228,6 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
     sizes = {
         **_sizes(shapes, W, ms, per_owner),
         "tiles": len(tiles),
-        "nodes": N,
         "node_rows": N * ms,
     }
     return build_plan(SPEC_NODES, schedule, world, cfg, shapes, sizes, tiles, compute, comm)
