@@ -168,6 +168,23 @@ def test_wide_worlds_head_dim_128_and_scales(W, S, D, layout, causal, scale):
     assert_pads_zero(world)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_q_tile_height_is_a_schedule_knob(rows, layout):
+    """Schedule.chunk_rows sets the q rows of a compute task (a GPU engine's 64 or 128; here also
+    1, and 64 > S: one tile per chunk); the protocol and the results stay the same."""
+    W, S = 3, 10
+    q, k, v = _inputs(W, 1, S, 2, 1, seed=rows)
+    world = mkernel.World.emulated(W)
+    sched = mkernel.Schedule(chunk_rows=rows, seed=rows)
+    out, lse = ring_attention(q, k, v, world, causal=True, layout=layout, schedule=sched)
+    _assert_attention(out, lse, q, k, v, True, 1 / 8, layout, f"rows={rows} {layout}")
+    plan = next(p for p in world._plans.values() if p.op == "ring_attention")
+    want = -(-S // rows) if layout == "contiguous" else 2 * -(-(S // 2) // rows)
+    assert len(plan.extra["qtiles"]) == 2 * want  # 2 heads, B = 1
+    assert_pads_zero(world)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_is_ring_attention_on_one_rank(causal):
     q, k, v = _inputs(1, 2, 21, 4, 2, seed=5)

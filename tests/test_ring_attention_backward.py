@@ -178,6 +178,20 @@ def test_wide_worlds_head_dim_128_and_scales(W, S, D, layout, causal, scale):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_q_tile_height_is_a_schedule_knob(layout):
+    W, S, rows = 3, 10, 3
+    q, k, v, dout = _inputs(W, 1, S, 2, 1, seed=S)
+    world = mkernel.World.emulated(W)
+    sched = mkernel.Schedule(chunk_rows=rows, seed=1)
+    out, lse = ring_attention(q, k, v, world, causal=True, layout=layout, schedule=sched)
+    got = ring_attention_backward(
+        dout, q, k, v, out, lse, world, True, None, layout, schedule=sched
+    )
+    _assert_grads(got, q, k, v, dout, out, lse, True, 1 / 8, layout, f"rows={rows} {layout}")
+    _assert_workspace_zero(world)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_out_backward_is_ring_attention_backward(layout):
     W, causal = 3, True
     q, k, v, dout = _inputs(W, 2, 10, 4, 2, seed=3)

@@ -60,7 +60,7 @@ from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, build_plan
 from ..world import World
 from . import common, ring_attention_gpu
 
-Q_TILE = 16  # query rows per compute task (the GPU engine's would be 64 or 128)
+Q_TILE = 16  # default query rows per compute task (Schedule.chunk_rows; a GPU engine's: 64, 128)
 LAYOUTS = ("contiguous", "zigzag")
 HEAD_DIMS = (64, 128)
 # Declarations the backward (ring_attention_backward.py) shares: the inputs, the K/V ring's two
@@ -128,16 +128,16 @@ def segments(seq: int, zigzag: bool) -> list[tuple[int, int]]:
     return [(0, seq // 2), (seq // 2, seq // 2)] if zigzag else [(0, seq)]
 
 
-def row_tiles(seq: int, zigzag: bool) -> list[tuple[int, int]]:
-    """(row0, rows) of each q tile of one (batch, head): Q_TILE rows, never across a zigzag
+def row_tiles(seq: int, zigzag: bool, tile: int = Q_TILE) -> list[tuple[int, int]]:
+    """(row0, rows) of each q tile of one (batch, head): ``tile`` rows, never across a zigzag
     chunk boundary (so causal skipping sees each chunk's own positions)."""
     chunks = segments(seq, zigzag)
-    return [(a + i, min(Q_TILE, n - i)) for a, n in chunks for i in range(0, n, Q_TILE)]
+    return [(a + i, min(tile, n - i)) for a, n in chunks for i in range(0, n, tile)]
 
 
-def _qtiles(s: dict[str, int]) -> list[tuple[int, int, int, int]]:
+def _qtiles(s: dict[str, int], tile: int) -> list[tuple[int, int, int, int]]:
     """(b, h, row0, rows) per q tile id."""
-    rows = row_tiles(s["seq"], bool(s["zigzag"]))
+    rows = row_tiles(s["seq"], bool(s["zigzag"]), tile)
     return [(b, h, r0, n) for b in range(s["batch"]) for h in range(s["heads"]) for r0, n in rows]
 
 
@@ -159,7 +159,7 @@ def make_plan(
     shapes = dict(
         batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=D, causal=causal
     ) | {"zigzag": zigzag}
-    qtiles = _qtiles(shapes)
+    qtiles = _qtiles(shapes, schedule.chunk_rows or Q_TILE)
     pos = [positions(r, W, S, bool(zigzag)) for r in range(W)]
 
     kv_tiles = segments(S, bool(zigzag))
