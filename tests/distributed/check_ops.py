@@ -151,16 +151,20 @@ def main() -> int:
         report(f"engine epilogue: {name}", ok, detail)  # every rank takes part in the all_reduce
     for op in args.ops.split(","):
         fn = getattr(mkernel, op)
-        for overlap in ("intra_sm", "inter_sm"):
-            sched = mkernel.Schedule(overlap=overlap, sms=args.sms)
+        # ag_gemm also with its TMA push (inter_sm comm CTAs, primitives/bulk_ring.cuh)
+        modes = [("intra_sm", None), ("inter_sm", None)]
+        modes += [("inter_sm", "tma")] if op == "ag_gemm" else []
+        for overlap, transfer in modes:
+            sched = mkernel.Schedule(overlap=overlap, sms=args.sms, transfer=transfer)
+            label = overlap if transfer is None else f"{overlap} {transfer}"
             a, b, la, lb = inputs(op, W, rank, seed=1)
             ref = reference(op, a, b, W, rank)
             try:
                 out = call(fn, la, lb, world, sched)
                 assert_close_bf16(out.cpu(), ref, op)
-                report(f"{op} {overlap} correct", True)
+                report(f"{op} {label} correct", True)
             except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
-                report(f"{op} {overlap} correct", False, repr(e)[:300])
+                report(f"{op} {label} correct", False, repr(e)[:300])
                 continue
             world.sync_checks = False
             t0 = time.perf_counter()
@@ -173,16 +177,19 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 ok, detail = False, repr(e)[:300]
             world.sync_checks = True
-            report(f"{op} {overlap} loop x{args.loop}", ok, detail)
+            report(f"{op} {label} loop x{args.loop}", ok, detail)
             late = mkernel.Schedule(
-                overlap=overlap, sms=args.sms, faults=mkernel.Faults(delay_rank=W - 1, delay_us=300)
+                overlap=overlap,
+                sms=args.sms,
+                transfer=transfer,
+                faults=mkernel.Faults(delay_rank=W - 1, delay_us=300),
             )
             try:
                 out = call(fn, la, lb, world, late)
                 assert_close_bf16(out.cpu(), ref, op)
-                report(f"{op} {overlap} straggler rank {W - 1}", True)
+                report(f"{op} {label} straggler rank {W - 1}", True)
             except Exception as e:  # noqa: BLE001
-                report(f"{op} {overlap} straggler", False, repr(e)[:300])
+                report(f"{op} {label} straggler", False, repr(e)[:300])
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failures else 0
