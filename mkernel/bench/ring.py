@@ -39,12 +39,22 @@ LAYOUTS = ("zigzag", "contiguous")  # zigzag is causal, contiguous full
 CASES = [(S, layout, layout == "zigzag") for S in (4096, 8192) for layout in LAYOUTS]
 
 
+def _expanded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, n, Hkv, D] -> [B, Hkv * group, n, D]: each K/V head repeated for the query heads that
+    share it (SDPA's cuDNN kernels take no GQA), heads first."""
+    return x.repeat_interleave(group, 2).transpose(1, 2)
+
+
+def _group_sum(xh: torch.Tensor, group: int) -> torch.Tensor:
+    """A gradient of an ``_expanded`` tensor back to [B, n, Hkv, D] fp32: summed over each group."""
+    B, Hq, n, D = xh.shape
+    return xh.transpose(1, 2).float().reshape(B, n, Hq // group, group, D).sum(3)
+
+
 def cudnn_block(q, k, v, causal: bool, scale: float):
     """The block contract (o fp32 [B, n, H, D], lse [B, H, n]) through SDPA's cuDNN kernel."""
     group = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.repeat_interleave(group, 2).transpose(1, 2)
-    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    qh, kh, vh = q.transpose(1, 2), _expanded(k, group), _expanded(v, group)
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         qh, kh, vh, None, True, 0.0, causal, False, scale=scale
     )
@@ -58,18 +68,16 @@ def cudnn_bwd_block(dout, q, k, v, lse, delta, causal, scale, dq32, dk32, dv32, 
     from ``out``: the GLOBAL out of these query rows (``backward(..., pass_out=True)``), with the
     global lse, so each block's P and dS are the final ones."""
     B, Sq, Hq, _ = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    group = Hq // Hkv
+    Sk, group = k.shape[1], Hq // k.shape[2]
     qh, oh, gh = (x.transpose(1, 2) for x in (q, out, dout))
-    kh = k.repeat_interleave(group, 2).transpose(1, 2)
-    vh = v.repeat_interleave(group, 2).transpose(1, 2)
+    kh, vh = _expanded(k, group), _expanded(v, group)
     dqh, dkh, dvh = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         gh, qh, kh, vh, oh, lse.reshape(B, Hq, Sq, 1), None, None, None, None, None, Sq, Sk,
         0.0, causal, scale=scale,
     )  # fmt: skip
     dq32 += dqh.transpose(1, 2).float()
-    dk32.copy_(dkh.transpose(1, 2).float().reshape(B, Sk, Hkv, group, -1).sum(3))
-    dv32.copy_(dvh.transpose(1, 2).float().reshape(B, Sk, Hkv, group, -1).sum(3))
+    dk32.copy_(_group_sum(dkh, group))
+    dv32.copy_(_group_sum(dvh, group))
 
 
 def flops(S: int, W: int, causal: bool) -> float:
@@ -84,14 +92,15 @@ def bench_case(world: mkernel.World, S: int, layout: str, causal: bool, bwd: boo
     ours_fwd, ours_bwd = rd.gpu_engines()
     kv = torch.stack([k, v]).contiguous()
     spare = torch.empty_like(kv)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    dkv_spare = torch.empty_like(dkv)
+    if bwd:  # the fp32 accumulators' passes (the forward rows need no such buffers)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        dkv_spare = torch.empty_like(dkv)
 
     def traffic():
         for _ in range(W - 1):
             for w in rd._exchange(world, kv, spare):
                 w.wait()
-        for _ in range(W if bwd else 0):  # the backward's accumulators: W passes, fp32
+        for _ in range(W) if bwd else ():  # the backward's accumulators: W passes, fp32
             for w in rd._exchange(world, dkv, dkv_spare):
                 w.wait()
 
