@@ -33,7 +33,7 @@ def setup(S: int, causal: bool):
     )
 
 
-# probe -> column: the real kernel, no dQ reduce-adds, no dQ at all, Q loaded alone (used as dO)
+# probe -> column (kernels/attention_bwd_args.h: what each probe leaves out)
 PROBES = {0: "real", 2: "no_red", 1: "no_dq", 3: "half_loads", 4: "no_tma_red", 5: "no_stage"}
 
 

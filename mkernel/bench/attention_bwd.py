@@ -3,8 +3,8 @@ backward.
 
 ``python3 -m mkernel.bench.attention_bwd``: B=1, H=32, D=128 bf16; S in {2048, 8192}, full and
 causal. Each version is timed on the backward alone (the forward ran once, outside the timing):
-- ``mk``: ``attention_ext.attention_backward`` as a user calls it: delta = rowsum(dO * O) (torch),
-  a zeroed fp32 dq, the kernel, dq -> bf16;
+- ``mk``: ``attention_ext.attention_backward`` as a user calls it: the prep kernel (delta =
+  rowsum(dO * O), a zeroed fp32 dq, the packed lse / delta rows), the kernel, dq -> bf16;
 - ``mk_rows_lanes``: the same with variant 1 (every lane loads and stages its lse / delta rows;
   the default, variant 0, fetches them by one bulk copy per warp from rows the prep packed);
 - ``mk_kernel``: the kernel launch alone (delta and dq made once; dq keeps accumulating, so its
