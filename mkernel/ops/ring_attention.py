@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import sys
 from typing import Any
 
@@ -56,27 +57,20 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, build_plan
+from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, build_plan, split_units
 from ..world import World
 from . import common, ring_attention_gpu
 
-Q_TILE = 16  # default query rows per compute task (Schedule.chunk_rows; a GPU engine's: 64, 128)
+Q_TILE = 16  # query rows per compute task in the interpreter (Schedule.chunk_rows)
+ENGINE_Q_TILE = 128  # the GPU engine's (primitives/attention/engine.cuh, BM): its only tile
+MAX_PARTS = 8  # a step's block travels as at most this many comm tasks (one per comm unit)
 LAYOUTS = ("contiguous", "zigzag")
 HEAD_DIMS = (64, 128)
-# Declarations the backward (ring_attention_backward.py) shares: the inputs, the K/V ring's two
-# slots per rank and its landed / free signals.
+# The inputs (the backward declares them too).
 QKV = (
     Buffer("q", "input", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
     Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
     Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-)
-KV_RING = (
-    Buffer("k_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 K slots"),
-    Buffer("v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "2 V slots"),
-)
-RING_PADS = (
-    Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
-    Pad("free", ("step",), ("W",), doc="my successor's readers of its step's slot are done"),
 )
 SPEC = OpSpec(
     name="ring_attention",
@@ -85,26 +79,22 @@ SPEC = OpSpec(
         *QKV,
         Buffer("out", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("lse", "output", torch.float32, ("lse_rows", "seq"), "[B * Hq, S]"),
-        *KV_RING,
         Buffer(
-            "state",
+            "k_ring",
             "symmetric",
-            torch.float32,
-            ("state_rows", "state_cols"),
-            "online softmax per q row: acc [D], max, denominator (the engine: registers)",
+            torch.bfloat16,
+            ("ring_rows", "kv_cols"),
+            "W - 1 K slots: the block of step s >= 1 at rows (s - 1) * B * S",
+            when="ranks",
+        ),
+        Buffer(
+            "v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "V slots", when="ranks"
         ),
     ),
     pads=(
-        *RING_PADS,
-        Pad(
-            "merged",
-            ("qtile", "step", "kv"),
-            ("qtiles", "W", "kv_tiles"),
-            doc="the q tile's state is ready for K/V tile kv of step's block",
-        ),
+        Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
     ),
-    scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag"),
-    device=False,
+    scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
 )
 
 
@@ -122,23 +112,39 @@ def positions(rank: int, world_size: int, seq: int, zigzag: bool) -> torch.Tenso
 
 
 def segments(seq: int, zigzag: bool) -> list[tuple[int, int]]:
-    """(row0, rows) of the layout's chunks on a rank: the whole block, or zigzag's two halves.
-    They are also the K/V tiles of a block: a zigzag block's half that lies wholly in a q tile's
-    future is skipped on its own, which is what keeps zigzag's causal work equal across ranks."""
+    """(row0, rows) of the layout's chunks on a rank: the whole block, or zigzag's two halves."""
     return [(0, seq // 2), (seq // 2, seq // 2)] if zigzag else [(0, seq)]
 
 
-def row_tiles(seq: int, zigzag: bool, tile: int = Q_TILE) -> list[tuple[int, int]]:
-    """(row0, rows) of each q tile of one (batch, head): ``tile`` rows, never across a zigzag
-    chunk boundary (so causal skipping sees each chunk's own positions)."""
-    chunks = segments(seq, zigzag)
-    return [(a + i, min(tile, n - i)) for a, n in chunks for i in range(0, n, tile)]
+def num_chunks(zigzag: int, causal: int) -> int:
+    """Chunks a rank's rows are cut into for the plan: zigzag's two halves when causal (each has
+    its own positions), else one (without a mask positions do not matter)."""
+    return 2 if zigzag and causal else 1
 
 
-def _qtiles(s: dict[str, int], tile: int) -> list[tuple[int, int, int, int]]:
-    """(b, h, row0, rows) per q tile id."""
-    rows = row_tiles(s["seq"], bool(s["zigzag"]), tile)
-    return [(b, h, r0, n) for b in range(s["batch"]) for h in range(s["heads"]) for r0, n in rows]
+def chunk_id(rank: int, c: int, world_size: int, zigzag: int) -> int:
+    """Global index of chunk c of rank ``rank`` in sequence order (chunks of equal size)."""
+    return (rank if c == 0 else 2 * world_size - 1 - rank) if zigzag else rank
+
+
+# A compute task's tile (one per task; args[0] is its id), as the engine reads it
+# (kernels/ring_attention.cu task_of):
+#   m0    first q row within the q chunk       rows  q rows (0: an empty task that pads a unit)
+#   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
+#         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
+#   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
+# first / last: the task begins / ends its q tile's chain (a unit runs a chain's tasks in a row;
+# the engine keeps the online-softmax state in registers between them).
+TAG_KEY = 7
+
+
+def pack_tag(key: int, step: int, diag: bool, first: bool, last: bool) -> int:
+    return (key << TAG_KEY) | (step << 3) | (int(last) << 2) | (int(first) << 1) | int(diag)
+
+
+def unpack_tag(tag: int) -> tuple[int, int, bool, bool, bool]:
+    """(key, step, diag, first, last) of a compute tile's tag."""
+    return tag >> TAG_KEY, (tag >> 3) & 15, bool(tag & 1), bool(tag & 2), bool(tag & 4)
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -154,29 +160,53 @@ def make_plan(
     head_dim: int,
     causal: int,
     zigzag: int,
+    scale_bits: int = 0,
 ) -> Plan:
-    W, S, D = world.size, seq, head_dim
-    shapes = dict(
-        batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=D, causal=causal
-    ) | {"zigzag": zigzag}
-    qtiles = _qtiles(shapes, schedule.chunk_rows or Q_TILE)
-    pos = [positions(r, W, S, bool(zigzag)) for r in range(W)]
+    """Chains of compute tasks, one per q tile (its (step, K/V chunk) pairs, the masked diagonal
+    first), each on one unit in a row; W - 1 slots per rank, so no send waits for a reader."""
+    W, S, D, B, H = world.size, seq, head_dim, batch, heads
+    C = num_chunks(zigzag, causal)
+    Sc = S // C
+    tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
+    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
+    parts = max(1, min(MAX_PARTS, comm_units, B * S))
 
-    kv_tiles = segments(S, bool(zigzag))
+    tiles: list[Tile] = []
+    chains: list[list[tuple[int, list[int]]]] = []  # per rank: (cost, tile ids)
+    readers = [[0] * W for _ in range(W)]
+    out_tiles: list[tuple[int, int, int, int]] = []  # per chain of rank 0: (b, h, row0, rows)
+    for r in range(W):
+        mine = []
+        for b in range(B):
+            for h in range(H):
+                for cq in range(C):
+                    gq = chunk_id(r, cq, W, zigzag)
+                    for m0 in range(0, Sc, tq):
+                        n = min(tq, Sc - m0)
+                        pairs = []  # (step, kv chunk, diag), the diagonal first
+                        for s in range(W):
+                            for ck in range(C):
+                                gk = chunk_id((r - s) % W, ck, W, zigzag)
+                                if not causal or gk < gq:
+                                    pairs.append((s, ck, False))
+                                elif gk == gq:
+                                    pairs.insert(0, (s, ck, True))
+                        ids, cost = [], 0
+                        for i, (s, ck, diag) in enumerate(pairs):
+                            outer = b * C + ck if s == 0 else ((s - 1) * B + b) * C + ck
+                            key = (b * H + h) * C + cq
+                            tag = pack_tag(key, s, diag, i == 0, i == len(pairs) - 1)
+                            ids.append(len(tiles))
+                            tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
+                            readers[r][s] += 1
+                            cost += min(Sc, m0 + n) if diag else Sc
+                        mine.append((cost, ids))
+                        if r == 0:
+                            out_tiles.append((b, h, cq * Sc + m0, n))
+        chains.append(mine)
+    empty = len(tiles)
+    tiles.append(Tile(empty, 0, 0, 0, 0, 0))
 
-    def used(r: int, s: int, j: int, row0: int, n: int) -> bool:
-        """Do q rows [row0, row0 + n) of rank r see a key of K/V tile j of its step-s block?"""
-        k0, kn = kv_tiles[j]
-        keys = pos[(r - s) % W][k0 : k0 + kn]
-        return not causal or int(keys.min()) <= int(pos[r][row0 : row0 + n].max())
-
-    # steps[r][t]: the (step, kv tile) pairs q tile t of rank r computes, in order
-    pairs = [(s, j) for s in range(W) for j in range(len(kv_tiles))]
-    steps = [
-        [[(s, j) for s, j in pairs if used(r, s, j, r0, n)] for (_, _, r0, n) in qtiles]
-        for r in range(W)
-    ]
-    readers = [[sum(p[0] == s for st in steps[r] for p in st) for s in range(W)] for r in range(W)]
     # needed[r][s]: rank r holds the block of step s for itself or a rank downstream of it
     needed = [[False] * W for _ in range(W)]
     for s in reversed(range(W)):
@@ -185,70 +215,54 @@ def make_plan(
             needed[r][s] = readers[r][s] > 0 or later
     sends = [[s for s in range(W - 1) if needed[(r + 1) % W][s + 1]] for r in range(W)]
 
-    def consumers(r: int, s: int) -> int:  # readers of rank r's slot of step s
-        return readers[r][s] + (s in sends[r])
+    def landed(r: int, s: int) -> tuple[Wait, ...]:
+        if s == 0:
+            return ()
+        n = readers[r][s] + (parts if s in sends[r] else 0)
+        return (Wait("landed", r, (s,), value=parts, consumers=n),)
 
-    # free waits: the send of step s refills slot (s+1) % 2 of rank r+1, last filled at step s-1
-    free_waits: dict[tuple[int, int], Wait] = {}
-    for r in range(W):
-        nxt = (r + 1) % W
-        for s in sends[r]:
-            prev = s - 1
-            if prev >= 1 and needed[nxt][prev]:
-                free_waits[(r, s)] = Wait("free", r, (prev,), value=consumers(nxt, prev))
-    frees = {(r, w.index[0]) for (r, _), w in free_waits.items()}  # (sender rank, step)
-
-    def free_raise(r: int, s: int) -> tuple[Raise, ...]:
-        """A reader on r of its step-s slot frees it for its predecessor, if a send waits."""
-        before = (r - 1) % W
-        return (Raise("free", before, (s,), op="add"),) if (before, s) in frees else ()
-
-    def landed_wait(r: int, s: int) -> tuple[Wait, ...]:
-        return (Wait("landed", r, (s,), consumers=consumers(r, s)),) if s > 0 else ()
-
-    comm, compute = [], []
+    compute, comm = [], []
     for r in range(W):
         nxt = (r + 1) % W
         comm.append(
             [
                 Task(
-                    s,
-                    (s,),
-                    waits=landed_wait(r, s)
-                    + ((free_waits[(r, s)],) if (r, s) in free_waits else ()),
-                    raises=(Raise("landed", nxt, (s + 1,)),) + (free_raise(r, s) if s else ()),
+                    s * parts + p, (s, p), landed(r, s), (Raise("landed", nxt, (s + 1,), op="add"),)
                 )
                 for s in sends[r]
+                for p in range(parts)
             ]
         )
-        tasks = []
-        for s, j in pairs:  # step-major: a unit's earlier rows never wait for its later ones
-            for t, st in enumerate(steps[r]):
-                if (s, j) not in st:
-                    continue
-                i = st.index((s, j))
-                chain = (Wait("merged", r, (t, s, j)),) if i > 0 else ()
-                follow = (Raise("merged", r, (t, *st[i + 1])),) if i + 1 < len(st) else ()
-                raises = follow + (free_raise(r, s) if s else ())
-                tid = (s * len(kv_tiles) + j) * len(qtiles) + t
-                tasks.append(Task(tid, (t, s, j), landed_wait(r, s) + chain, raises))
-        compute.append(tasks)
+        # Chains to units, longest first onto the least loaded unit; unit u's tasks are rows
+        # u, u + units, ... (the template's rule), empty tasks pad the shorter units.
+        load, lists = [0] * units, [[] for _ in range(units)]
+        for cost, ids in sorted(chains[r], key=lambda c: -c[0]):
+            u = min(range(units), key=load.__getitem__)
+            load[u] += cost
+            lists[u].extend(ids)
+        depth = max(len(x) for x in lists)
+        rows = []
+        for i in range(depth):
+            for u in range(units):
+                t = lists[u][i] if i < len(lists[u]) else empty
+                step = unpack_tag(tiles[t].tag)[1] if t != empty else 0
+                rows.append(Task(t, (t,), landed(r, step) if t != empty else ()))
+        compute.append(rows)
 
-    sizes = {
-        "rows": batch * S,
-        "q_cols": heads * D,
-        "kv_cols": kv_heads * D,
-        "lse_rows": batch * heads,
-        "seq": S,
-        "ring_rows": 2 * batch * S,
-        "state_rows": batch * heads * S,
-        "state_cols": D + 2,
-        "qtiles": len(qtiles),
-        "kv_tiles": len(kv_tiles),
+    shapes = dict(batch=B, seq=S, heads=H, kv_heads=kv_heads, head_dim=D, causal=causal) | {
+        "zigzag": zigzag,
+        "scale_bits": scale_bits,
     }
-    tiles = [Tile(t, b * S + r0, h * D, n, D, h) for t, (b, h, r0, n) in enumerate(qtiles)]
-    tile = TILE_CONFIGS["64x128x64"]  # unused: there is no attention engine yet
-    extra = {"qtiles": qtiles, "kv_tiles": kv_tiles, "steps": steps, "sends": sends}
+    sizes = {
+        "rows": B * S,
+        "q_cols": H * D,
+        "kv_cols": kv_heads * D,
+        "lse_rows": B * H,
+        "seq": S,
+        "ring_rows": max(1, W - 1) * B * S,
+    } | {k: v for k, v in shapes.items() if k in SPEC.scalars}
+    tile = TILE_CONFIGS["64x128x64"]  # unused: the attention engine has one tile shape
+    extra = {"chunks": C, "q_tile": tq, "parts": parts, "sends": sends, "out_tiles": out_tiles}
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
 
 
@@ -341,12 +355,7 @@ def ring_attention(
         return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
     world = common.check_world(world)
-    if world.on_gpu and world.emulated_world:  # the engine per block, unfused (ring_attention_gpu)
-        common.check_schedule(schedule)
-        s = shapes(q, k, v, world, causal, layout)
-        scale = check_scale(scale, s["head_dim"])
-        return ring_attention_gpu.forward(q, k, v, causal, scale, layout == "zigzag")
-    if world.on_gpu:  # distributed: K/V by NCCL sends, the engine per block (ring_attention_dist)
+    if world.on_gpu and not world.emulated_world:  # distributed: K/V by NCCL sends, unfused
         from . import ring_attention_dist as rd
 
         common.check_schedule(schedule)
@@ -354,21 +363,35 @@ def ring_attention(
         scale = check_scale(scale, s["head_dim"])
         fwd_block, _ = rd.gpu_engines()
         return rd.forward(q, k, v, world, causal, scale, layout == "zigzag", fwd_block)
-    world = common.check_world_for(SPEC, world)
+    common.check_nodes(module, world)
     schedule = common.check_schedule(schedule)
     s = shapes(q, k, v, world, causal, layout)
     scale = check_scale(scale, s["head_dim"])
+    if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_Q_TILE):
+        raise ValueError(
+            f"Schedule.chunk_rows={schedule.chunk_rows}: the GPU attention engine's q tile is "
+            f"{ENGINE_Q_TILE} rows (leave it None)"
+        )
     common.check_faults(schedule, world)
+    s["scale_bits"] = scale_bits(scale)
     plan = common.cached_plan(module, schedule, world, **s)
     lead = (world.size,) if world.emulated_world else ()
     B, S, H, D = s["batch"], s["seq"], s["heads"], s["head_dim"]
     # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
-    out = torch.full((*lead, B, S, H, D), float("nan"), dtype=torch.bfloat16)
-    lse = torch.full((*lead, B, H, S), float("nan"), dtype=torch.float32)
-    reads = lambda rank: outputs(plan, rank)  # noqa: E731
+    out = torch.full((*lead, B, S, H, D), float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((*lead, B, H, S), float("nan"), dtype=torch.float32, device=q.device)
     views = operands(plan, q, k, v, out, lse)
+    if world.on_gpu:
+        common.run_gpu(world, plan, views)
+        return out, lse
+    reads = lambda rank: outputs(plan, rank)  # noqa: E731
     common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
     return out, lse
+
+
+def scale_bits(scale: float) -> int:
+    """The fp32 bits of ``scale`` as an int32 (the launch record's scalars are ints)."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 
 def operands(plan: Plan, q, k, v, out, lse) -> dict[str, torch.Tensor]:
@@ -432,55 +455,64 @@ def attention(
 
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
-    S, D, H, Hkv = z["seq"], z["head_dim"], z["heads"], z["kv_heads"]
-    BS = z["batch"] * S
+    S, D, H, Hkv, B = z["seq"], z["head_dim"], z["heads"], z["kv_heads"], z["batch"]
+    C, parts = plan.extra["chunks"], plan.extra["parts"]
+    Sc, BS = S // C, B * S
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qtiles, kv_tiles, steps = plan.extra["qtiles"], plan.extra["kv_tiles"], plan.extra["steps"]
     pos = [positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
+    regs: dict[tuple[int, int, int], tuple[tuple[int, int], torch.Tensor]] = {}
 
-    def block(s: int, rank: int) -> tuple[str, str, int]:
-        """(k buffer, v buffer, first row) of the block rank holds at step s."""
-        return ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s % 2) * BS)
-
-    def compute(ctx, task):  # the attention engine: merge one K/V tile into a q tile's state
-        t, s, j = task.args[:3]
-        b, h, r0, n = qtiles[t]
-        k0, kn = kv_tiles[j]
-        hk = h // (H // Hkv)
-        kb, vb, base = block(s, ctx.rank)
-        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, (b * S + r0, n, h * D, D))
-        kv_rect = (base + b * S + k0, kn, hk * D, D)
+    def compute(ctx, task):  # the engine: fold one K/V chunk into the q tile's state
+        tile = plan.tiles[task.args[0]]
+        if tile.rows == 0:  # an empty task that pads the unit's rows
+            return
+        key, s, _, first, last = unpack_tag(tile.tag)
+        bh, cq = divmod(key, C)
+        b, h = divmod(bh, H)
+        ck = tile.n0 % C
+        q0, n = cq * Sc + tile.m0, tile.rows
+        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, (b * S + q0, n, h * D, D))
+        kb, vb, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
+        kv_rect = (base + b * S + ck * Sc, Sc, (h // (H // Hkv)) * D, D)
         kt = yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)
         vt = yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)
-        st_rect = ((b * H + h) * S + r0, n, 0, D + 2)
-        mine = steps[ctx.rank][t]
-        if (s, j) == mine[0]:
+        unit = (ctx.call, ctx.rank, ctx.agent.unit)  # the state lives in this unit's registers
+        if first:
             state = torch.zeros(n, D + 2)
             state[:, D] = -math.inf
         else:
-            state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
-        scores = (qv.float() @ kt.float().T) * scale  # [n, kn]
+            held = regs.pop(unit, None)
+            if held is None or held[0] != (key, tile.m0):
+                raise AssertionError(
+                    f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile "
+                    "chain this unit did not start (a plan must keep a chain on one unit, in a row)"
+                )
+            state = held[1]
+        scores = (qv.float() @ kt.float().T) * scale  # [n, Sc]
         if z["causal"]:
-            keys = pos[(ctx.rank - s) % W][k0 : k0 + kn]
-            future = keys[None, :] > pos[ctx.rank][r0 : r0 + n, None]
+            keys = pos[(ctx.rank - s) % W][ck * Sc : (ck + 1) * Sc]
+            future = keys[None, :] > pos[ctx.rank][q0 : q0 + n, None]
             scores = scores.masked_fill(future, -math.inf)
         state = merge(state, scores, vt.float())
-        if (s, j) != mine[-1]:
-            yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
+        if not last:
+            regs[unit] = ((key, tile.m0), state)
             return
         out, lse = finish(state)
-        yield from twins.output_store(ctx, "out", ctx.rank, (b * S + r0, n, h * D, D), out, t)
-        lse_rect = (b * H + h, 1, r0, n)
-        yield from twins.output_store(ctx, "lse", ctx.rank, lse_rect, lse[None], len(qtiles) + t)
+        t = plan.extra["out_tiles"].index((b, h, q0, n))
+        yield from twins.output_store(ctx, "out", ctx.rank, (b * S + q0, n, h * D, D), out, t)
+        lse_rect = (b * H + h, 1, q0, n)
+        T = len(plan.extra["out_tiles"])
+        yield from twins.output_store(ctx, "lse", ctx.rank, lse_rect, lse[None], T + t)
 
-    def comm(ctx, task):  # forward the block of step s to slot (s+1) % 2 of rank r+1
-        s = task.args[0]
-        kb, vb, base = block(s, ctx.rank)
-        nxt, dst = (ctx.rank + 1) % W, ((s + 1) % 2) * BS
-        cols = Hkv * D
-        for src, ring in ((kb, "k_ring"), (vb, "v_ring")):
-            x = yield from twins.tile_load_async(ctx, src, ctx.rank, (base, BS, 0, cols))
-            yield from twins.tile_send_bulk(ctx, ring, nxt, (dst, BS, 0, cols), x)
+    def comm(ctx, task):  # part p of the block of step s into slot s + 1 of rank r + 1
+        s, p = task.args[:2]
+        r0, r1 = p * BS // parts, (p + 1) * BS // parts
+        base = 0 if s == 0 else (s - 1) * BS
+        nxt, cols = (ctx.rank + 1) % W, Hkv * D
+        for src, ring in (("k", "k_ring"), ("v", "v_ring")):
+            src = src if s == 0 else ring
+            x = yield from twins.tile_load_async(ctx, src, ctx.rank, (base + r0, r1 - r0, 0, cols))
+            yield from twins.tile_send_bulk(ctx, ring, nxt, (s * BS + r0, r1 - r0, 0, cols), x)
 
     return {"compute": compute, "comm": comm}
 
@@ -516,9 +548,9 @@ def finish(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
     """Per output buffer, the tiles the kernel end reads on every rank: out tile t (q rows x one
-    head) and lse tile qtiles + t (that head's row of lse)."""
+    head) and lse tile T + t (that head's row of lse), for each q tile t."""
     S, D, H = plan.shapes["seq"], plan.shapes["head_dim"], plan.shapes["heads"]
-    qtiles = plan.extra["qtiles"]
+    qtiles = plan.extra["out_tiles"]
     T = len(qtiles)
     return {
         "out": {t: (b * S + r0, n, h * D, D) for t, (b, h, r0, n) in enumerate(qtiles)},

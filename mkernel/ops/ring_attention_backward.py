@@ -54,10 +54,11 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import Plan, Schedule, build_plan
+from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..world import World
 from . import common
 from . import ring_attention as fwd
+from . import ring_two_slots as ring
 
 KV_SEND, GRAD, FINISH = 0, 1, 2  # comm task kinds (args[1])
 SPEC = OpSpec(
@@ -72,7 +73,7 @@ SPEC = OpSpec(
         Buffer("dq", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("dk", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
         Buffer("dv", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-        *fwd.KV_RING,
+        *ring.KV_RING,
         Buffer(
             "state", "symmetric", torch.float32, ("state_rows", "state_cols"), "dQ acc [D], delta"
         ),
@@ -85,7 +86,7 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        *fwd.RING_PADS,
+        *ring.RING_PADS,
         Pad(
             "merged",
             ("qtile", "step", "kv"),
@@ -122,7 +123,8 @@ def make_plan(
     """The forward's plan (its K/V ring, its compute tasks and their ``merged`` chain), each compute
     task also raising ``computed``, plus the grad sends and a finish per rank."""
     W = world.size
-    f = fwd.make_plan(schedule, world, batch, seq, heads, kv_heads, head_dim, causal, zigzag)
+    tile_rows = schedule.chunk_rows or ring.Q_TILE
+    f = ring.ring_parts(W, tile_rows, batch, seq, heads, kv_heads, head_dim, causal, zigzag)
     ex = f.extra
     sends, steps = ex["sends"], ex["steps"]
     # holds[r][s]: rank r holds a block at step s (its own at 0, else one its predecessor sent)
@@ -130,7 +132,7 @@ def make_plan(
     n_tasks = [[sum(p[0] == s for st in steps[r] for p in st) for s in range(W)] for r in range(W)]
 
     compute = []
-    for r, tasks in enumerate(f.roles["compute"].tasks):
+    for r, tasks in enumerate(f.compute):
         done = []
         for t in copy.deepcopy(tasks):
             s = t.args[1]
@@ -145,7 +147,7 @@ def make_plan(
     comm = []
     for r in range(W):
         nxt = (r + 1) % W
-        kv = {t.args[0]: t for t in f.roles["comm"].tasks[r]}
+        kv = {t.args[0]: t for t in f.comm[r]}
         tasks = []
         for s in range(W):
             if s in kv:
@@ -162,12 +164,14 @@ def make_plan(
         comm.append(tasks)
 
     sizes = f.sizes | {
+        "state_rows": batch * heads * seq,
         "state_cols": head_dim + 1,
         "acc_rows": W * batch * seq,
         "acc_cols": 2 * kv_heads * head_dim,
     }
     extra = {k: ex[k] for k in ("qtiles", "kv_tiles", "steps", "sends")} | {"holds": holds}
-    return build_plan(SPEC, schedule, world, f.tile, f.shapes, sizes, f.tiles, compute, comm, extra)
+    tile = TILE_CONFIGS["64x128x64"]  # unused: this op has no device kernel
+    return build_plan(SPEC, schedule, world, tile, f.shapes, sizes, f.tiles, compute, comm, extra)
 
 
 # -- input checks and the API ---------------------------------------------------------------------
@@ -335,7 +339,7 @@ def twins_of(plan: Plan, scale: float | None = None):
     qtiles, kv_tiles, steps = plan.extra["qtiles"], plan.extra["kv_tiles"], plan.extra["steps"]
     sends = plan.extra["sends"]
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
-    kv_send = fwd.twins_of(plan, scale)["comm"]  # the forward's ring, as it is
+    kv_send = ring.kv_send_twin(plan)  # the two-slot K/V ring
 
     def block(s: int) -> tuple[str, str, int]:
         return ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s % 2) * BS)
