@@ -127,4 +127,49 @@ struct Layout {
 };
 }  // namespace gemm_rs
 
+// ring_attention: ring attention forward: K/V blocks travel the ring, online softmax per q tile
+namespace ring_attention {
+enum Pad : int { kPadBarrier = 0, kPadLanded = 1, kPadLandedCount = 2 };
+struct Layout {
+  RankPtr<const __nv_bfloat16> q;  // [rows, q_cols] input: [B * S, Hq * D]
+  RankPtr<const __nv_bfloat16> k;  // [rows, kv_cols] input: [B * S, Hkv * D]
+  RankPtr<const __nv_bfloat16> v;  // [rows, kv_cols] input: [B * S, Hkv * D]
+  RankPtr<__nv_bfloat16> out;  // [rows, q_cols] output: [B * S, Hq * D]
+  RankPtr<float> lse;  // [lse_rows, seq] output: [B * Hq, S]
+  SymPtr<__nv_bfloat16> k_ring;  // [ring_rows, kv_cols] symmetric: W - 1 K slots: the block of step s >= 1 at rows (s - 1) * B * S
+  __nv_bfloat16* k_ring_local;
+  SymPtr<__nv_bfloat16> v_ring;  // [ring_rows, kv_cols] symmetric: V slots
+  __nv_bfloat16* v_ring_local;
+  int batch;
+  int seq;
+  int heads;
+  int kv_heads;
+  int head_dim;
+  int causal;
+  int zigzag;
+  int scale_bits;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.q = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.k = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.v = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot3]), rec[kRecStride3]};
+    l.lse = {reinterpret_cast<float*>(rec[kRecSlot4]), rec[kRecStride4]};
+    l.k_ring = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot5])};
+    l.k_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride5]);
+    l.v_ring = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
+    l.v_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
+    l.batch = (int)rec[kRecScalar0];
+    l.seq = (int)rec[kRecScalar1];
+    l.heads = (int)rec[kRecScalar2];
+    l.kv_heads = (int)rec[kRecScalar3];
+    l.head_dim = (int)rec[kRecScalar4];
+    l.causal = (int)rec[kRecScalar5];
+    l.zigzag = (int)rec[kRecScalar6];
+    l.scale_bits = (int)rec[kRecScalar7];
+    return l;
+  }
+};
+}  // namespace ring_attention
+
 }  // namespace mk::spec

@@ -224,10 +224,16 @@ def make_plan(
     compute, comm = [], []
     for r in range(W):
         nxt = (r + 1) % W
+        # Comm task (s, part, row0, rows): those rows of the block held at step s (of B * S).
+        bounds = [p * B * S // parts for p in range(parts + 1)]
+        arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
         comm.append(
             [
                 Task(
-                    s * parts + p, (s, p), landed(r, s), (Raise("landed", nxt, (s + 1,), op="add"),)
+                    s * parts + p,
+                    (s, p, bounds[p], bounds[p + 1] - bounds[p]),
+                    landed(r, s),
+                    arrive(s),
                 )
                 for s in sends[r]
                 for p in range(parts)
@@ -456,7 +462,7 @@ def attention(
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
     S, D, H, Hkv, B = z["seq"], z["head_dim"], z["heads"], z["kv_heads"], z["batch"]
-    C, parts = plan.extra["chunks"], plan.extra["parts"]
+    C = plan.extra["chunks"]
     Sc, BS = S // C, B * S
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = [positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
@@ -504,15 +510,14 @@ def twins_of(plan: Plan, scale: float | None = None):
         T = len(plan.extra["out_tiles"])
         yield from twins.output_store(ctx, "lse", ctx.rank, lse_rect, lse[None], T + t)
 
-    def comm(ctx, task):  # part p of the block of step s into slot s + 1 of rank r + 1
-        s, p = task.args[:2]
-        r0, r1 = p * BS // parts, (p + 1) * BS // parts
+    def comm(ctx, task):  # rows [r0, r0 + n) of the block of step s into slot s + 1 of rank r + 1
+        s, _, r0, n = task.args
         base = 0 if s == 0 else (s - 1) * BS
         nxt, cols = (ctx.rank + 1) % W, Hkv * D
         for src, ring in (("k", "k_ring"), ("v", "v_ring")):
             src = src if s == 0 else ring
-            x = yield from twins.tile_load_async(ctx, src, ctx.rank, (base + r0, r1 - r0, 0, cols))
-            yield from twins.tile_send_bulk(ctx, ring, nxt, (s * BS + r0, r1 - r0, 0, cols), x)
+            x = yield from twins.tile_load_async(ctx, src, ctx.rank, (base + r0, n, 0, cols))
+            yield from twins.tile_send_bulk(ctx, ring, nxt, (s * BS + r0, n, 0, cols), x)
 
     return {"compute": compute, "comm": comm}
 

@@ -45,19 +45,21 @@
 namespace mk::attn {
 
 // Named constants of one instance (STYLE.md: a config struct, not positional template soup).
-template <int D_, bool OVERLAP_, bool PINGPONG_>
+template <int D_, bool OVERLAP_, bool PINGPONG_, int PRODUCER_REGS = 24>
 struct AttnConfig {
   static constexpr int D = D_;      // head dim (64 or 128)
   static constexpr int BM = 128;    // query rows per work tile = CONSUMERS x 64
-  static constexpr int BN = 128;    // kv rows per K / V stage
+  static constexpr int BN = 128;    // kv rows per K / V stage (both kTileRows)
   static constexpr int CONSUMERS = 2;
   static constexpr int STAGES = D_ <= 64 ? 3 : 2;
   static constexpr bool OVERLAP = OVERLAP_;
   static constexpr bool PINGPONG = PINGPONG_;
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
-  // 24 + 2 x 240 <= 512 registers per thread slot of the 3 warpgroups (64K registers).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // 24 + 2 x 240 <= 512 registers per thread slot of the 3 warpgroups (64K registers). The ring
+  // kernel's producer also runs the plan's waits, its spare warp the comm tasks: 56 + 2 x 224
+  // (24 spilled there).
+  static constexpr int kProducerRegs = PRODUCER_REGS;
+  static constexpr int kConsumerRegs = (512 - PRODUCER_REGS) / 2 / 8 * 8;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(!PINGPONG || OVERLAP, "ping-pong is built on the overlapped schedule");
 };
@@ -87,6 +89,8 @@ struct AttnSmem {
 
 struct AttnParams {
   CUtensorMap q, k, v, o;  // [B, S, H, D] maps (tensor_map_nd.h): boxes {64, 1, BM | BN | 64, 1}
+  // The ring's K / V slots (kernels/ring_attention.cu: [(W - 1) B C, S_q, Hkv, D]); else unused.
+  CUtensorMap k_ring, v_ring;
   float* lse;              // [B, Hq, S_q] fp32
   float* o_f32;            // [B, S_q, Hq, D] fp32 or nullptr: O also stored unrounded
   int B, S_q, S_kv, Hq, Hkv;
@@ -95,10 +99,73 @@ struct AttnParams {
   int causal;         // 0 / 1
   int m_tiles;        // ceil(S_q / BM)
   int total;          // B * Hq * m_tiles
+  // Ring (kernels/ring_attention.cu): a rank's rows are `chunks` chunks of S_q rows, the maps view
+  // them as [B * chunks, S_q, H, D], lse rows are chunks * S_q long. Plain attention: 1.
+  int chunks;
 };
 
+// A work item: q rows [m_tile * BM, + BM) of (b, h) (of one chunk: map coordinate `outer`), its
+// kv tiles, and where its lse rows start.
 struct WorkTile {
   int b, h, hk, m_tile, n_tiles;
+  int outer;          // Q / O map's batch coordinate
+  long long lse_off;  // lse index of the item's chunk row 0
+};
+
+// Query rows of a work item = kv rows of a K / V stage (AttnConfig's BM and BN).
+constexpr int kTileRows = 128;
+
+// Kv tile j of a work item, in visiting order: maps and coordinates, and its mask.
+struct KvTile {
+  const CUtensorMap* k;
+  const CUtensorMap* v;
+  int outer, row;  // map coordinates (batch, first kv row)
+  int valid;       // kv rows from `row` on: columns >= valid are masked
+  bool diag;       // crosses the causal diagonal: column c > query row - row is masked
+};
+
+// The plain engine's work (kernels/attention.cu): ids blockIdx.x, + gridDim.x, ... over
+// (b, h, m_tile), one K/V sequence per head, tiles in descending order (masked ones first).
+struct PlainWork {
+  const AttnParams& p;
+  int id = -1;
+  __device__ bool next(WorkTile& t) {
+    id = id < 0 ? (int)blockIdx.x : id + (int)gridDim.x;
+    if (id >= p.total) return false;
+    int bh;
+    if (p.causal) {
+      const int heads = p.B * p.Hq;
+      t.m_tile = p.m_tiles - 1 - id / heads;
+      bh = id - (id / heads) * heads;
+    } else {
+      bh = id / p.m_tiles;
+      t.m_tile = id - bh * p.m_tiles;
+    }
+    t.b = bh / p.Hq;
+    t.h = bh - t.b * p.Hq;
+    t.hk = t.h / p.group;
+    const int kv_end = p.causal ? min(p.S_kv, (t.m_tile + 1) * kTileRows) : p.S_kv;
+    t.n_tiles = (kv_end + kTileRows - 1) / kTileRows;
+    t.outer = t.b;
+    t.lse_off = ((long long)t.b * p.Hq + t.h) * p.S_q;
+    return true;
+  }
+  __device__ bool last_item() const { return id + (int)gridDim.x >= p.total; }
+  __device__ void begin(const WorkTile&) {}
+  __device__ void end(const WorkTile&) {}
+  // Tiles visited in descending order: tile n_tiles - 1 - j.
+  struct Cursor {
+    const AttnParams& p;
+    const WorkTile& t;
+    int j;
+    __device__ KvTile tile() const {
+      const int n0 = (t.n_tiles - 1 - j) * kTileRows;
+      const bool diag = p.causal && n0 + kTileRows - 1 > t.m_tile * kTileRows;
+      return KvTile{&p.k, &p.v, t.b, n0, p.S_kv - n0, diag};
+    }
+    __device__ void advance(bool) { ++j; }
+  };
+  __device__ Cursor cursor(const WorkTile& t) const { return Cursor{p, t, 0}; }
 };
 
 // Arrive on a named barrier without waiting. The unaligned form (like
@@ -138,39 +205,29 @@ struct AttnEngine {
     return Bars{b, b + 1, b + 2, b + 2 + STAGES, b + 2 + 2 * STAGES, b + 2 + 3 * STAGES};
   }
 
-  __device__ static WorkTile work_tile(const AttnParams& p, int id) {
-    WorkTile t;
-    int bh;
-    if (p.causal) {
-      const int heads = p.B * p.Hq;
-      t.m_tile = p.m_tiles - 1 - id / heads;
-      bh = id - (id / heads) * heads;
-    } else {
-      bh = id / p.m_tiles;
-      t.m_tile = id - bh * p.m_tiles;
-    }
-    t.b = bh / p.Hq;
-    t.h = bh - t.b * p.Hq;
-    t.hk = t.h / p.group;
-    const int kv_end = p.causal ? min(p.S_kv, (t.m_tile + 1) * BM) : p.S_kv;
-    t.n_tiles = (kv_end + BN - 1) / BN;
-    return t;
+  // Every thread of the CTA: plain attention (kernels/attention.cu), one launch per call.
+  __device__ static void run_cta(const AttnParams& p, char* smem) {
+    PlainWork work{p};
+    run_cta(p, smem, work, [] {});
   }
 
-  // Every thread of the CTA.
-  __device__ static void run_cta(const AttnParams& p, char* smem) {
+  // Every thread of the CTA, over a work source (PlainWork, ChainWork); warp 1 of the producer
+  // warpgroup runs spare() meanwhile (the persistent template's intra_sm communicator).
+  template <class Work, class Spare>
+  __device__ static void run_cta(const AttnParams& p, char* smem, Work& work, Spare&& spare) {
+    static_assert(BM == kTileRows && BN == kTileRows, "work sources count kTileRows rows");
     if (smem_u32(smem) % 1024 != 0) __trap();
     const Bars bars = bars_of(smem);
-    if (threadIdx.x == 0) {
-      mbar_init_all(bars);
-    }
+    if (threadIdx.x == 0) mbar_init_all(bars);
+    __syncwarp();  // converge warp 0 before the CTA barrier
     __syncthreads();
     if (threadIdx.x < 128) {
       gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
-      if (threadIdx.x == 0) producer(p, smem, bars);
+      if (threadIdx.x == 0) producer(p, smem, bars, work);
+      if (threadIdx.x / 32 == 1) spare();
     } else {
       gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
-      consumer(p, smem, bars);
+      consumer(p, smem, bars, work);
     }
   }
 
@@ -191,7 +248,8 @@ struct AttnEngine {
   }
 
   // ------------------------------------------------------------------------------- producer
-  __device__ static void producer(const AttnParams& p, char* smem, const Bars& bars) {
+  template <class Work>
+  __device__ static void producer(const AttnParams& p, char* smem, const Bars& bars, Work work) {
     using namespace gemm;
     tma_prefetch_map(&p.q);
     tma_prefetch_map(&p.k);
@@ -199,32 +257,39 @@ struct AttnEngine {
     tma_prefetch_map(&p.o);
     PipeState<STAGES> ks, vs;
     uint32_t q_phase = 0;
-    for (int id = blockIdx.x; id < p.total; id += gridDim.x) {
-      const WorkTile t = work_tile(p, id);
+    WorkTile t;
+    while (work.next(t)) {
+      work.begin(t);  // the item's first task may load (its waits)
       mbar_wait(bars.q_empty, q_phase ^ 1u);
       mbar_arrive_expect_tx(bars.q_full, kQTxBytes);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         tma_load_4d(smem + Map::kQOffset + c * Map::kQChunkBytes, &p.q, bars.q_full, c * 64, t.h,
-                    t.m_tile * BM, t.b);
+                    t.m_tile * BM, t.outer);
       q_phase ^= 1u;
-      // kv tile of step j is n_tiles - 1 - j (descending).
-      auto load = [&](const CUtensorMap* map, int offset, uint64_t* full, uint64_t* empty,
-                      PipeState<STAGES>& st, int j) {
+      auto load = [&](bool is_k, int offset, uint64_t* full, uint64_t* empty,
+                      PipeState<STAGES>& st, const KvTile& kt) {
         mbar_wait(&empty[st.stage], st.phase ^ 1u);
         mbar_arrive_expect_tx(&full[st.stage], kKVTxBytes);
         char* dst = smem + offset + st.stage * Map::kKVStageBytes;
+        const CUtensorMap* map = is_k ? kt.k : kt.v;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c)
-          tma_load_4d(dst + c * Map::kKVChunkBytes, map, &full[st.stage], c * 64, t.hk,
-                      (t.n_tiles - 1 - j) * BN, t.b);
+          tma_load_4d(dst + c * Map::kKVChunkBytes, map, &full[st.stage], c * 64, t.hk, kt.row,
+                      kt.outer);
         st.advance();
       };
       // K runs one tile ahead of V: the consumers need S_{j+1} before P_j V_j (Cfg::OVERLAP).
-      load(&p.k, Map::kKOffset, bars.k_full, bars.k_empty, ks, 0);
+      // The K cursor enters each of the item's tasks first: it runs the task's waits (advance).
+      auto kc = work.cursor(t), vc = work.cursor(t);
+      load(true, Map::kKOffset, bars.k_full, bars.k_empty, ks, kc.tile());
       for (int j = 0; j < t.n_tiles; ++j) {
-        if (j + 1 < t.n_tiles) load(&p.k, Map::kKOffset, bars.k_full, bars.k_empty, ks, j + 1);
-        load(&p.v, Map::kVOffset, bars.v_full, bars.v_empty, vs, j);
+        if (j + 1 < t.n_tiles) {
+          kc.advance(true);
+          load(true, Map::kKOffset, bars.k_full, bars.k_empty, ks, kc.tile());
+        }
+        load(false, Map::kVOffset, bars.v_full, bars.v_empty, vs, vc.tile());
+        vc.advance(false);
       }
     }
   }
@@ -264,18 +329,18 @@ struct AttnEngine {
       gemm::wgmma_commit();
     }
 
-    // Masks tile `tile` of work tile t if it crosses S_kv or the diagonal, then the softmax step.
+    // Masks kv tile kt of work tile t if it crosses the sequence's end or the diagonal, then the
+    // softmax step.
     __device__ __forceinline__ void softmax(float (&s)[kSRegs], OnlineSoftmax& sm,
-                                            const WorkTile& t, int tile, float (&corr)[2]) const {
-      const int n0 = tile * BN;
-      const bool diag = p.causal && n0 + BN - 1 > t.m_tile * BM;
-      if (n0 + BN > p.S_kv || diag) {
+                                            const WorkTile& t, const KvTile& kt,
+                                            float (&corr)[2]) const {
+      if (kt.valid < BN || kt.diag) {
         int limit[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          int lim = p.S_kv - n0;
+          int lim = kt.valid;
           const int row = t.m_tile * BM + 64 * wg + row_wg + 8 * h;
-          if (p.causal) lim = min(lim, row + 1 - n0);
+          if (kt.diag) lim = min(lim, row + 1 - kt.row);
           limit[h] = lim;
         }
         mask_columns(s, q4, limit);
@@ -296,7 +361,8 @@ struct AttnEngine {
     }
   };
 
-  __device__ static void consumer(const AttnParams& p, char* smem, const Bars& bars) {
+  template <class Work>
+  __device__ static void consumer(const AttnParams& p, char* smem, const Bars& bars, Work work) {
     using namespace gemm;
     const int lt = threadIdx.x % 128;
     const int lane = lt % 32;
@@ -320,10 +386,11 @@ struct AttnEngine {
       if (c.wg == 1) named_barrier_arrive_unaligned(kBarTurn0, 256);  // warpgroup 0 issues first
     }
 
-    for (int id = blockIdx.x; id < p.total; id += gridDim.x) {
-      const WorkTile t = work_tile(p, id);
-      const bool last_item = id + (int)gridDim.x >= p.total;
+    WorkTile t;
+    while (work.next(t)) {
+      const bool last_item = work.last_item();
       const int n = t.n_tiles;
+      auto cur = work.cursor(t);  // the kv tile whose scores come next
       OnlineSoftmax sm;
       sm.init();
 #pragma unroll
@@ -344,7 +411,8 @@ struct AttnEngine {
         c.release(&bars.k_empty[ks.stage]);
         ks.advance();
         if (n == 1) c.release(bars.q_empty);
-        c.softmax(s, sm, t, n - 1, corr);  // O is zero: corr is not needed
+        c.softmax(s, sm, t, cur.tile(), corr);  // O is zero: corr is not needed
+        cur.advance(false);
         pack_rows(s, pr);
         for (int j = 1; j < n; ++j) {
           mbar_wait(&bars.k_full[ks.stage], ks.phase);
@@ -361,7 +429,8 @@ struct AttnEngine {
           c.release(&bars.k_empty[ks.stage]);
           ks.advance();
           if (j == n - 1) c.release(bars.q_empty);
-          c.softmax(s, sm, t, n - 1 - j, corr);
+          c.softmax(s, sm, t, cur.tile(), corr);
+          cur.advance(false);
           wgmma_wait<0>();  // PV done: O and P may be touched again
           fence_operands(o);
           fence_regs(pr);
@@ -390,7 +459,8 @@ struct AttnEngine {
           c.release(&bars.k_empty[ks.stage]);
           ks.advance();
           if (j == n - 1) c.release(bars.q_empty);
-          c.softmax(s, sm, t, n - 1 - j, corr);
+          c.softmax(s, sm, t, cur.tile(), corr);
+          cur.advance(false);
           rescale_rows(o, corr);
           pack_rows(s, pr);
           mbar_wait(&bars.v_full[vs.stage], vs.phase);
@@ -404,6 +474,7 @@ struct AttnEngine {
         }
       }
       epilogue(c, t, sm, o, o_smem);
+      work.end(t);  // the item's tasks are complete (ChainWork: their after_store)
     }
     if (lt == 0) bulk_wait_all();  // the last O tile has been read (and written) before exit
   }
@@ -417,7 +488,7 @@ struct AttnEngine {
     sm.finish(p.scale_log2, inv, lse);
     const int row0 = t.m_tile * BM + 64 * c.wg;  // first query row of this warpgroup
     if (c.q4 == 0) {
-      float* dst = p.lse + ((size_t)t.b * p.Hq + t.h) * p.S_q;
+      float* dst = p.lse + t.lse_off;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + c.row_wg + 8 * h;
@@ -454,7 +525,7 @@ struct AttnEngine {
     if (c.lt == 0 && row0 < p.S_q) {
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch)
-        tma_store_4d(&p.o, o_smem + ch * Map::kOChunkBytes, ch * 64, t.h, row0, t.b);
+        tma_store_4d(&p.o, o_smem + ch * Map::kOChunkBytes, ch * 64, t.h, row0, t.outer);
       bulk_commit();
     }
   }

@@ -1,0 +1,244 @@
+// Ring attention, forward: the attention engine (primitives/attention/engine.cuh) on the persistent
+// template, with each rank's K / V block travelling the ring by bulk copies while it is consumed.
+//
+// Protocol (the plan's tables, mkernel/ops/ring_attention.py): at step s rank r holds the block of
+// rank (r - s) mod W: its own k / v at step 0, else slot s of its k_ring / v_ring (W - 1 slots,
+// each filled once per call, so no send waits for a reader). Comm task (s, part, row0, rows)
+// copies rows [row0, row0 + rows) of K and V from the block it holds at step s into slot s + 1 of
+// rank r + 1; the template then adds 1 to landed[s + 1] there (parts adds make the block whole).
+// A compute task is one (q tile, K / V chunk of one step); a q tile's tasks form a chain that
+// one unit runs in a row, the online-softmax state in registers, out and lse stored at its end.
+//
+//   W = 3, contiguous, causal (Bp = the K/V block of rank p; comm parts not shown)
+//   step:     0                        1                          2
+//   rank 0:   q.B0; B0 -> r1 slot 1    -                          -
+//   rank 1:   q.B1; B1 -> r2 slot 1    wait landed[1]: q.B0;      -
+//                                      B0 -> r2 slot 2
+//   rank 2:   q.B2                     wait landed[1]: q.B1       wait landed[2]: q.B0
+//
+// Maps: a rank's rows are C chunks of Sc = S / C rows (C = 2 for causal zigzag, else 1), so every
+// map views its tensor as [B * C, Sc, H, D]: a q tile or K / V tile never crosses a chunk (TMA
+// zero-fills rows past it and drops stores past it).
+#include "kernels/fused_host.cuh"
+#include "primitives/attention/engine.cuh"
+#include "primitives/attention/tensor_map_nd.h"
+#include "primitives/bulk_ring.cuh"
+
+namespace mk {
+
+// A compute task as the plan encodes its tile (mkernel/ops/ring_attention.py pack_tag / TAG_KEY).
+struct RingTask {
+  int m0, rows;        // first q row within the q chunk; q rows (0: an empty padding task)
+  int kv_outer, kv_len;  // K / V map batch coordinate; rows of the K / V chunk
+  int step, key;       // ring step; (b * Hq + h) * C + q chunk
+  bool diag, first, last;
+};
+constexpr int kRingTagKey = 7;  // mkernel/ops/ring_attention.py TAG_KEY
+
+// A unit's work as chains: from a task flagged `first` to one flagged `last`, in a row (the plan
+// keeps a chain on one unit). Kv tiles: each task's chunk, tiles in descending order.
+template <class Hooks>
+struct ChainWork {
+  const attn::AttnParams& p;
+  Hooks& hooks;
+  int next_i = 0;  // where the search for the next chain starts
+  int i0 = 0, i1 = -1;  // the current chain's tasks
+
+  __device__ int tiles_of(const RingTask& t) const {
+    const int end = t.diag ? min(t.kv_len, t.m0 + attn::kTileRows) : t.kv_len;
+    return (end + attn::kTileRows - 1) / attn::kTileRows;
+  }
+
+  __device__ bool next(attn::WorkTile& w) {
+    const int n = hooks.num_tasks();
+    while (next_i < n && hooks.task(next_i).rows == 0) ++next_i;  // padding
+    if (next_i >= n) return false;
+    i0 = next_i;
+    RingTask t = hooks.task(i0);
+    const int C = p.chunks;
+    const int bh = t.key / C, cq = t.key - bh * C;
+    w.b = bh / p.Hq;
+    w.h = bh - w.b * p.Hq;
+    w.hk = w.h / p.group;
+    w.m_tile = t.m0 / attn::kTileRows;
+    w.outer = w.b * C + cq;
+    w.lse_off = (long long)bh * p.S_q * C + (long long)cq * p.S_q;
+    w.n_tiles = tiles_of(t);
+    int i = i0;
+    while (!t.last && i + 1 < n) {
+      t = hooks.task(++i);
+      w.n_tiles += tiles_of(t);
+    }
+    i1 = i;
+    next_i = i + 1;
+    return true;
+  }
+  __device__ bool last_item() const { return false; }  // ping-pong only (not used here)
+  __device__ void begin(const attn::WorkTile&) { hooks.before_load(i0); }  // producer
+
+  // Every consumer thread, after the epilogue: the chain's stores have landed, then its tasks'
+  // after_store (one thread), when anyone waits for them or a timeline is recorded.
+  __device__ void end(const attn::WorkTile&) {
+    if (!hooks.signals()) return;
+    __threadfence();  // this thread's lse stores
+    if (threadIdx.x % 128 == 0) bulk_wait_all();  // its warpgroup's O stores
+    __syncwarp();
+    asm volatile("bar.sync 5, 256;" ::: "memory");  // both consumer warpgroups (barrier 5)
+    if (threadIdx.x == 128) {
+      __threadfence_system();
+      for (int i = i0; i <= i1; ++i) hooks.after_store(i);
+    }
+  }
+
+  struct Cursor {
+    const ChainWork& w;
+    int i, tiles, j;
+    RingTask t;
+    __device__ attn::KvTile tile() const {
+      const int n0 = (tiles - 1 - j) * attn::kTileRows;
+      const bool ring = t.step > 0;
+      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, t.kv_outer,
+                          n0, t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
+    }
+    // To the next tile; entering a task, the producer's K cursor runs its waits.
+    __device__ void advance(bool waits) {
+      if (++j < tiles || i >= w.i1) return;
+      t = w.hooks.task(++i);
+      tiles = w.tiles_of(t);
+      j = 0;
+      if (waits) w.hooks.before_load(i);
+    }
+  };
+  __device__ Cursor cursor(const attn::WorkTile&) const {
+    const RingTask t = hooks.task(i0);
+    return Cursor{*this, i0, tiles_of(t), 0, t};
+  }
+};
+
+// The attention engine behind the template's engine contract (templates/engine_contract.cuh).
+template <int D>
+struct RingAttnEngine {
+  using Cfg = attn::AttnConfig<D, true, false, 56>;  // intra-warpgroup overlap, no ping-pong
+  using Core = attn::AttnEngine<Cfg>;
+  using Params = attn::AttnParams;
+  using Task = RingTask;
+  struct Dest {};  // a chain's out and lse rows follow from its task (no per-task destination)
+  static constexpr int kThreads = Core::kThreads;
+  static constexpr int kSmemBytes = Core::kSmemBytes;
+  static constexpr int kSpareWarp = 1;  // warp 1 of the producer warpgroup
+  template <class T>
+  __device__ static Task task_of(const T& tile) {
+    const int tag = tile.tag;
+    return Task{tile.m0,   tile.rows, tile.n0,        tile.cols,     (tag >> 3) & 15,
+                tag >> kRingTagKey,   (tag & 1) != 0, (tag & 2) != 0, (tag & 4) != 0};
+  }
+  template <class Hooks, class Spare>
+  __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
+    ChainWork<Hooks> work{p, hooks};
+    Core::run_cta(p, smem, work, spare);
+  }
+};
+
+template <int D>
+struct RingAttention {
+  using Engine = RingAttnEngine<D>;
+  using Layout = spec::ring_attention::Layout;
+  using Args = FusedArgs<RingAttention>;
+  static constexpr int kPiece = 16384;
+  // inter_sm: a comm CTA's ring of 8 pieces in the engine's shared memory (it runs no engine);
+  // intra_sm: 2 pieces after the engine's (all that is left beside it at D = 128).
+  static constexpr int kCommBufs = 2;
+  static constexpr int kCommSmemBytes = kCommBufs * kPiece + 8 * kCommBufs;
+  static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
+  static_assert(8 * kPiece + 8 * 8 <= Engine::kSmemBytes, "a comm CTA's ring fits");
+
+  static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
+    return {};
+  }
+
+  // Task (s, part, row0, rows): those rows of the K and V block held at step s into slot s + 1
+  // of rank r + 1, by TMA (lane 0 alone); the template waits for the stores to land, then raises.
+  static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
+                                   const Team& team, char* smem) {
+    if (team.lane != 0) return;
+    const Layout& l = a.layout;
+    const int s = args[0];
+    const long long cols = (long long)l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
+    const long long src_row = (s == 0 ? 0 : (s - 1) * block) + args[2];
+    const long long dst_row = s * block + args[2];
+    const long long bytes = (long long)args[3] * cols * 2;
+    const int nxt = (cta.rank + 1) % a.common.world_size;
+    const __nv_bfloat16* ks = s == 0 ? l.k.at(cta.local_rank) : l.k_ring.map(cta.rank);
+    const __nv_bfloat16* vs = s == 0 ? l.v.at(cta.local_rank) : l.v_ring.map(cta.rank);
+    auto copy = [&](auto ring) {
+      ring.init();
+      ring.copy(reinterpret_cast<char*>(l.k_ring.map(nxt) + dst_row * cols),
+                reinterpret_cast<const char*>(ks + src_row * cols), bytes, Drain::kStore);
+      ring.copy(reinterpret_cast<char*>(l.v_ring.map(nxt) + dst_row * cols),
+                reinterpret_cast<const char*>(vs + src_row * cols), bytes, Drain::kStore);
+      ring.inval();
+    };
+    if (a.common.overlap == kInterSM) {
+      copy(BulkRing<8, 4>{smem, reinterpret_cast<uint64_t*>(smem + 8 * kPiece), kPiece});
+    } else {
+      copy(BulkRing<kCommBufs, 1>{smem, reinterpret_cast<uint64_t*>(smem + kCommBufs * kPiece),
+                                  kPiece});
+    }
+  }
+
+  // Host: every served rank's maps over [B * C, Sc, H, D] views, and the engine's scalars.
+  static bool prepare(const long long*, Args& args) {
+    const Layout& l = args.layout;
+    const int W = args.common.world_size, here = args.common.ranks_here;
+    const int C = l.zigzag && l.causal ? 2 : 1;  // ring_attention.py num_chunks
+    const int Sc = l.seq / C, BC = l.batch * C;
+    const long long ring_elems = (long long)(W > 1 ? W - 1 : 1) * l.batch * l.seq * l.kv_heads *
+                                 l.head_dim;  // one rank's k_ring (the plan's ring_rows)
+    float scale;
+    memcpy(&scale, &l.scale_bits, sizeof(scale));
+    using host::kTensorMapOk;
+    using host::make_tensor_map_bf16_bshd;
+    constexpr int BM = Engine::Core::BM, BN = Engine::Core::BN;
+    for (int r = 0; r < here; ++r) {
+      attn::AttnParams& p = args.engine[r];
+      auto map = [&](CUtensorMap* m, const void* ptr, int outer, int heads, int box) {
+        return make_tensor_map_bf16_bshd(m, ptr, outer, Sc, heads, D, box, 64) == kTensorMapOk;
+      };
+      if (!map(&p.q, l.q.base + r * l.q.rank_stride, BC, l.heads, BM) ||
+          !map(&p.k, l.k.base + r * l.k.rank_stride, BC, l.kv_heads, BN) ||
+          !map(&p.v, l.v.base + r * l.v.rank_stride, BC, l.kv_heads, BN) ||
+          !map(&p.o, l.out.base + r * l.out.rank_stride, BC, l.heads, 64))
+        return false;
+      if (W > 1 && (!map(&p.k_ring, l.k_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads,
+                         BN) ||
+                    !map(&p.v_ring, l.v_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads,
+                         BN)))
+        return false;
+      p.lse = l.lse.base + r * l.lse.rank_stride;
+      p.o_f32 = nullptr;
+      p.B = l.batch;
+      p.S_q = p.S_kv = Sc;
+      p.Hq = l.heads;
+      p.Hkv = l.kv_heads;
+      p.group = l.heads / l.kv_heads;
+      p.scale_log2 = scale * 1.4426950408889634f;
+      p.causal = l.causal;
+      p.m_tiles = (Sc + BM - 1) / BM;
+      p.total = 0;  // unused: the plan's tasks are the work
+      p.chunks = C;
+    }
+    args.out_mapped = false;
+    return true;
+  }
+};
+
+int launch_ring_attention(const long long* rec, cudaStream_t s) {
+  const auto l = spec::ring_attention::Layout::from(rec);
+  switch (l.head_dim) {
+    case 64: return launch_persistent<RingAttention<64>>(rec, s);
+    case 128: return launch_persistent<RingAttention<128>>(rec, s);
+    default: return kBadConfig;
+  }
+}
+
+}  // namespace mk
