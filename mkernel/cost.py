@@ -288,6 +288,10 @@ def choose(
     fixed = Candidate(
         ov, (comm_sms or max(1, sms // 8)) if ov == "inter_sm" else None, transfer or "stores"
     )
+    if op == "ring_attention":
+        ov = overlap or ring_default(world_size, sms).overlap
+        cs = (comm_sms or ring_attention_comm_sms(sms)) if ov == "inter_sm" else None
+        return Choice(op, world_size, sms, key, Candidate(ov, cs, "stores"), user, (), "rule")
     if op not in GEMM_OPS + ("all_gather",):
         return Choice(op, world_size, sms, key, fixed, user, (), "no cost model: fixed defaults")
     cands = candidates(op, sms, overlap=overlap, comm_sms=comm_sms, transfer=transfer)
@@ -296,3 +300,20 @@ def choose(
     scored = [(c, predict(op, shapes, world_size, sms, c, tile=tile, rates=rates)) for c in cands]
     scored.sort(key=lambda cs: cs[1])  # stable: equal times keep candidates()' order
     return Choice(op, world_size, sms, key, scored[0][0], user, tuple(scored))
+
+
+def ring_attention_comm_sms(sms: int) -> int:
+    """Comm CTAs of ring attention: a step's K / V block must cross the link within the step's
+    attention. At S_local = 8192, Hkv = 32, D = 128 that is 134 MB per ~1.7 ms of engine work on
+    132 SMs (79 GB/s), 2 BulkRing CTAs at ~45 GB/s each over NVLink (the issue's probe); 4 leave
+    room for GQA's smaller blocks being no cheaper to hide at short S. Scaled by the SMs a rank
+    has (an emulated world's ranks share one GPU)."""
+    return max(1, min(4, sms // 32))
+
+
+def ring_default(world_size: int, sms: int) -> Candidate:
+    """Ring attention's schedule by rule (no model yet): W = 1 moves nothing, so every SM
+    computes (intra_sm); else a few comm CTAs (inter_sm), so no compute CTA carries a copy."""
+    if world_size == 1 or sms < 2:
+        return Candidate("intra_sm", None, "stores")
+    return Candidate("inter_sm", ring_attention_comm_sms(sms), "stores")

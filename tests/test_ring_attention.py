@@ -24,7 +24,7 @@ from mkernel.interp import program, twins
 from mkernel.ops import common, ring_attention_dist, ring_attention_gpu
 from mkernel.ops import ring_attention as ra
 from mkernel.ops.ring_attention import attention, ring_attention
-from mkernel.protocol import RoleTables
+from mkernel.protocol import encode
 from tests.helpers import U_BF16, U_FP32, assert_pads_zero, assert_within
 
 
@@ -180,8 +180,11 @@ def test_q_tile_height_is_a_schedule_knob(rows, layout):
     out, lse = ring_attention(q, k, v, world, causal=True, layout=layout, schedule=sched)
     _assert_attention(out, lse, q, k, v, True, 1 / 8, layout, f"rows={rows} {layout}")
     plan = next(p for p in world._plans.values() if p.op == "ring_attention")
+    assert plan.extra["q_tile"] == rows
     want = -(-S // rows) if layout == "contiguous" else 2 * -(-(S // 2) // rows)
-    assert len(plan.extra["qtiles"]) == 2 * want  # 2 heads, B = 1
+    assert len(plan.extra["out_tiles"]) == 2 * want  # 2 heads, B = 1
+    assert all(0 < n <= rows for *_, n in plan.extra["out_tiles"])
+    _check_plan(plan, f"rows={rows} {layout}")
     assert_pads_zero(world)
 
 
@@ -208,57 +211,203 @@ def test_reference_agrees_with_the_formula(layout, causal):
 # -- the plan's ring ------------------------------------------------------------------------------
 
 
-def _plan(W: int, S: int, causal: bool, layout: str, **sched):
+def _plan(W: int, S: int, causal: bool, layout: str, B: int = 1, heads=(2, 1), **sched):
     world = mkernel.World.emulated(W)
-    q, k, v = _inputs(W, 1, S, 2, 1)
+    q, k, v = _inputs(W, B, S, *heads)
     s = ra.shapes(q, k, v, world, causal, layout)
+    s.setdefault("scale_bits", ra.scale_bits(1 / 8))  # the default scale at D = 64, as the API
     return mkernel.Schedule(**sched).plan("ring_attention", world, **s)
 
 
+def _work(plan, rank: int) -> list[tuple[int, int]]:
+    """(step, K/V rows) of each compute task of ``rank`` that is not an empty pad."""
+    tiles = [plan.tiles[t.args[0]] for t in plan.roles["compute"].tasks[rank]]
+    return [(ra.unpack_tag(x.tag)[1], x.cols) for x in tiles if x.rows > 0]
+
+
+def _check_plan(plan, what: str) -> None:
+    """The forward plan's laws, each from the tables and the layout's positions (_positions):
+
+    - the out tiles cut every (b, h) row range of each chunk into q tiles of ``q_tile`` rows;
+    - compute unit u of a rank runs rows u, u + units, ... (the template's rule, as the
+      interpreter's ``tasks_of``); each q tile's chain runs on one unit, its tasks in a row, the
+      first flag on the first task and the last flag on the last; empty tasks only pad a unit's end;
+    - a chain has exactly the (step, K/V chunk) pairs with a key its rows may see (causal: no pair
+      wholly in the future), each once, the diagonal (its own chunk) first, then by step; a tile
+      addresses its chunk in k / v (step 0) or in the step's slot of k_ring / v_ring;
+    - a rank sends the block of step s iff a rank downstream reads it, in ``parts`` comm tasks that
+      each add 1 to landed[s + 1] on the next rank; every task that reads a slot (compute tasks
+      of the step, the forward) waits for landed[s] == parts, counting all of them as consumers;
+      a landed flag is raised iff someone waits for it."""
+    z, W = plan.shapes, plan.world_size
+    B, S, H, causal = z["batch"], z["seq"], z["heads"], bool(z["causal"])
+    layout = "zigzag" if z["zigzag"] else "contiguous"
+    C = 2 if causal and layout == "zigzag" else 1  # non-causal zigzag: positions do not matter
+    assert plan.extra["chunks"] == C, what
+    Sc, tq, parts, units = S // C, plan.extra["q_tile"], plan.extra["parts"], plan.compute_units
+    assert 1 <= parts <= min(plan.comm_units, B * S), f"{what}: {parts} parts"
+    pos = [torch.tensor(p) for p in _positions(W, S, layout)]
+    out_tiles = [
+        (b, h, c * Sc + m0, min(tq, Sc - m0))
+        for b in range(B)
+        for h in range(H)
+        for c in range(C)
+        for m0 in range(0, Sc, tq)
+    ]
+    assert sorted(plan.extra["out_tiles"]) == out_tiles, what
+    reads = [[0] * W for _ in range(W)]  # compute tasks of rank r, step s
+    waits: dict[tuple[int, int], list] = {}  # (rank, step): the landed waits of its readers
+    for r in range(W):
+        tasks = plan.roles["compute"].tasks[r]
+        assert len(tasks) % units == 0, f"{what}: rank {r} rows are not whole rounds of units"
+        chains = {}  # (b, h, row0) -> [(step, ck, diag)]
+        for u in range(units):
+            mine = tasks[u::units]
+            assert [t.id for t in mine] == plan.tasks_of("compute", r, u), what
+            at = f"{what}: rank {r} unit {u}"
+            current, padded = None, False
+            for t in mine:
+                tile = plan.tiles[t.args[0]]
+                assert t.raises == (), at
+                if tile.rows == 0:
+                    assert t.waits == (), f"{at}: an empty task waits"
+                    padded = True
+                    continue
+                assert not padded, f"{at}: a task after an empty pad"
+                key, s, diag, first, last = ra.unpack_tag(tile.tag)
+                (b, h), cq, ck = divmod(key // C, H), key % C, tile.n0 % C
+                chain = (b, h, cq * Sc + tile.m0)
+                assert tile.m0 % tq == 0 and tile.rows == min(tq, Sc - tile.m0), at
+                assert tile.cols == Sc and tile.n0 // C == (b if s == 0 else (s - 1) * B + b), at
+                if first:
+                    assert current is None, f"{at}: chain {chain} starts inside chain {current}"
+                    assert chain not in chains, f"{at}: chain {chain} started twice"
+                    current, chains[chain] = chain, []
+                assert current == chain, f"{at}: task {t.id} of chain {chain} not in its row"
+                chains[chain].append((s, ck, diag))
+                if last:
+                    current = None
+                reads[r][s] += 1
+                if s == 0:  # the own block: nothing to wait for
+                    assert t.waits == (), at
+                else:
+                    assert [(w.pad, w.rank, w.index, w.value) for w in t.waits] == [
+                        ("landed", r, (s,), parts)
+                    ], at
+                    waits.setdefault((r, s), []).append(t.waits[0])
+            assert current is None, f"{at}: chain {current} never ends"
+        if len(out_tiles) >= units:  # longest first onto the least loaded unit: none idles
+            assert all(plan.tiles[t.args[0]].rows for t in tasks[:units]), f"{what}: idle unit"
+        assert sorted(chains) == [x[:3] for x in out_tiles], f"{what}: rank {r} chains"
+        for (b, h, row0), pairs in chains.items():
+            at = f"{what}: rank {r} chain {(b, h, row0)}"
+            rows = pos[r][row0 : row0 + min(tq, Sc - (row0 % Sc))]
+            want = []
+            for s in range(W):
+                for ck in range(C):
+                    keys = pos[(r - s) % W][ck * Sc : (ck + 1) * Sc]
+                    if not causal or (keys[:, None] <= rows[None, :]).any():
+                        own = causal and torch.equal(keys, pos[r][row0 - row0 % Sc :][:Sc])
+                        want.append((s, ck, own))
+            assert sorted(pairs) == sorted(want), at
+            assert sorted(pairs[1:]) == pairs[1:] and not any(d for *_, d in pairs[1:]), at
+            assert pairs[0][2] == causal, f"{at}: the diagonal is not first"
+    sends = plan.extra["sends"]
+    for r in range(W):
+        want = [s for s in range(W - 1) if any(reads[(r + j) % W][s + j] for j in range(1, W - s))]
+        assert sends[r] == want, f"{what}: rank {r} sends {sends[r]}, its downstream reads {want}"
+        comm = plan.roles["comm"].tasks[r]
+        assert [t.args[:2] for t in comm] == [(s, p) for s in want for p in range(parts)], what
+        for t in comm:
+            s = t.args[0]
+            assert [(x.pad, x.rank, x.index, x.value, x.op) for x in t.raises] == [
+                ("landed", (r + 1) % W, (s + 1,), 1, "add")
+            ], what
+            if s == 0:
+                assert t.waits == (), what
+            else:
+                assert [(w.pad, w.rank, w.index, w.value) for w in t.waits] == [
+                    ("landed", r, (s,), parts)
+                ], what
+                waits.setdefault((r, s), []).append(t.waits[0])
+    for (r, s), ws in waits.items():  # each reader of the slot counts them all
+        assert {w.consumers for w in ws} == {len(ws)}, f"{what}: landed[{s}] on rank {r}"
+        assert s - 1 in sends[(r - 1) % W], f"{what}: rank {r} waits for a block never sent"
+    raised = {((r + 1) % W, s + 1) for r in range(W) for s in sends[r]}
+    assert raised == set(waits), f"{what}: landed raised {sorted(raised)}, awaited {sorted(waits)}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    W=st.integers(1, 5),
+    B=st.integers(1, 2),
+    S=st.integers(1, 20),
+    heads=st.sampled_from([(4, 2), (1, 1), (3, 1)]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["contiguous", "zigzag"]),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    sms=st.integers(2, 9),
+    rows=st.sampled_from([None, 1, 3, 64]),
+)
+def test_the_plan_keeps_each_q_tile_on_one_unit(W, B, S, heads, causal, layout, overlap, sms, rows):
+    if layout == "zigzag":
+        S += S % 2
+    sched = dict(overlap=overlap, sms=sms, chunk_rows=rows)
+    plan = _plan(W, S, causal, layout, B, heads, **sched)
+    _check_plan(plan, f"W={W} B={B} S={S} heads={heads} causal={causal} {layout} {sched}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("W", [1, 2, 4])
-def test_non_causal_ring_sends_every_block_and_computes_every_step(W):
-    plan = _plan(W, 20, False, "contiguous")
-    T = len(plan.extra["qtiles"])
+def test_non_causal_ring_sends_every_block_and_computes_every_step(W, layout):
+    plan = _plan(W, 20, False, layout)
+    assert plan.extra["chunks"] == 1  # without a mask zigzag's halves are one chunk too
+    T = len(plan.extra["out_tiles"])
     for r in range(W):
         assert plan.extra["sends"][r] == list(range(W - 1))
-        tasks = plan.roles["compute"].tasks[r]
-        assert sorted(t.args[1] for t in tasks) == sorted(list(range(W)) * T)
-        for t in tasks:  # each step's tasks wait for its block here; step 0 is the own block
-            landed = [w for w in t.waits if w.pad == "landed"]
-            step = t.args[1]
-            assert [(w.rank, w.index) for w in landed] == ([(r, (step,))] if step else [])
+        assert sorted(s for s, _ in _work(plan, r)) == sorted(list(range(W)) * T)
+        assert {n for _, n in _work(plan, r)} == {20}  # the whole block per task
+    _check_plan(plan, f"non-causal W={W} {layout}")
+
+
+def test_the_landed_waits_count_every_reader_of_the_slot():
+    W = 4
+    plan = _plan(W, 20, False, "contiguous", overlap="intra_sm", sms=3)
+    T, parts = len(plan.extra["out_tiles"]), plan.extra["parts"]
+    assert parts == 3  # a comm unit each: the block of B * S = 20 rows in three copies
+    for r in range(W):
+        compute, comm = plan.roles["compute"].tasks[r], plan.roles["comm"].tasks[r]
+        for s in range(1, W):  # r's T compute tasks of step s and, but at the last, its forward
+            landed = [w for t in compute + comm for w in t.waits if w.index == (s,)]
+            assert len(landed) == T + (parts if s < W - 1 else 0)
+            assert {(w.pad, w.rank, w.value, w.consumers) for w in landed} == {
+                ("landed", r, parts, len(landed))
+            }
 
 
 def test_contiguous_causal_never_wraps_the_ring():
     W = 4
     plan = _plan(W, 20, True, "contiguous")
-    T = len(plan.extra["qtiles"])
+    T = len(plan.extra["out_tiles"])
     for r in range(W):  # rank r needs the blocks of ranks 0..r: r + 1 steps, never from r + 1..
         want = list(range(r + 1)) if r < W - 1 else []
         assert plan.extra["sends"][r] == want, f"rank {r}"
-        assert len(plan.roles["compute"].tasks[r]) == (r + 1) * T
+        assert len(plan.roles["comm"].tasks[r]) == len(want) * plan.extra["parts"]
+        steps = [s for s, _ in _work(plan, r)]
+        assert sorted(steps) == sorted(list(range(r + 1)) * T), f"rank {r}"
+    assert plan.roles["comm"].tasks[W - 1] == []  # the last rank sends nothing
+    _check_plan(plan, "causal contiguous")
 
 
 @pytest.mark.parametrize("W, S", [(2, 8), (3, 34), (4, 18)])
 def test_zigzag_causal_gives_every_rank_the_same_work(W, S):
     plan = _plan(W, S, True, "zigzag")
-    counts = [len(plan.roles["compute"].tasks[r]) for r in range(W)]
-    assert len(set(counts)) == 1, f"compute tasks per rank: {counts}"
-    contiguous = _plan(W, S, True, "contiguous")
-    assert len({len(ts) for ts in contiguous.roles["compute"].tasks}) == W  # for contrast
-
-
-def test_free_waits_count_every_reader_of_the_slot():
-    W = 4
-    plan = _plan(W, 20, False, "contiguous")
-    T = len(plan.extra["qtiles"])
-    for r in range(W):
-        for t in plan.roles["comm"].tasks[r]:
-            free = [w for w in t.waits if w.pad == "free"]
-            if t.args[0] < 2:  # steps 0, 1 refill a slot that held nothing yet this call
-                assert free == []
-            else:  # r + 1's compute tasks of step s - 1 and its forward of that block
-                assert [(w.rank, w.index, w.value) for w in free] == [(r, (t.args[0] - 1,), T + 1)]
+    _check_plan(plan, f"zigzag W={W} S={S}")
+    tasks = [len(_work(plan, r)) for r in range(W)]
+    rows = [sum(n for _, n in _work(plan, r)) for r in range(W)]
+    assert len(set(tasks)) == 1 and len(set(rows)) == 1, f"tasks {tasks}, K/V rows {rows}"
+    contiguous = _plan(W, S, True, "contiguous")  # for contrast
+    assert len({sum(n for _, n in _work(contiguous, r)) for r in range(W)}) == W
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -335,15 +484,17 @@ def test_gpu_path_chunks_and_merges(W, B, S, heads, causal, layout, overlap, sms
 
 
 def _run(W, S, layout, causal, sched, *, edit=None, wrap=None, calls=1, seed=0):
-    """One fresh plan run through run_plan as the API runs it; ``edit(tasks)`` changes a deep copy
-    of the tasks ({role: [W][...]}), ``wrap(moves)`` the data-movement twins."""
+    """One fresh plan run through run_plan as the API runs it; ``edit(plan, tasks)`` changes a deep
+    copy of the tasks ({role: [W][...]}), re-encoded into the plan's tables, ``wrap(moves)`` the
+    data-movement twins."""
     world = mkernel.World.emulated(W)
     q, k, v = _inputs(W, 1, S, 2, 1, seed=seed)
     plan = ra.make_plan(sched, world, **ra.shapes(q, k, v, world, causal, layout))
     if edit is not None:
         tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
-        edit(tasks)
-        plan = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
+        edit(plan, tasks)
+        roles = {role: encode(plan.spec, plan.sizes, t) for role, t in tasks.items()}
+        plan = dataclasses.replace(plan, roles=roles)
     out = torch.full((W, 1, S, 2, 64), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((W, 1, 2, S), float("nan"))
     ws = common.workspace(world, plan)
@@ -368,12 +519,19 @@ def test_the_unchanged_plan_passes_over_two_calls(layout):
         assert_pads_zero(world)
 
 
+def _step(plan, role: str, task) -> int:
+    """The step of a task: a compute task's from its tile's tag, a comm task's args[0]."""
+    if role == "comm":
+        return task.args[0]
+    return ra.unpack_tag(plan.tiles[task.args[0]].tag)[1]
+
+
 def _drop(pad: str, role: str, rank: int, step: int):
-    def edit(tasks):
-        for t in tasks[role][rank]:
-            step_of = t.args[1] if role == "compute" else t.args[0]
-            if step_of == step:
-                t.waits = tuple(w for w in t.waits if w.pad != pad)
+    def edit(plan, tasks):
+        hit = [t for t in tasks[role][rank] if t.waits and _step(plan, role, t) == step]
+        assert hit, f"no {role} task of step {step} on rank {rank} waits"
+        for t in hit:
+            t.waits = tuple(w for w in t.waits if w.pad != pad)
 
     return edit
 
@@ -385,16 +543,41 @@ def test_a_compute_task_without_its_landed_wait_is_a_race(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_a_send_without_its_free_wait_is_a_race_on_the_slot(seed):
+def test_a_forward_without_its_landed_wait_is_a_race_on_the_slot(seed):
+    # rank 1 forwards the block of step 1 from its slot before rank 0's copies into it landed
     with pytest.raises(RaceError, match="k_ring|v_ring"):
-        _run(4, 20, "contiguous", False, _sched(), edit=_drop("free", "comm", 0, 2), seed=seed)
+        _run(3, 20, "contiguous", False, _sched(), edit=_drop("landed", "comm", 1, 1), seed=seed)
+
+
+def _swap_second_tasks(unit_a: int, unit_b: int):
+    """Swap the second tasks of the chains units ``unit_a`` and ``unit_b`` of rank 0 begin with."""
+
+    def edit(plan, tasks):
+        rows, units = tasks["compute"][0], plan.compute_units
+        i, j = units + unit_a, units + unit_b  # each unit's second row
+        for t in (rows[i], rows[j], rows[unit_a], rows[unit_b]):  # two chains of 2+ tasks
+            assert plan.tiles[t.args[0]].rows > 0
+        rows[i], rows[j] = rows[j], rows[i]
+
+    return edit
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_a_step_without_its_merged_wait_races_on_the_state(seed):
-    # 2 q tiles per step on 3 units: a tile's consecutive steps run on different units
-    with pytest.raises(RaceError, match="state"):
-        _run(3, 20, "contiguous", False, _sched(), edit=_drop("merged", "compute", 2, 1), seed=seed)
+def test_a_chain_split_across_units_loses_its_state(seed):
+    # unit 0 runs its chain's first task, then the second task of unit 1's chain: that state is
+    # in unit 1's registers (the engine would fold the block into the wrong q tile's state)
+    with pytest.raises(AssertionError, match="continues a q tile chain this unit did not start"):
+        _run(3, 20, "contiguous", False, _sched(), edit=_swap_second_tasks(0, 1), seed=seed)
+
+
+def test_a_chain_out_of_order_on_its_unit_loses_its_state():
+    def edit(plan, tasks):  # unit 0's chain of W = 3 tasks runs its last task first
+        rows, units = tasks["compute"][0], plan.compute_units
+        assert ra.unpack_tag(plan.tiles[rows[2 * units].args[0]].tag)[4]  # the last
+        rows[0], rows[2 * units] = rows[2 * units], rows[0]
+
+    with pytest.raises(AssertionError, match="continues a q tile chain this unit did not start"):
+        _run(3, 20, "contiguous", False, _sched(), edit=edit)
 
 
 def test_an_lse_tile_never_stored_is_reported(monkeypatch):

@@ -23,7 +23,7 @@ import mkernel
 from mkernel.interp.program import run_plan
 from mkernel.ops import common
 from mkernel.ops import ring_attention as ra
-from mkernel.protocol import RoleTables
+from mkernel.protocol import encode
 
 W, B, S, HQ, HKV, D = 4, 1, 20, 4, 2, 64  # S_local = 20: not a multiple of the 16-row q tile
 
@@ -43,10 +43,14 @@ for layout in ("contiguous", "zigzag"):
 
 # %% [markdown]
 # ## 2. The ring as a plan
-# At step s rank r holds the K/V block of rank (r - s) mod W and forwards it to rank r+1 (slot
-# (s+1) % 2 there, `landed[s+1]`), after the slot is `free`. With a causal mask a contiguous ring
-# never wraps: rank r needs only ranks 0..r, so the last rank sends nothing and rank 0 computes one
-# step; zigzag gives every rank the same number of compute tasks.
+# At step s rank r holds the K/V block of rank (r - s) mod W (its own at step 0, else slot s - 1 of
+# its W - 1 slots) and forwards it to slot s of rank r+1, in `parts` comm tasks that each add 1 to
+# `landed[s+1]` there; every reader of a slot waits for `landed[s] == parts`. Each q tile has a
+# chain of compute tasks, one per (step, K/V chunk) it sees, the masked diagonal first; the chain
+# runs on one unit, its tasks in a row, so the online-softmax state stays in that unit's registers
+# (rows u, u + units, ... of the table are unit u's; empty tasks pad the shorter units). With a
+# causal mask a contiguous ring never wraps: rank r needs only ranks 0..r, so the last rank sends
+# nothing and rank 0 computes one step; zigzag gives every rank the same number of compute tasks.
 
 # %%
 world = mkernel.World.emulated(W)
@@ -54,15 +58,39 @@ g = torch.Generator().manual_seed(0)
 q = torch.randn(W, B, S, HQ, D, generator=g).bfloat16()
 k = torch.randn(W, B, S, HKV, D, generator=g).bfloat16()
 v = torch.randn(W, B, S, HKV, D, generator=g).bfloat16()
+
+
+def plan_of(causal: bool, layout: str):
+    """The plan a call with these inputs runs (the default scale 1 / sqrt(D): its fp32 bits)."""
+    shapes = ra.shapes(q, k, v, world, causal, layout)
+    shapes.setdefault("scale_bits", ra.scale_bits(D**-0.5))
+    return mkernel.Schedule().plan("ring_attention", world, **shapes)
+
+
+def real(plan, rank: int):
+    """Rank ``rank``'s compute tasks that are not empty pads."""
+    return [t for t in plan.roles["compute"].tasks[rank] if plan.tiles[t.args[0]].rows]
+
+
 for layout in ("contiguous", "zigzag"):
-    plan = mkernel.Schedule().plan(
-        "ring_attention", world, **ra.shapes(q, k, v, world, True, layout)
-    )
+    plan = plan_of(True, layout)
     sends = plan.extra["sends"]
-    tasks = [len(ts) for ts in plan.roles["compute"].tasks]
+    tasks = [len(real(plan, r)) for r in range(W)]
     print(f"causal {layout}: sends per rank (steps) {sends}; compute tasks per rank {tasks}")
-t = next(t for t in plan.roles["compute"].tasks[1] if t.args[1] == 2)
-print(f"zigzag rank 1 task {t.id} (q tile, step, kv tile) = {t.args[:3]}: waits {t.waits}")
+units, parts = plan.compute_units, plan.extra["parts"]
+print(
+    f"zigzag rank 1, unit 0 (of {units}); a block travels in {parts} comm task(s); its first chain:"
+)
+for t in plan.roles["compute"].tasks[1][::units]:  # unit 0's rows
+    tile = plan.tiles[t.args[0]]
+    key, step, diag, first, last = ra.unpack_tag(tile.tag)
+    flags = " ".join(n for n, f in (("diag", diag), ("first", first), ("last", last)) if f)
+    waits = [(w.pad, w.index, w.value, w.consumers) for w in t.waits]
+    print(
+        f"  task {t.id}: q rows {tile.m0}.. of chunk {key % 2}, step {step} {flags}; waits {waits}"
+    )
+    if last:
+        break
 
 # %% [markdown]
 # ## 3. Run it, checked against the unfused reference
@@ -86,14 +114,13 @@ for layout in ("contiguous", "zigzag"):
 # run). Nothing then orders rank 0's bulk copy into the slot before rank 1's reads of it.
 
 # %%
-plan = mkernel.Schedule().plan(
-    "ring_attention", world, **ra.shapes(q, k, v, world, False, "contiguous")
-)
+plan = plan_of(False, "contiguous")
 tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
 for task in tasks["compute"][1]:
-    if task.args[1] == 1:
+    if ra.unpack_tag(plan.tiles[task.args[0]].tag)[1] == 1 and task.waits:  # step 1
         task.waits = tuple(w for w in task.waits if w.pad != "landed")
-broken = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
+roles = {r: encode(plan.spec, plan.sizes, t) for r, t in tasks.items()}  # the tables again
+broken = dataclasses.replace(plan, roles=roles)
 out = torch.full_like(q, float("nan"))
 lse = torch.full((W, B, HQ, S), float("nan"))
 scratch = mkernel.World.emulated(W)  # the broken run leaves flags behind: not on `world`

@@ -3,7 +3,8 @@ racecheck and synccheck; each must report 0 errors):
 
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize_ops.py
 
-Emulated worlds of W = 2 and 3 on one GPU, both overlaps, shapes with remainder tiles; each result
+Emulated worlds of W = 2 and 3 on one GPU, both overlaps, shapes with remainder tiles (ring
+attention: a partial q tile in each zigzag chunk); each result
 is checked against the reference, so a launch that the tool perturbs still has to be right."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import mkernel
 from mkernel.ops import registry
 from tests.helpers import assert_close_bf16
+from tests.test_ring_attention import _assert_attention
 
 
 def main() -> int:
@@ -24,6 +26,10 @@ def main() -> int:
         for overlap in ("intra_sm", "inter_sm"):
             sched = mkernel.Schedule(overlap=overlap, sms=4, tile="128x128x64")
             for op in registry.device_names():
+                if op == "ring_attention":
+                    ring(world, sched, g)
+                    print(f"ok {op} W={W} {overlap}", flush=True)
+                    continue
                 rows = 72 if op in ("ag_gemm", "all_gather") else 72 * W  # per-rank rows of a
                 a = torch.randn(W, rows, 40, generator=g).bfloat16().cuda()
                 b = torch.randn(W, 40, 136, generator=g).bfloat16().cuda()
@@ -34,6 +40,20 @@ def main() -> int:
                 assert_close_bf16(out, ref, f"{op} W={W}")
                 print(f"ok {op} W={W} {overlap}", flush=True)
     return 0
+
+
+def ring(world: mkernel.World, sched: mkernel.Schedule, g: torch.Generator) -> None:
+    """Ring attention, causal zigzag (two chunks, a partial q tile) and full, GQA."""
+    W = world.size
+    q = torch.randn(W, 1, 140, 4, 64, generator=g).bfloat16().cuda()
+    k = torch.randn(W, 1, 140, 2, 64, generator=g).bfloat16().cuda()
+    v = torch.randn(W, 1, 140, 2, 64, generator=g).bfloat16().cuda()
+    for causal, layout in ((True, "zigzag"), (False, "contiguous")):
+        out, lse = mkernel.ring_attention(q, k, v, world, causal, None, layout, sched)
+        torch.cuda.synchronize()
+        what = f"ring_attention W={W} {layout}"
+        x = (t.cpu() for t in (out, lse, q, k, v))
+        _assert_attention(*x, causal, 1 / 8, layout, what, p_bf16=True)
 
 
 if __name__ == "__main__":
