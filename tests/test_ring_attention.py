@@ -238,7 +238,7 @@ def _check_plan(plan, what: str) -> None:
     - a rank sends the block of step s iff a rank downstream reads it, in ``parts`` comm tasks that
       each add 1 to landed[s + 1] on the next rank; every task that reads a slot (compute tasks
       of the step, the forward) waits for landed[s] == parts, counting all of them as consumers;
-      a landed flag is raised iff someone waits for it."""
+      a landed flag is raised iff someone waits for it; the parts cut the block's rows."""
     z, W = plan.shapes, plan.world_size
     B, S, H, causal = z["batch"], z["seq"], z["heads"], bool(z["causal"])
     layout = "zigzag" if z["zigzag"] else "contiguous"
@@ -318,6 +318,10 @@ def _check_plan(plan, what: str) -> None:
         assert sends[r] == want, f"{what}: rank {r} sends {sends[r]}, its downstream reads {want}"
         comm = plan.roles["comm"].tasks[r]
         assert [t.args[:2] for t in comm] == [(s, p) for s in want for p in range(parts)], what
+        for s in want:  # the parts of a block: (row0, rows) cutting its B * S rows, none empty
+            cut = [t.args[2:4] for t in comm if t.args[0] == s]
+            assert [r0 for r0, _ in cut] == [0, *(r0 + n for r0, n in cut[:-1])], what
+            assert sum(n for _, n in cut) == B * S and min(n for _, n in cut) > 0, what
         for t in comm:
             s = t.args[0]
             assert [(x.pad, x.rank, x.index, x.value, x.op) for x in t.raises] == [
