@@ -90,6 +90,14 @@ SPEC = OpSpec(
         Buffer(
             "v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "V slots", when="ranks"
         ),
+        Buffer(
+            "state",
+            "symmetric",
+            torch.float32,
+            ("state_rows", "state_cols"),
+            "online softmax per q row between a tile's tasks: acc [D] (unnormalised), max, sum",
+            when="ranks",
+        ),
     ),
     pads=(
         Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
@@ -116,10 +124,11 @@ def segments(seq: int, zigzag: bool) -> list[tuple[int, int]]:
     return [(0, seq // 2), (seq // 2, seq // 2)] if zigzag else [(0, seq)]
 
 
-def num_chunks(zigzag: int, causal: int) -> int:
+def num_chunks(zigzag: int, causal: int, world_size: int) -> int:
     """Chunks a rank's rows are cut into for the plan: zigzag's two halves when causal (each has
-    its own positions), else one (without a mask positions do not matter)."""
-    return 2 if zigzag and causal else 1
+    its own positions), else one (without a mask positions do not matter; at W = 1 zigzag's two
+    halves are the sequence in order)."""
+    return 2 if zigzag and causal and world_size > 1 else 1
 
 
 def chunk_id(rank: int, c: int, world_size: int, zigzag: int) -> int:
@@ -133,8 +142,9 @@ def chunk_id(rank: int, c: int, world_size: int, zigzag: int) -> int:
 #   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
 #         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
 #   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
-# first / last: the task begins / ends its q tile's chain (a unit runs a chain's tasks in a row;
-# the engine keeps the online-softmax state in registers between them).
+# first / last: the task begins / ends its q tile's tasks (all on one unit, step-major among the
+# unit's other tiles): a task after the first loads the tile's online-softmax state from the
+# ``state`` workspace, one before the last stores it there, the last stores out and lse.
 TAG_KEY = 7
 
 
@@ -165,7 +175,7 @@ def make_plan(
     """Chains of compute tasks, one per q tile (its (step, K/V chunk) pairs, the masked diagonal
     first), each on one unit in a row; W - 1 slots per rank, so no send waits for a reader."""
     W, S, D, B, H = world.size, seq, head_dim, batch, heads
-    C = num_chunks(zigzag, causal)
+    C = num_chunks(zigzag, causal, W)
     Sc = S // C
     tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
@@ -239,20 +249,23 @@ def make_plan(
                 for p in range(parts)
             ]
         )
-        # Chains to units, longest first onto the least loaded unit; unit u's tasks are rows
-        # u, u + units, ... (the template's rule), empty tasks pad the shorter units.
+        # q tiles to units, longest first onto the least loaded unit; a unit runs its tiles'
+        # tasks step-major (every step-0 task first: the next block is still on its way), so a
+        # q tile's tasks are all on the unit that keeps its state between them. Unit u's tasks
+        # are rows u, u + units, ... (the template's rule); empty tasks pad the shorter units.
         load, lists = [0] * units, [[] for _ in range(units)]
         for cost, ids in sorted(chains[r], key=lambda c: -c[0]):
             u = min(range(units), key=load.__getitem__)
             load[u] += cost
             lists[u].extend(ids)
+        step_of = lambda t: unpack_tag(tiles[t].tag)[1]  # noqa: E731
+        lists = [sorted(ids, key=step_of) for ids in lists]  # stable: a tile's diagonal first
         depth = max(len(x) for x in lists)
         rows = []
         for i in range(depth):
             for u in range(units):
                 t = lists[u][i] if i < len(lists[u]) else empty
-                step = unpack_tag(tiles[t].tag)[1] if t != empty else 0
-                rows.append(Task(t, (t,), landed(r, step) if t != empty else ()))
+                rows.append(Task(t, (t,), landed(r, step_of(t)) if t != empty else ()))
         compute.append(rows)
 
     shapes = dict(batch=B, seq=S, heads=H, kv_heads=kv_heads, head_dim=D, causal=causal) | {
@@ -266,6 +279,8 @@ def make_plan(
         "lse_rows": B * H,
         "seq": S,
         "ring_rows": max(1, W - 1) * B * S,
+        "state_rows": B * H * S,
+        "state_cols": D + 2,
     } | {k: v for k, v in shapes.items() if k in SPEC.scalars}
     tile = TILE_CONFIGS["64x128x64"]  # unused: the attention engine has one tile shape
     extra = {"chunks": C, "q_tile": tq, "parts": parts, "sends": sends, "out_tiles": out_tiles}
@@ -466,7 +481,7 @@ def twins_of(plan: Plan, scale: float | None = None):
     Sc, BS = S // C, B * S
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = [positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
-    regs: dict[tuple[int, int, int], tuple[tuple[int, int], torch.Tensor]] = {}
+    owner: dict[tuple[int, int, int, int], int] = {}  # (call, rank, key, m0) -> its unit
 
     def compute(ctx, task):  # the engine: fold one K/V chunk into the q tile's state
         tile = plan.tiles[task.args[0]]
@@ -482,18 +497,19 @@ def twins_of(plan: Plan, scale: float | None = None):
         kv_rect = (base + b * S + ck * Sc, Sc, (h // (H // Hkv)) * D, D)
         kt = yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)
         vt = yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)
-        unit = (ctx.call, ctx.rank, ctx.agent.unit)  # the state lives in this unit's registers
+        st_rect = ((b * H + h) * S + q0, n, 0, D + 2)
+        mine = (ctx.call, ctx.rank, key, tile.m0)
         if first:
+            owner[mine] = ctx.agent.unit
             state = torch.zeros(n, D + 2)
             state[:, D] = -math.inf
         else:
-            held = regs.pop(unit, None)
-            if held is None or held[0] != (key, tile.m0):
+            if owner.get(mine) != ctx.agent.unit:  # the engine's threads reload what they stored
                 raise AssertionError(
                     f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile "
-                    "chain this unit did not start (a plan must keep a chain on one unit, in a row)"
+                    f"that unit {owner.get(mine)} began (a plan keeps a q tile on one unit)"
                 )
-            state = held[1]
+            state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
         scores = (qv.float() @ kt.float().T) * scale  # [n, Sc]
         if z["causal"]:
             keys = pos[(ctx.rank - s) % W][ck * Sc : (ck + 1) * Sc]
@@ -501,7 +517,7 @@ def twins_of(plan: Plan, scale: float | None = None):
             scores = scores.masked_fill(future, -math.inf)
         state = merge(state, scores, vt.float())
         if not last:
-            regs[unit] = ((key, tile.m0), state)
+            yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
             return
         out, lse = finish(state)
         t = plan.extra["out_tiles"].index((b, h, q0, n))
