@@ -140,6 +140,8 @@ struct Layout {
   __nv_bfloat16* k_ring_local;
   SymPtr<__nv_bfloat16> v_ring;  // [ring_rows, kv_cols] symmetric: V slots
   __nv_bfloat16* v_ring_local;
+  SymPtr<float> state;  // [state_rows, state_cols] symmetric: online softmax per q row between a tile's tasks: acc [D] (unnormalised), max, sum
+  float* state_local;
   int batch;
   int seq;
   int heads;
@@ -159,6 +161,8 @@ struct Layout {
     l.k_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride5]);
     l.v_ring = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
     l.v_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
+    l.state = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
+    l.state_local = reinterpret_cast<float*>(rec[kRecStride7]);
     l.batch = (int)rec[kRecScalar0];
     l.seq = (int)rec[kRecScalar1];
     l.heads = (int)rec[kRecScalar2];

@@ -6,8 +6,9 @@
 // each filled once per call, so no send waits for a reader). Comm task (s, part, row0, rows)
 // copies rows [row0, row0 + rows) of K and V from the block it holds at step s into slot s + 1 of
 // rank r + 1; the template then adds 1 to landed[s + 1] there (parts adds make the block whole).
-// A compute task is one (q tile, K / V chunk of one step); a q tile's tasks form a chain that
-// one unit runs in a row, the online-softmax state in registers, out and lse stored at its end.
+// A compute task is one (q tile, K / V chunk of one step); a unit runs its q tiles' tasks
+// step-major, a tile's online-softmax state in the `state` workspace between its tasks (fp32:
+// unnormalised O, max, sum), out and lse stored by its last.
 //
 //   W = 3, contiguous, causal (Bp = the K/V block of rank p; comm parts not shown)
 //   step:     0                        1                          2
@@ -35,26 +36,28 @@ struct RingTask {
 };
 constexpr int kRingTagKey = 7;  // mkernel/ops/ring_attention.py TAG_KEY
 
-// A unit's work as chains: from a task flagged `first` to one flagged `last`, in a row (the plan
-// keeps a chain on one unit). Kv tiles: each task's chunk, tiles in descending order.
+// A unit's work: each task is one work item (a q tile against one K / V chunk), in the plan's
+// order (step-major). A task that is not its tile's first resumes the tile's online-softmax state
+// from the `state` workspace; one that is not its last stores it there (the same consumer threads
+// reload it: the plan keeps a q tile on one unit); the last stores out and lse.
 template <class Hooks>
-struct ChainWork {
+struct TaskWork {
   const attn::AttnParams& p;
   Hooks& hooks;
-  int next_i = 0;  // where the search for the next chain starts
-  int i0 = 0, i1 = -1;  // the current chain's tasks
+  int i = -1;  // the current task
 
-  __device__ int tiles_of(const RingTask& t) const {
+  __device__ static int tiles_of(const RingTask& t) {
     const int end = t.diag ? min(t.kv_len, t.m0 + attn::kTileRows) : t.kv_len;
     return (end + attn::kTileRows - 1) / attn::kTileRows;
   }
 
   __device__ bool next(attn::WorkTile& w) {
     const int n = hooks.num_tasks();
-    while (next_i < n && hooks.task(next_i).rows == 0) ++next_i;  // padding
-    if (next_i >= n) return false;
-    i0 = next_i;
-    RingTask t = hooks.task(i0);
+    RingTask t;
+    do {
+      if (++i >= n) return false;
+      t = hooks.task(i);
+    } while (t.rows == 0);  // empty tasks pad the unit's rows
     const int C = p.chunks;
     const int bh = t.key / C, cq = t.key - bh * C;
     w.b = bh / p.Hq;
@@ -64,54 +67,42 @@ struct ChainWork {
     w.outer = w.b * C + cq;
     w.lse_off = (long long)bh * p.S_q * C + (long long)cq * p.S_q;
     w.n_tiles = tiles_of(t);
-    int i = i0;
-    while (!t.last && i + 1 < n) {
-      t = hooks.task(++i);
-      w.n_tiles += tiles_of(t);
-    }
-    i1 = i;
-    next_i = i + 1;
+    w.load_state = !t.first;
+    w.store_state = !t.last;
     return true;
   }
   __device__ bool last_item() const { return false; }  // ping-pong only (not used here)
-  __device__ void begin(const attn::WorkTile&) { hooks.before_load(i0); }  // producer
+  __device__ void begin(const attn::WorkTile&) { hooks.before_load(i); }  // producer
 
-  // Every consumer thread, after the epilogue: the chain's stores have landed, then its tasks'
+  // Every consumer thread, after the task's stores: they have landed, then the task's
   // after_store (one thread), when anyone waits for them or a timeline is recorded.
   __device__ void end(const attn::WorkTile&) {
     if (!hooks.signals()) return;
-    __threadfence();  // this thread's lse stores
+    __threadfence();  // this thread's lse / state stores
     if (threadIdx.x % 128 == 0) bulk_wait_all();  // its warpgroup's O stores
     __syncwarp();
     asm volatile("bar.sync 5, 256;" ::: "memory");  // both consumer warpgroups (barrier 5)
     if (threadIdx.x == 128) {
       __threadfence_system();
-      for (int i = i0; i <= i1; ++i) hooks.after_store(i);
+      hooks.after_store(i);
     }
   }
 
-  struct Cursor {
-    const ChainWork& w;
-    int i, tiles, j;
+  struct Cursor {  // the task's K / V chunk, tiles in descending order (a masked one first)
+    const attn::AttnParams& p;
     RingTask t;
+    int tiles, j;
     __device__ attn::KvTile tile() const {
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
       const bool ring = t.step > 0;
-      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, t.kv_outer,
-                          n0, t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
+      return attn::KvTile{ring ? &p.k_ring : &p.k, ring ? &p.v_ring : &p.v, t.kv_outer, n0,
+                          t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
     }
-    // To the next tile; entering a task, the producer's K cursor runs its waits.
-    __device__ void advance(bool waits) {
-      if (++j < tiles || i >= w.i1) return;
-      t = w.hooks.task(++i);
-      tiles = w.tiles_of(t);
-      j = 0;
-      if (waits) w.hooks.before_load(i);
-    }
+    __device__ void advance(bool) { ++j; }
   };
   __device__ Cursor cursor(const attn::WorkTile&) const {
-    const RingTask t = hooks.task(i0);
-    return Cursor{*this, i0, tiles_of(t), 0, t};
+    const RingTask t = hooks.task(i);
+    return Cursor{p, t, tiles_of(t), 0};
   }
 };
 
@@ -134,7 +125,7 @@ struct RingAttnEngine {
   }
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
-    ChainWork<Hooks> work{p, hooks};
+    TaskWork<Hooks> work{p, hooks};
     Core::run_cta(p, smem, work, spare);
   }
 };
@@ -190,10 +181,11 @@ struct RingAttention {
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
     const int W = args.common.world_size, here = args.common.ranks_here;
-    const int C = l.zigzag && l.causal ? 2 : 1;  // ring_attention.py num_chunks
+    const int C = l.zigzag && l.causal && W > 1 ? 2 : 1;  // ring_attention.py num_chunks
     const int Sc = l.seq / C, BC = l.batch * C;
     const long long ring_elems = (long long)(W > 1 ? W - 1 : 1) * l.batch * l.seq * l.kv_heads *
                                  l.head_dim;  // one rank's k_ring (the plan's ring_rows)
+    const long long state_elems = (long long)l.batch * l.heads * l.seq * (l.head_dim + 2);
     float scale;
     memcpy(&scale, &l.scale_bits, sizeof(scale));
     using host::kTensorMapOk;
@@ -226,6 +218,7 @@ struct RingAttention {
       p.m_tiles = (Sc + BM - 1) / BM;
       p.total = 0;  // unused: the plan's tasks are the work
       p.chunks = C;
+      p.state = l.state_local == nullptr ? nullptr : l.state_local + r * state_elems;
     }
     args.out_mapped = false;
     return true;

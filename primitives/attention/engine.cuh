@@ -102,6 +102,9 @@ struct AttnParams {
   // Ring (kernels/ring_attention.cu): a rank's rows are `chunks` chunks of S_q rows, the maps view
   // them as [B * chunks, S_q, H, D], lse rows are chunks * S_q long. Plain attention: 1.
   int chunks;
+  // Ring: a q tile's online-softmax state between its tasks, [B * Hq * chunks * S_q, D + 2] fp32
+  // (unnormalised O, max, row sum), rows indexed like lse. Plain attention: unused.
+  float* state;
 };
 
 // A work item: q rows [m_tile * BM, + BM) of (b, h) (of one chunk: map coordinate `outer`), its
@@ -109,7 +112,9 @@ struct AttnParams {
 struct WorkTile {
   int b, h, hk, m_tile, n_tiles;
   int outer;          // Q / O map's batch coordinate
-  long long lse_off;  // lse index of the item's chunk row 0
+  long long lse_off;  // lse (and state) index of the item's chunk row 0
+  bool load_state;    // resume the rows' online softmax from p.state (else start afresh)
+  bool store_state;   // leave it in p.state for a later item (else store out and lse)
 };
 
 // Query rows of a work item = kv rows of a K / V stage (AttnConfig's BM and BN).
@@ -148,6 +153,7 @@ struct PlainWork {
     t.n_tiles = (kv_end + kTileRows - 1) / kTileRows;
     t.outer = t.b;
     t.lse_off = ((long long)t.b * p.Hq + t.h) * p.S_q;
+    t.load_state = t.store_state = false;
     return true;
   }
   __device__ bool last_item() const { return id + (int)gridDim.x >= p.total; }
@@ -348,6 +354,47 @@ struct AttnEngine {
       sm.step(s, p.scale_log2, corr);
     }
 
+    // A resumed item's rows (of the chunk): O, max and sum from p.state. The row sum is kept as
+    // per-thread partials: lane q4 = 0 takes the stored total, the others start at 0.
+    __device__ __forceinline__ void load_state(const WorkTile& t, float (&o)[kORegs],
+                                               OnlineSoftmax& sm) const {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = t.m_tile * BM + 64 * wg + row_wg + 8 * h;
+        if (row >= p.S_q) continue;  // past the chunk: a row nobody stores
+        const float* src = p.state + (t.lse_off + row) * (D + 2);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          const float2 x = *reinterpret_cast<const float2*>(src + 8 * j + 2 * q4);
+          o[4 * j + 2 * h] = x.x;
+          o[4 * j + 2 * h + 1] = x.y;
+        }
+        sm.m[h] = src[D];
+        sm.l[h] = q4 == 0 ? src[D + 1] : 0.f;
+      }
+    }
+
+    // The item's rows for a later item of the same q tile (the same threads load them back).
+    __device__ __forceinline__ void store_state(const WorkTile& t, const float (&o)[kORegs],
+                                                const OnlineSoftmax& sm) const {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(sm.l[h]);  // every lane: a shuffle
+        const int row = t.m_tile * BM + 64 * wg + row_wg + 8 * h;
+        if (row >= p.S_q) continue;
+        float* dst = p.state + (t.lse_off + row) * (D + 2);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * q4) =
+              make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        if (q4 == 0) {
+          dst[D] = sm.m[h];
+          dst[D + 1] = sum;
+        }
+      }
+      __syncwarp();  // lanes q4 = 1..3 read what lane 0 stored, in a later item
+    }
+
     // Ping-pong turn: wait for this warpgroup's turn to issue / hand the turn to the other one.
     __device__ __forceinline__ void turn_wait() const {
       if constexpr (Cfg::PINGPONG) gemm::named_barrier_sync_unaligned(kBarTurn0 + wg, 256);
@@ -395,6 +442,7 @@ struct AttnEngine {
       sm.init();
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+      if (t.load_state) c.load_state(t, o, sm);
       float corr[2];
       mbar_wait(bars.q_full, q_phase);
       q_phase ^= 1u;
@@ -411,8 +459,9 @@ struct AttnEngine {
         c.release(&bars.k_empty[ks.stage]);
         ks.advance();
         if (n == 1) c.release(bars.q_empty);
-        c.softmax(s, sm, t, cur.tile(), corr);  // O is zero: corr is not needed
+        c.softmax(s, sm, t, cur.tile(), corr);  // O is zero unless resumed
         cur.advance(false);
+        if (t.load_state) rescale_rows(o, corr);
         pack_rows(s, pr);
         for (int j = 1; j < n; ++j) {
           mbar_wait(&bars.k_full[ks.stage], ks.phase);
@@ -473,7 +522,11 @@ struct AttnEngine {
           vs.advance();
         }
       }
-      epilogue(c, t, sm, o, o_smem);
+      if (t.store_state) {
+        c.store_state(t, o, sm);
+      } else {
+        epilogue(c, t, sm, o, o_smem);
+      }
       work.end(t);  // the item's tasks are complete (ChainWork: their after_store)
     }
     if (lt == 0) bulk_wait_all();  // the last O tile has been read (and written) before exit
