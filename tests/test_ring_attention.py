@@ -1,9 +1,10 @@
 """ring_attention (forward) on the CPU interpreter: each rank's out and lse against an fp64 softmax
 attention computed here from the global positions of the layout (never from mkernel.reference),
 with a tolerance from fp32 score and sum errors plus the final bf16 rounding; NaN-poisoned outputs;
-pads back to zero; two calls in a row; W = 1 is plain attention; the plan's ring (what is sent,
-what is skipped under causal masks, zigzag's equal work); bad input named before anything runs;
-planted protocol mistakes caught while running."""
+pads back to zero; two calls in a row; W = 1 is plain attention; the plan's laws (each q tile's
+chain of tasks in a row on one unit, the landed waits and their consumers, what is sent, what is
+skipped under causal masks, zigzag's equal work); bad input named before anything runs; planted
+protocol mistakes caught while running (races on the slots, a chain split across units)."""
 
 from __future__ import annotations
 
