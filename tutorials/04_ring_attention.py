@@ -46,11 +46,13 @@ for layout in ("contiguous", "zigzag"):
 # At step s rank r holds the K/V block of rank (r - s) mod W (its own at step 0, else slot s - 1 of
 # its W - 1 slots) and forwards it to slot s of rank r+1, in `parts` comm tasks that each add 1 to
 # `landed[s+1]` there; every reader of a slot waits for `landed[s] == parts`. Each q tile has a
-# chain of compute tasks, one per (step, K/V chunk) it sees, the masked diagonal first; the chain
-# runs on one unit, its tasks in a row, so the online-softmax state stays in that unit's registers
-# (rows u, u + units, ... of the table are unit u's; empty tasks pad the shorter units). With a
-# causal mask a contiguous ring never wraps: rank r needs only ranks 0..r, so the last rank sends
-# nothing and rank 0 computes one step; zigzag gives every rank the same number of compute tasks.
+# chain of compute tasks, one per (step, K/V chunk) it sees, the masked diagonal first. All of a
+# tile's tasks run on one unit (rows u, u + units, ... of the table are unit u's; empty tasks pad
+# the shorter units), step-major among the unit's other tiles: every step-0 task first, while the
+# next block is on its way; between a tile's tasks its online-softmax state waits in the `state`
+# workspace, where the same unit left it (no signal needed). With a causal mask a contiguous ring
+# never wraps: rank r needs only ranks 0..r, so the last rank sends nothing and rank 0 computes
+# one step; zigzag gives every rank the same number of compute tasks.
 
 # %%
 world = mkernel.World.emulated(W)
@@ -78,19 +80,15 @@ for layout in ("contiguous", "zigzag"):
     tasks = [len(real(plan, r)) for r in range(W)]
     print(f"causal {layout}: sends per rank (steps) {sends}; compute tasks per rank {tasks}")
 units, parts = plan.compute_units, plan.extra["parts"]
-print(
-    f"zigzag rank 1, unit 0 (of {units}); a block travels in {parts} comm task(s); its first chain:"
-)
-for t in plan.roles["compute"].tasks[1][::units]:  # unit 0's rows
+print(f"zigzag rank 1, unit 0 (of {units}); a block in {parts} comm task(s); unit 0's rows:")
+for t in plan.roles["compute"].tasks[1][::units]:
     tile = plan.tiles[t.args[0]]
+    if not tile.rows:  # an empty task: the unit is done
+        break
     key, step, diag, first, last = ra.unpack_tag(tile.tag)
     flags = " ".join(n for n, f in (("diag", diag), ("first", first), ("last", last)) if f)
     waits = [(w.pad, w.index, w.value, w.consumers) for w in t.waits]
-    print(
-        f"  task {t.id}: q rows {tile.m0}.. of chunk {key % 2}, step {step} {flags}; waits {waits}"
-    )
-    if last:
-        break
+    print(f"  task {t.id}: q tile {key}, rows {tile.m0}.., step {step} {flags}; waits {waits}")
 
 # %% [markdown]
 # ## 3. Run it, checked against the unfused reference
