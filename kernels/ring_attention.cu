@@ -36,15 +36,16 @@ struct RingTask {
 };
 constexpr int kRingTagKey = 7;  // mkernel/ops/ring_attention.py TAG_KEY
 
-// A unit's work: each task is one work item (a q tile against one K / V chunk), in the plan's
-// order (step-major). A task that is not its tile's first resumes the tile's online-softmax state
-// from the `state` workspace; one that is not its last stores it there (the same consumer threads
-// reload it: the plan keeps a q tile on one unit); the last stores out and lse.
+// A unit's work, in the plan's order (step-major): a work item is a run of one q tile's tasks of
+// one step (zigzag: both K / V chunks of a block), its kv tiles those of each task in turn. An
+// item that does not begin its tile resumes the tile's online-softmax state from the `state`
+// workspace; one that does not end it stores it there (the same consumer threads reload it: the
+// plan keeps a q tile on one unit); the tile's last item stores out and lse.
 template <class Hooks>
 struct TaskWork {
   const attn::AttnParams& p;
   Hooks& hooks;
-  int i = -1;  // the current task
+  int i0 = 0, i1 = -1;  // the current item's tasks
 
   __device__ static int tiles_of(const RingTask& t) {
     const int end = t.diag ? min(t.kv_len, t.m0 + attn::kTileRows) : t.kv_len;
@@ -53,11 +54,13 @@ struct TaskWork {
 
   __device__ bool next(attn::WorkTile& w) {
     const int n = hooks.num_tasks();
+    int i = i1;
     RingTask t;
     do {
       if (++i >= n) return false;
       t = hooks.task(i);
     } while (t.rows == 0);  // empty tasks pad the unit's rows
+    i0 = i;
     const int C = p.chunks;
     const int bh = t.key / C, cq = t.key - bh * C;
     w.b = bh / p.Hq;
@@ -68,13 +71,22 @@ struct TaskWork {
     w.lse_off = (long long)bh * p.S_q * C + (long long)cq * p.S_q;
     w.n_tiles = tiles_of(t);
     w.load_state = !t.first;
+    const int key = t.key, m0 = t.m0, step = t.step;
+    while (!t.last && i + 1 < n) {  // the tile's next task, if of the same step, joins the item
+      const RingTask u = hooks.task(i + 1);
+      if (u.key != key || u.m0 != m0 || u.step != step || u.rows == 0) break;
+      t = u;
+      ++i;
+      w.n_tiles += tiles_of(t);
+    }
+    i1 = i;
     w.store_state = !t.last;
     return true;
   }
   __device__ bool last_item() const { return false; }  // ping-pong only (not used here)
-  __device__ void begin(const attn::WorkTile&) { hooks.before_load(i); }  // producer
+  __device__ void begin(const attn::WorkTile&) { hooks.before_load(i0); }  // producer
 
-  // Every consumer thread, after the task's stores: they have landed, then the task's
+  // Every consumer thread, after the item's stores: they have landed, then its tasks'
   // after_store (one thread), when anyone waits for them or a timeline is recorded.
   __device__ void end(const attn::WorkTile&) {
     if (!hooks.signals()) return;
@@ -84,32 +96,40 @@ struct TaskWork {
     asm volatile("bar.sync 5, 256;" ::: "memory");  // both consumer warpgroups (barrier 5)
     if (threadIdx.x == 128) {
       __threadfence_system();
-      hooks.after_store(i);
+      for (int i = i0; i <= i1; ++i) hooks.after_store(i);
     }
   }
 
-  struct Cursor {  // the task's K / V chunk, tiles in descending order (a masked one first)
-    const attn::AttnParams& p;
+  // The item's kv tiles: each task's chunk in turn, its tiles in descending order (a masked one
+  // first). Entering a task, the producer's K cursor runs the task's waits.
+  struct Cursor {
+    const TaskWork& w;
+    int i, tiles, j;
     RingTask t;
-    int tiles, j;
     __device__ attn::KvTile tile() const {
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
       const bool ring = t.step > 0;
-      return attn::KvTile{ring ? &p.k_ring : &p.k, ring ? &p.v_ring : &p.v, t.kv_outer, n0,
-                          t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
+      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, t.kv_outer,
+                          n0, t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
     }
-    __device__ void advance(bool) { ++j; }
+    __device__ void advance(bool waits) {
+      if (++j < tiles || i >= w.i1) return;
+      t = w.hooks.task(++i);
+      tiles = tiles_of(t);
+      j = 0;
+      if (waits) w.hooks.before_load(i);
+    }
   };
   __device__ Cursor cursor(const attn::WorkTile&) const {
-    const RingTask t = hooks.task(i);
-    return Cursor{p, t, tiles_of(t), 0};
+    const RingTask t = hooks.task(i0);
+    return Cursor{*this, i0, tiles_of(t), 0, t};
   }
 };
 
 // The attention engine behind the template's engine contract (templates/engine_contract.cuh).
 template <int D>
 struct RingAttnEngine {
-  using Cfg = attn::AttnConfig<D, true, false, 56>;  // intra-warpgroup overlap, no ping-pong
+  using Cfg = attn::AttnConfig<D, true, false, 32>;  // intra-warpgroup overlap, no ping-pong
   using Core = attn::AttnEngine<Cfg>;
   using Params = attn::AttnParams;
   using Task = RingTask;
@@ -136,10 +156,11 @@ struct RingAttention {
   using Layout = spec::ring_attention::Layout;
   using Args = FusedArgs<RingAttention>;
   static constexpr int kPiece = 16384;
-  // inter_sm: a comm CTA's ring of 8 pieces in the engine's shared memory (it runs no engine);
-  // intra_sm: 2 pieces after the engine's (all that is left beside it at D = 128).
-  static constexpr int kCommBufs = 2;
-  static constexpr int kCommSmemBytes = kCommBufs * kPiece + 8 * kCommBufs;
+  // inter_sm: a comm CTA's ring of 8 16 KB pieces in the engine's shared memory (it runs no
+  // engine); intra_sm: 4 pieces of 8 KB after the engine's (32 KB: what is left beside it at
+  // D = 128), two stores in flight.
+  static constexpr int kCommBufs = 4, kCommPiece = 8192;
+  static constexpr int kCommSmemBytes = kCommBufs * kCommPiece + 8 * kCommBufs;
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(8 * kPiece + 8 * 8 <= Engine::kSmemBytes, "a comm CTA's ring fits");
 
@@ -172,8 +193,8 @@ struct RingAttention {
     if (a.common.overlap == kInterSM) {
       copy(BulkRing<8, 4>{smem, reinterpret_cast<uint64_t*>(smem + 8 * kPiece), kPiece});
     } else {
-      copy(BulkRing<kCommBufs, 1>{smem, reinterpret_cast<uint64_t*>(smem + kCommBufs * kPiece),
-                                  kPiece});
+      copy(BulkRing<kCommBufs, 2>{
+          smem, reinterpret_cast<uint64_t*>(smem + kCommBufs * kCommPiece), kCommPiece});
     }
   }
 

@@ -63,7 +63,7 @@ from . import common, ring_attention_gpu
 
 Q_TILE = 16  # query rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_Q_TILE = 128  # the GPU engine's (primitives/attention/engine.cuh, BM): its only tile
-MAX_PARTS = 8  # a step's block travels as at most this many comm tasks (one per comm unit)
+MAX_PARTS = 16  # a step's block travels as at most this many comm tasks (one per comm unit)
 LAYOUTS = ("contiguous", "zigzag")
 HEAD_DIMS = (64, 128)
 # The inputs (the backward declares them too).
