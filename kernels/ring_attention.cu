@@ -34,7 +34,7 @@ struct RingTask {
   int step, key;       // ring step; (b * Hq + h) * C + q chunk
   bool diag, first, last;
 };
-constexpr int kRingTagKey = 7;  // mkernel/ops/ring_attention.py TAG_KEY
+constexpr int kRingTagKey = 11;  // mkernel/ops/ring_attention.py TAG_KEY (step: 8 bits)
 
 // A unit's work, in the plan's order (step-major): a work item is a run of one q tile's tasks of
 // one step (zigzag: both K / V chunks of a block), its kv tiles those of each task in turn. An
@@ -129,7 +129,7 @@ struct TaskWork {
 // The attention engine behind the template's engine contract (templates/engine_contract.cuh).
 template <int D>
 struct RingAttnEngine {
-  using Cfg = attn::AttnConfig<D, true, false, 32>;  // intra-warpgroup overlap, no ping-pong
+  using Cfg = attn::AttnConfig<D, true, false, 40>;  // intra-warpgroup overlap, no ping-pong
   using Core = attn::AttnEngine<Cfg>;
   using Params = attn::AttnParams;
   using Task = RingTask;
@@ -140,7 +140,7 @@ struct RingAttnEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0,   tile.rows, tile.n0,        tile.cols,     (tag >> 3) & 15,
+    return Task{tile.m0,   tile.rows, tile.n0,        tile.cols,     (tag >> 3) & 255,
                 tag >> kRingTagKey,   (tag & 1) != 0, (tag & 2) != 0, (tag & 4) != 0};
   }
   template <class Hooks, class Spare>

@@ -626,15 +626,9 @@ def test_the_machine_expects_the_tiles_of_every_output_buffer():
     assert m.expected[(1, 0)] == [("out", 0, (0, 2, 0, 2))]
 
 
-# -- known bugs of the plan (strict xfail: when one is fixed, drop its marker) ------------------
+# -- plan entry points and limits --------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="make_plan takes scale_bits, ra.shapes() does not return it: Schedule.plan's operand "
-    "form raises TypeError",
-)
 def test_schedule_plan_takes_the_operands():
     world = mkernel.World.emulated(2)
     q, k, v = _inputs(2, 1, 8, 2, 1)
@@ -642,24 +636,11 @@ def test_schedule_plan_takes_the_operands():
     _check_plan(plan, "operands")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="pack_tag keeps 4 bits of step: at W >= 17 step 16 reads as step 0 (no landed wait, "
-    "the own block), and build_plan refuses landed[step=16] raised but never awaited",
-)
 def test_a_world_of_17_ranks():
     plan = _plan(17, 2, False, "contiguous", heads=(1, 1), overlap="inter_sm", sms=2)
     _check_plan(plan, "W = 17")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="make_plan lays the q tiles out on split_units of the schedule as given (overlap None: "
-    "7 compute units + 1 comm on the CPU); build_plan resolves it (the rule: intra_sm, 8 units) "
-    "and runs 8: a q tile's tasks fall on two units (the twin asserts)",
-)
 def test_make_plan_called_directly_with_the_default_schedule():
     out, lse, world, (q, k, v) = _run(3, 20, "contiguous", False, mkernel.Schedule())
     _assert_attention(out, lse, q, k, v, False, 1 / 8, "contiguous", "direct make_plan")

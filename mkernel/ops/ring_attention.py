@@ -57,7 +57,16 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import TILE_CONFIGS, Plan, Schedule, Tile, build_plan, split_units
+from ..schedule import (
+    TILE_CONFIGS,
+    Plan,
+    Schedule,
+    Tile,
+    build_plan,
+    is_resolved,
+    resolve,
+    split_units,
+)
 from ..world import World
 from . import common, ring_attention_gpu
 
@@ -145,7 +154,7 @@ def chunk_id(rank: int, c: int, world_size: int, zigzag: int) -> int:
 # first / last: the task begins / ends its q tile's tasks (all on one unit, step-major among the
 # unit's other tiles): a task after the first loads the tile's online-softmax state from the
 # ``state`` workspace, one before the last stores it there, the last stores out and lse.
-TAG_KEY = 7
+TAG_KEY = 11  # step: 8 bits (W <= 256)
 
 
 def pack_tag(key: int, step: int, diag: bool, first: bool, last: bool) -> int:
@@ -154,7 +163,7 @@ def pack_tag(key: int, step: int, diag: bool, first: bool, last: bool) -> int:
 
 def unpack_tag(tag: int) -> tuple[int, int, bool, bool, bool]:
     """(key, step, diag, first, last) of a compute tile's tag."""
-    return tag >> TAG_KEY, (tag >> 3) & 15, bool(tag & 1), bool(tag & 2), bool(tag & 4)
+    return tag >> TAG_KEY, (tag >> 3) & 255, bool(tag & 1), bool(tag & 2), bool(tag & 4)
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -175,6 +184,13 @@ def make_plan(
     """Chains of compute tasks, one per q tile (its (step, K/V chunk) pairs, the masked diagonal
     first), each on one unit in a row; W - 1 slots per rank, so no send waits for a reader."""
     W, S, D, B, H = world.size, seq, head_dim, batch, heads
+    if W > 256 or B * H * 2 >= 1 << (31 - TAG_KEY):
+        raise ValueError(
+            f"ring attention plans up to W = 256 and B * Hq < {1 << (30 - TAG_KEY)} (a task's "
+            f"tag), got W = {W}, B * Hq = {B * H}"
+        )
+    if not is_resolved(schedule):  # a direct call (the API resolves first): as build_plan would
+        schedule, _ = resolve(schedule, SPEC.name, world, {})
     C = num_chunks(zigzag, causal, W)
     Sc = S // C
     tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
@@ -315,7 +331,8 @@ def shapes(
     if Hq % Hkv:
         raise ValueError(f"Hq (heads of q) = {Hq} must be a multiple of Hkv (heads of k) = {Hkv}")
     return dict(batch=B, seq=S, heads=Hq, kv_heads=Hkv, head_dim=D, causal=int(causal)) | {
-        "zigzag": int(layout == "zigzag")
+        "zigzag": int(layout == "zigzag"),
+        "scale_bits": scale_bits(1.0 / math.sqrt(D)),  # the default scale's (a call sets its own)
     }
 
 

@@ -191,6 +191,7 @@ def shapes(
     """The forward's checks of q, k, v, then dout and out (bf16, like q) and lse (fp32 [B, Hq,
     S_local] per rank); TypeError / ValueError naming the argument. The plan's sizes."""
     s = fwd.shapes(q, k, v, world, causal, layout)
+    del s["scale_bits"]  # the forward's launch field (this op has no kernel)
     q_shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
     for name, t in (("dout", dout), ("out", out)):
         if common.check_operand(name, t, world, 4, "[B, S_local, Hq, D]") != q_shape:

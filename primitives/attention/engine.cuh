@@ -55,11 +55,16 @@ struct AttnConfig {
   static constexpr bool OVERLAP = OVERLAP_;
   static constexpr bool PINGPONG = PINGPONG_;
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
-  // 24 + 2 x 240 <= 512 registers per thread slot of the 3 warpgroups (64K registers). The ring
-  // kernel's producer also runs the plan's waits, its spare warp the comm tasks: 56 + 2 x 224
-  // (24 spilled there).
+  // setmaxnreg moves registers within what the launch gave the CTA: 168 per thread (64K / 384,
+  // rounded down to 8), so producer + 2 x consumer <= 3 x 168 = 504, or the consumers' increase
+  // waits forever (32 + 2 x 240 hung). Plain attention: 24 + 2 x 240. The ring kernel's producer
+  // also runs the plan's waits, its spare warp the comm tasks: 40 + 2 x 232 (24 spilled there).
+  static constexpr int kLaunchRegs = 168;
   static constexpr int kProducerRegs = PRODUCER_REGS;
-  static constexpr int kConsumerRegs = (512 - PRODUCER_REGS) / 2 / 8 * 8;
+  static constexpr int kConsumerRegs = (3 * kLaunchRegs - PRODUCER_REGS) / 2 / 8 * 8;
+  static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24, "setmaxnreg: a multiple of 8");
+  static_assert(kProducerRegs + CONSUMERS * kConsumerRegs <= 3 * kLaunchRegs,
+                "the warpgroups' registers fit what the launch allocates");
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(!PINGPONG || OVERLAP, "ping-pong is built on the overlapped schedule");
 };
