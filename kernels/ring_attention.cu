@@ -101,12 +101,14 @@ struct TaskWork {
   }
 
   // The item's kv tiles: each task's chunk in turn, its tiles in descending order (a masked one
-  // first). Entering a task, the producer's K cursor runs the task's waits.
+  // first). Entering a task, the producer's K cursor runs the task's waits. The task is read
+  // again per tile (a cached global load) rather than held: the consumers have no registers to
+  // spare in their loop.
   struct Cursor {
     const TaskWork& w;
     int i, tiles, j;
-    RingTask t;
     __device__ attn::KvTile tile() const {
+      const RingTask t = w.hooks.task(i);
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
       const bool ring = t.step > 0;
       return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, t.kv_outer,
@@ -114,22 +116,20 @@ struct TaskWork {
     }
     __device__ void advance(bool waits) {
       if (++j < tiles || i >= w.i1) return;
-      t = w.hooks.task(++i);
-      tiles = tiles_of(t);
+      tiles = tiles_of(w.hooks.task(++i));
       j = 0;
       if (waits) w.hooks.before_load(i);
     }
   };
   __device__ Cursor cursor(const attn::WorkTile&) const {
-    const RingTask t = hooks.task(i0);
-    return Cursor{*this, i0, tiles_of(t), 0, t};
+    return Cursor{*this, i0, tiles_of(hooks.task(i0)), 0};
   }
 };
 
 // The attention engine behind the template's engine contract (templates/engine_contract.cuh).
 template <int D>
 struct RingAttnEngine {
-  using Cfg = attn::AttnConfig<D, true, false, 40>;  // intra-warpgroup overlap, no ping-pong
+  using Cfg = attn::AttnConfig<D, true, false, 24>;  // intra-warpgroup overlap, no ping-pong
   using Core = attn::AttnEngine<Cfg>;
   using Params = attn::AttnParams;
   using Task = RingTask;

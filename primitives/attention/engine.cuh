@@ -57,8 +57,9 @@ struct AttnConfig {
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
   // setmaxnreg moves registers within what the launch gave the CTA: 168 per thread (64K / 384,
   // rounded down to 8), so producer + 2 x consumer <= 3 x 168 = 504, or the consumers' increase
-  // waits forever (32 + 2 x 240 hung). Plain attention: 24 + 2 x 240. The ring kernel's producer
-  // also runs the plan's waits, its spare warp the comm tasks: 40 + 2 x 232 (24 spilled there).
+  // waits forever (32 + 2 x 240 hung). 24 + 2 x 240 for both kernels: the ring kernel's
+  // producer also runs the plan's waits and its spare warp the comm tasks, which spill at 24
+  // (off the loop), but its consumers measured up to 10% slower with 232 or 224.
   static constexpr int kLaunchRegs = 168;
   static constexpr int kProducerRegs = PRODUCER_REGS;
   static constexpr int kConsumerRegs = (3 * kLaunchRegs - PRODUCER_REGS) / 2 / 8 * 8;
