@@ -101,28 +101,38 @@ struct TaskWork {
   }
 
   // The item's kv tiles: each task's chunk in turn, its tiles in descending order (a masked one
-  // first). Entering a task, the producer's K cursor runs the task's waits. The task is read
-  // again per tile (a cached global load) rather than held: the consumers have no registers to
-  // spare in their loop.
+  // first). Entering a task, the producer's K cursor runs the task's waits. It holds only what a
+  // tile needs: a task read per tile put a global load in the consumers' loop (-6%).
   struct Cursor {
     const TaskWork& w;
     int i, tiles, j;
+    int kv_outer, kv_len, diag_m0, step;  // the current task's (diag_m0 < 0: no diagonal)
+    __device__ void enter(int task) {
+      const RingTask t = w.hooks.task(task);
+      i = task;
+      tiles = tiles_of(t);
+      j = 0;
+      kv_outer = t.kv_outer;
+      kv_len = t.kv_len;
+      diag_m0 = t.diag ? t.m0 : -1;
+      step = t.step;
+    }
     __device__ attn::KvTile tile() const {
-      const RingTask t = w.hooks.task(i);
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
-      const bool ring = t.step > 0;
-      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, t.kv_outer,
-                          n0, t.kv_len - n0, t.diag && n0 + attn::kTileRows - 1 > t.m0};
+      const bool ring = step > 0;
+      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, kv_outer, n0,
+                          kv_len - n0, diag_m0 >= 0 && n0 + attn::kTileRows - 1 > diag_m0};
     }
     __device__ void advance(bool waits) {
       if (++j < tiles || i >= w.i1) return;
-      tiles = tiles_of(w.hooks.task(++i));
-      j = 0;
+      enter(i + 1);
       if (waits) w.hooks.before_load(i);
     }
   };
   __device__ Cursor cursor(const attn::WorkTile&) const {
-    return Cursor{*this, i0, tiles_of(hooks.task(i0)), 0};
+    Cursor c{*this};
+    c.enter(i0);
+    return c;
   }
 };
 
