@@ -262,10 +262,25 @@ struct PlanHooks {
 
 // -- the comm role: waits, the op's data movement, then raises, per task --------------------------
 
+// Optional: `static __device__ void comm_begin(const FusedArgs<Op>&, char* smem)` and
+// `comm_end(...)`, run by lane 0 of a comm unit before its first task and after its last (state
+// that lives as long as the unit, such as a TMA ring's mbarriers, rather than one task).
+template <class Op, class = void>
+struct has_comm_unit_hooks : std::false_type {};
+template <class Op>
+struct has_comm_unit_hooks<
+    Op, std::void_t<decltype(Op::comm_begin(std::declval<const FusedArgs<Op>&>(),
+                                            std::declval<char*>())),
+                    decltype(Op::comm_end(std::declval<const FusedArgs<Op>&>(),
+                                          std::declval<char*>()))>> : std::true_type {};
+
 template <class Op>
 __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,
                          const Team& team, char* smem) {
   const FusedCommon& c = a.common;
+  if constexpr (has_comm_unit_hooks<Op>::value) {
+    if (team.lane == 0) Op::comm_begin(a, smem);
+  }
   for (int i = 0; i < tasks.count(); ++i) {
     const int row = tasks[i];
     long long* e = team.lane == 0 ? timeline_slot(c, cta, kRoleComm, i) : nullptr;
@@ -283,6 +298,9 @@ __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskL
       }
       if (e != nullptr) e[1] = (long long)globaltimer_ns();
     }
+  }
+  if constexpr (has_comm_unit_hooks<Op>::value) {
+    if (team.lane == 0) Op::comm_end(a, smem);
   }
 }
 
