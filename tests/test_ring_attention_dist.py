@@ -66,23 +66,33 @@ def test_every_rank_gets_the_ring_results(W, B, S, heads, tmp_path):
         _assert_grads((dq, dk, dv), q, k, v, dout, out, lse, causal, SCALE, layout, what)
 
 
-def test_the_api_takes_this_path_on_a_distributed_gpu_world(monkeypatch):
-    """ring_attention / ring_attention_backward on a distributed world with a CUDA device call
-    ring_attention_dist with the GPU engines (stubbed here: no GPU, no process group)."""
+def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
+    """On a distributed world with a CUDA device, ring_attention launches the fused kernel with
+    this rank's tensors (the launch stubbed here: no GPU, no process group) and
+    ring_attention_backward calls ring_attention_dist with the GPU engines (stubbed)."""
     import mkernel
+    from mkernel.ops import common
+    from mkernel.ops import ring_attention as ra
     from mkernel.ops import ring_attention_backward as rb
 
     world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=1)
     calls = []
     monkeypatch.setattr(rd, "gpu_engines", lambda: ("fwd", "bwd"))
-    monkeypatch.setattr(rd, "forward", lambda *a: calls.append(("forward", a[3:])) or "f")
+    monkeypatch.setattr(rd, "forward", lambda *a: calls.append(("unfused forward",)) or "f")
     monkeypatch.setattr(rd, "backward", lambda *a: calls.append(("backward", a[7:])) or "b")
-    monkeypatch.setattr(rb.fwd, "shapes", lambda *a, **kw: {"head_dim": 64})
+    sizes = dict(batch=1, seq=4, heads=2, kv_heads=1, head_dim=64, causal=1, zigzag=1)
+    monkeypatch.setattr(ra, "shapes", lambda *a, **kw: dict(sizes, scale_bits=0))
     monkeypatch.setattr(rb, "shapes", lambda *a, **kw: {"head_dim": 64})
+    monkeypatch.setattr(common, "cached_plan", lambda module, sched, w, **s: ("plan", s))
+    monkeypatch.setattr(
+        common, "run_gpu", lambda w, plan, ops: calls.append(("fused", plan, sorted(ops)))
+    )
     x = torch.zeros(1)
-    assert mkernel.ring_attention(x, x, x, world, True, 0.5, "zigzag") == "f"
+    out, lse = mkernel.ring_attention(x, x, x, world, True, 0.5, "zigzag")
+    assert out.shape == (1, 4, 2, 64) and lse.shape == (1, 2, 4)  # this rank's, no rank dim
     assert mkernel.ring_attention_backward(x, x, x, x, x, x, world, False, None) == "b"
-    assert calls[0] == ("forward", (world, True, 0.5, True, "fwd"))
+    plan = ("plan", dict(sizes, scale_bits=ra.scale_bits(0.5)))
+    assert calls[0] == ("fused", plan, ["k", "lse", "out", "q", "v"])
     assert calls[1] == ("backward", (world, False, 0.125, False, "bwd"))
 
 

@@ -1,8 +1,6 @@
 """Ring attention, forward (issue 12): API, plan, data-movement twins and reference, side by side.
-Fused in the CPU interpreter only for now (``SPEC.device`` is False: no fused kernel, no
-kernels/ring_attention.cu); the plan below is what the GPU kernel will execute when the attention
-engine (primitives/attention/engine.cuh) plugs into the template. In an emulated world on a GPU
-it runs unfused (ring_attention_gpu.py: the engine per block, log-sum-exp merge in fp32).
+The same plan runs in the CPU interpreter and on GPUs (kernels/ring_attention.cu: the attention
+engine, primitives/attention/engine.cuh, on the persistent template), emulated or distributed.
 
 Unfused meaning, per rank r of W (q: [B, S, Hq, D], k, v: [B, S, Hkv, D], bf16; S = S_local)::
 
@@ -17,32 +15,29 @@ in 2W chunks of S/2, rank r holds chunks r and 2W-1-r (rows [0, S/2) and [S/2, S
 does the same causal work.
 
 Protocol (the plan's tables; docs/ring_attention.md): the K/V blocks travel the ring. At step s
-rank r holds the block of rank (r - s) mod W: its own inputs at step 0, else slot s % 2 of its
-symmetric ``k_ring`` / ``v_ring``. Its comm task of step s forwards that block to slot (s+1) % 2 of
-rank r+1 by bulk copies and raises ``landed[step=s+1]`` there; before it, it waits for its own
-``landed[s]`` (s > 0) and for ``free[prev]`` on itself: every reader on r+1 of the block that slot
-held last (step prev = s-1: r+1's compute tasks and its own forward) has finished. Compute task
-(q tile t, step s, K/V tile j) waits ``landed[s]`` (s > 0) and ``merged[t, s, j]`` (the tile's
-previous task stored its online-softmax state), folds softmax(q_t k_j^T) v_j into the fp32 state
-(running max, denominator, accumulator) and, at the tile's last task, stores out (bf16) and lse
-(fp32) once. K/V tiles are the layout's chunks (a block, or zigzag's two halves). Causal: a (q
-tile, K/V tile) pair wholly in the future has no task, and a block nobody downstream uses is not
-sent (contiguous: the ring never wraps, the last rank sends nothing).
+rank r holds the block of rank (r - s) mod W: its own inputs at step 0, else slot s of its
+symmetric ``k_ring`` / ``v_ring`` (W - 1 slots, each filled once per call: no send ever waits for
+a reader). Its comm tasks of step s (the block in ``parts`` row ranges, one per comm unit) copy
+it into slot s + 1 of rank r + 1 by bulk copies, each adding 1 to ``landed[step=s+1]`` there;
+before, they wait for their own ``landed[s]`` (s > 0). A compute task is one (q tile, K/V chunk
+of one step) pair: it waits ``landed[s]`` (s > 0) and folds softmax(q k^T) v into the tile's fp32
+state (running max, sum, unnormalised accumulator). A unit runs its q tiles' tasks step-major
+(every step-0 task first, while the next block travels); a tile's tasks all run on that unit,
+which leaves the state in the ``state`` workspace between them and reloads it (program order: no
+signal), and the tile's last task stores out (bf16) and lse (fp32) once. Causal: a (q tile, K/V
+chunk) pair wholly in the future has no task, the diagonal pair (masked) comes first, and a block
+nobody downstream uses is not sent (contiguous: the ring never wraps, the last rank sends nothing).
 
-    W = 3, contiguous, causal; Bp = the K/V block of rank p; q_r = rank r's q tiles
-    step:     0                           1                              2
-    rank 0:   q0.B0; send B0 -> r1 slot1  -                              -
-    rank 1:   q1.B1; send B1 -> r2 slot1  wait landed[1]: q1.B0;         -
-                                          send B0 -> r2 slot0
-    rank 2:   q2.B2                       wait landed[1]: q2.B1          wait landed[2]: q2.B0
-    (no send waits for free here: with W >= 4, rank r's send of step 2 refills r+1's slot 1 after
-     r+1's readers of step 1 have raised free[1] on r)
+    W = 3, contiguous, causal; Bp = the K/V block of rank p (sends in `parts` pieces)
+    step:     0                            1                            2
+    rank 0:   q.B0; B0 -> r1 slot 1        -                            -
+    rank 1:   q.B1; B1 -> r2 slot 1        wait landed[1]: q.B0;        -
+                                           B0 -> r2 slot 2
+    rank 2:   q.B2                         wait landed[1]: q.B1         wait landed[2]: q.B0
 
-GPU mapping (the fused kernel, not built): a CTA owns a q tile for all its steps (state in
-registers, the ``merged`` chain is then program order), its producer warp TMA-loads each block from
-the slot the plan's wait names while the wgmma consumer warpgroups work on the previous one; the
-comm role's bulk copies are cp.async.bulk global -> shared -> peer global, as ``tile_send_bulk``
-models here.
+Why this shape (docs/ring_attention.md): a unit that walked one q tile through every step with the
+state in registers needs each step's whole block right after its first tile (measured 0.48-0.70x
+of the engine on one GPU); with two slots it also deadlocks from W = 4.
 """
 
 from __future__ import annotations
@@ -379,9 +374,9 @@ def ring_attention(
         (out, lse): out bf16 per rank [B, S_local, Hq, D]; lse fp32 per rank [B, Hq, S_local],
         the natural log of each row's softmax denominator (scaled scores). Raises TypeError /
         ValueError naming the argument before anything runs; CommTimeout if a wait passes the
-        world's deadline. On GPUs it runs unfused: in an emulated world the attention engine per
-        block with lse merges (ring_attention_gpu.py); in a distributed world the same with the
-        K/V blocks travelling the ring by torch.distributed sends (ring_attention_dist.py).
+        world's deadline (asynchronous on GPUs: raised by the next call or ``world.check()``).
+        On GPUs, emulated or distributed, one launch of the fused kernel (kernels/ring_attention.cu:
+        the attention engine on the persistent template, K/V blocks pushed along the ring).
         Differentiable: when q, k or v require grad, ``out.backward(g)`` runs
         ``ring_attention_backward`` (mkernel/ops/ring_attention_backward.py; lse's gradient too).
     """
@@ -392,15 +387,7 @@ def ring_attention(
 
         return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
-    world = common.check_world(world)
-    if world.on_gpu and not world.emulated_world:  # distributed: K/V by NCCL sends, unfused
-        from . import ring_attention_dist as rd
-
-        common.check_schedule(schedule)
-        s = shapes(q, k, v, world, causal, layout)
-        scale = check_scale(scale, s["head_dim"])
-        fwd_block, _ = rd.gpu_engines()
-        return rd.forward(q, k, v, world, causal, scale, layout == "zigzag", fwd_block)
+    world = common.check_world_for(SPEC, world)
     common.check_nodes(module, world)
     schedule = common.check_schedule(schedule)
     s = shapes(q, k, v, world, causal, layout)
@@ -418,10 +405,10 @@ def ring_attention(
     # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
     out = torch.full((*lead, B, S, H, D), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((*lead, B, H, S), float("nan"), dtype=torch.float32, device=q.device)
-    views = operands(plan, q, k, v, out, lse)
-    if world.on_gpu:
-        common.run_gpu(world, plan, views)
+    if world.on_gpu:  # the fused kernel (kernels/ring_attention.cu), one launch
+        common.run_gpu(world, plan, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
         return out, lse
+    views = operands(plan, q, k, v, out, lse)
     reads = lambda rank: outputs(plan, rank)  # noqa: E731
     common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
     return out, lse

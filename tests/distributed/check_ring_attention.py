@@ -1,5 +1,7 @@
-"""Distributed check of ring_attention and its backward (one process per GPU, NCCL sends of the
-K/V blocks and dK / dV accumulators: mkernel/ops/ring_attention_dist.py). Every rank draws all
+"""Distributed check of ring_attention and its backward (one process per GPU): the forward is the
+fused kernel (kernels/ring_attention.cu, K/V through symmetric memory), the backward the unfused
+ring (NCCL sends of the K/V blocks and dK / dV accumulators: mkernel/ops/ring_attention_dist.py).
+Every rank draws all
 ranks' inputs from the same seed and checks its own out, lse, dq, dk, dv against the emulated
 reference (fp32, mkernel.reference) within bf16 rounding; then a loop of calls with new inputs.
 Prints one line per check on rank 0 and exits non-zero on any failure. NOTE: NCCL needs one GPU
