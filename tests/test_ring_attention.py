@@ -11,18 +11,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import types
-import unittest.mock
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mkernel
 from mkernel.errors import RaceError, TileWriteError
 from mkernel.interp import program, twins
-from mkernel.ops import common, ring_attention_dist, ring_attention_gpu
+from mkernel.ops import common
 from mkernel.ops import ring_attention as ra
 from mkernel.ops.ring_attention import attention, ring_attention
 from mkernel.protocol import encode
@@ -467,30 +465,6 @@ def test_bad_input_is_named_before_anything_runs():
         attention(torch.empty(q[0].shape, dtype=q.dtype, device="meta"), k[0], v[0])
     with pytest.raises(ValueError, match="D \\(last dim"):
         attention(*(x[0, ..., :32].contiguous() for x in (q, k, v)))
-
-
-def _fake_engine_forward(q, k, v, causal, scale, out_f32=None):
-    """The engine's contract (mkernel.attention_ext.attention_forward) computed in fp32 on the
-    CPU (ring_attention_dist's torch block: top-left causal mask, natural-log lse), O unrounded
-    into out_f32."""
-    o, lse = ring_attention_dist.torch_fwd_block(q, k, v, causal, scale)
-    if out_f32 is not None:
-        out_f32.copy_(o)
-    return o.bfloat16(), lse
-
-
-@ring_cases(max_examples=25)
-def test_gpu_path_chunks_and_merges(W, B, S, heads, causal, layout, overlap, sms, seed):
-    """The unfused GPU path's plan (ring_attention_gpu.py: which key chunks each query chunk sees,
-    at most two engine calls, fp32 lse merges) with the engine's contract computed on the CPU."""
-    del overlap, sms
-    assume(layout == "contiguous" or S % 2 == 0)
-    q, k, v = _inputs(W, B, S, *heads, seed=seed)
-    scale = 1 / math.sqrt(64)
-    fake = types.SimpleNamespace(attention_forward=_fake_engine_forward)
-    with unittest.mock.patch.object(ring_attention_gpu, "_engine", lambda: fake):
-        out, lse = ring_attention_gpu.forward(q, k, v, causal, scale, layout == "zigzag")
-    _assert_attention(out, lse, q, k, v, causal, scale, layout, f"gpu path W={W} S={S}")
 
 
 # -- planted protocol mistakes ---------------------------------------------------------------------

@@ -1,17 +1,16 @@
-"""Ring attention on one GPU, not yet fused: the attention engines
-(primitives/attention/engine.cuh and bwd_engine.cuh, ``mkernel.attention_ext``) on the blocks each
-query chunk sees; the forward merges blocks by log-sum-exp in fp32, the backward sums fp32 block
-gradients (with the GLOBAL lse and delta every block's P and dS are already the final ones).
-``attention`` on CUDA tensors is the one-rank case (one engine call).
+"""Ring attention's backward on one GPU, not yet fused: the backward engine
+(primitives/attention/bwd_engine.cuh, ``mkernel.attention_ext``) on the blocks each query chunk
+sees; the block gradients sum in fp32 (with the GLOBAL lse and delta every block's P and dS are
+already the final ones). ``attention`` on CUDA tensors is the one-rank forward (one engine call).
+The forward ring is fused (kernels/ring_attention.cu); ``_call`` and ``chunks`` also serve the
+distributed unfused ring (ring_attention_dist.py), the two-GPU benchmark's baseline.
 Emulated worlds on one GPU; the K/V blocks do not travel a ring here (every rank's blocks are in
-one memory), which is what the fused kernel of issue 12 is for.
+one memory).
 
 Chunks (ring_attention.py ``positions``): "contiguous" gives rank r one chunk, global index r, of
 S_local rows; "zigzag" gives it chunks r and 2W-1-r of S_local / 2 rows (local rows [0, S/2) and
 [S/2, S)). Causal: a query chunk sees the key chunks of lower global index in full and its own
-chunk causally (the diagonal, top-left aligned since both have the same length), none above. So
-each query chunk needs at most two engine calls: one over the concatenation of all the chunks it
-sees in full, one causal on its own chunk; non-causal, one call over every rank's K/V.
+chunk causally (the diagonal, top-left aligned since both have the same length), none above.
 """
 
 from __future__ import annotations
@@ -52,43 +51,6 @@ def _call(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tens
     o32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     _, lse = _engine().attention_forward(q, k, v, causal, scale, out_f32=o32)
     return o32, lse
-
-
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    zigzag: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ring_attention in an emulated world on the GPU (checked operands [W, B, S, H, D])."""
-    W, B, S, Hq, D = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(W, B, Hq, S, dtype=torch.float32, device=q.device)
-    kv_chunks = {}  # global chunk index -> (k, v) rows of that chunk
-    for p in range(W):
-        for g, r0, n in chunks(p, W, S, zigzag):
-            kv_chunks[g] = (k[p, :, r0 : r0 + n], v[p, :, r0 : r0 + n])
-    order = sorted(kv_chunks)
-    for r in range(W):
-        for g, r0, n in chunks(r, W, S, zigzag):
-            qc = q[r, :, r0 : r0 + n].contiguous()
-            seen = [c for c in order if c < g] if causal else order
-            parts = []
-            if seen:
-                kf = torch.cat([kv_chunks[c][0] for c in seen], dim=1).contiguous()
-                vf = torch.cat([kv_chunks[c][1] for c in seen], dim=1).contiguous()
-                parts.append(_call(qc, kf, vf, False, scale))
-            if causal:
-                kd, vd = (t.contiguous() for t in kv_chunks[g])
-                parts.append(_call(qc, kd, vd, True, scale))
-            o, ls = parts[0]
-            for o2, l2 in parts[1:]:
-                o, ls = _merge(o, ls, o2, l2)
-            out[r, :, r0 : r0 + n] = o.to(torch.bfloat16)
-            lse[r, :, :, r0 : r0 + n] = ls
-    return out, lse
 
 
 def _kv_blocks(W: int, S: int, zigzag: bool) -> dict[int, tuple[int, int, int]]:
