@@ -101,14 +101,16 @@ struct TaskWork {
   }
 
   // The item's kv tiles: each task's chunk in turn, its tiles in descending order (a masked one
-  // first). Entering a task, the producer's K cursor runs the task's waits. It holds only what a
-  // tile needs: a task read per tile put a global load in the consumers' loop (-6%).
+  // first). Entering a task, the producer's K cursor runs the task's waits. Self-contained (no
+  // reference to the work source, whose address would put it in local memory) and holding only
+  // what a tile needs: a task read per tile put a global load in the consumers' loop.
   struct Cursor {
-    const TaskWork& w;
-    int i, tiles, j;
+    const attn::AttnParams* p;
+    Hooks* hooks;
+    int i, last, tiles, j;
     int kv_outer, kv_len, diag_m0, step;  // the current task's (diag_m0 < 0: no diagonal)
     __device__ void enter(int task) {
-      const RingTask t = w.hooks.task(task);
+      const RingTask t = hooks->task(task);
       i = task;
       tiles = tiles_of(t);
       j = 0;
@@ -120,17 +122,17 @@ struct TaskWork {
     __device__ attn::KvTile tile() const {
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
       const bool ring = step > 0;
-      return attn::KvTile{ring ? &w.p.k_ring : &w.p.k, ring ? &w.p.v_ring : &w.p.v, kv_outer, n0,
+      return attn::KvTile{ring ? &p->k_ring : &p->k, ring ? &p->v_ring : &p->v, kv_outer, n0,
                           kv_len - n0, diag_m0 >= 0 && n0 + attn::kTileRows - 1 > diag_m0};
     }
     __device__ void advance(bool waits) {
-      if (++j < tiles || i >= w.i1) return;
+      if (++j < tiles || i >= last) return;
       enter(i + 1);
-      if (waits) w.hooks.before_load(i);
+      if (waits) hooks->before_load(i);
     }
   };
   __device__ Cursor cursor(const attn::WorkTile&) const {
-    Cursor c{*this};
+    Cursor c{&p, &hooks, i0, i1};
     c.enter(i0);
     return c;
   }
