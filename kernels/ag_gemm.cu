@@ -32,9 +32,20 @@ struct AgGemm {
   using Layout = spec::ag_gemm::Layout;
   using Args = FusedArgs<AgGemm>;
   static constexpr int kCommSmemBytes = 0;
-  static constexpr int kPiece = 16384, kBufs = 8;  // TMA pushes: a ring of 8 16 KB buffers
-  static_assert(kBufs * kPiece + 8 * kBufs <= Engine::kSmemBytes,
+  // TMA pushes (inter_sm comm CTAs): a ring of 8 16 KB buffers in the engine's shared memory,
+  // initialised once per comm unit (comm_begin) and kept across its tasks.
+  using Ring = UnitRing<8, 4, 16384>;
+  static_assert(Ring::kSmemBytes <= Engine::kSmemBytes,
                 "a comm CTA's TMA ring lives in the engine's shared memory");
+  static __device__ bool pushes_by_tma(const Args& a) {
+    return a.layout.transfer_tma && a.common.overlap == kInterSM;  // intra_sm has no smem for it
+  }
+  static __device__ void comm_begin(const Args& a, char* smem) {
+    if (pushes_by_tma(a)) Ring{smem}.begin();
+  }
+  static __device__ void comm_end(const Args& a, char* smem) {
+    if (pushes_by_tma(a)) Ring{smem}.end();
+  }
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
@@ -51,7 +62,7 @@ struct AgGemm {
     const __nv_bfloat16* src = l.a.at(cta.local_rank) + (long long)c.shard_row * l.k;
     __nv_bfloat16* dst = l.gather.map(p) + (long long)c.gather_row * l.k;
     const int rows = c.rows;
-    if (l.transfer_tma && a.common.overlap == kInterSM) {  // intra_sm has no smem to stage
+    if (pushes_by_tma(a)) {
       push_bulk(team, smem, src, dst, (long long)rows * l.k * 2);
     } else {
       copy_v4_team(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
@@ -60,18 +71,14 @@ struct AgGemm {
   }
 
   // TMA push (inter_sm comm CTAs, which own the whole shared memory): lane 0 alone moves the chunk
-  // through a ring of kBufs 16 KB buffers, kBufs / 2 bulk loads and kBufs / 2 bulk stores in
-  // flight (primitives/bulk_ring.cuh); the template waits for the stores to land before it
-  // raises. Staging by the team's threads kept one piece in flight: 8 GB/s per CTA.
+  // through the unit's ring, 4 bulk loads and 4 bulk stores in flight (primitives/bulk_ring.cuh);
+  // the template waits for the stores to land before it raises. Staging by the team's threads
+  // kept one piece in flight: 8 GB/s per CTA.
   static __device__ void push_bulk(const Team& team, char* smem, const __nv_bfloat16* src,
                                    __nv_bfloat16* dst, long long bytes) {
     if (team.lane != 0) return;
-    BulkRing<kBufs, kBufs / 2> ring{smem, reinterpret_cast<uint64_t*>(smem + kBufs * kPiece),
-                                    kPiece};
-    ring.init();
-    ring.copy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), bytes,
-              Drain::kStore);
-    ring.inval();
+    Ring{smem}.copy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), bytes,
+                    Drain::kStore);
   }
 
   static bool prepare(const long long*, Args& args) {

@@ -167,26 +167,15 @@ struct RingAttention {
   using Engine = RingAttnEngine<D>;
   using Layout = spec::ring_attention::Layout;
   using Args = FusedArgs<RingAttention>;
-  // The comm unit's TMA ring (primitives/bulk_ring.cuh), initialised once per unit (comm_begin)
-  // and kept across its tasks: [buffers][mbarriers][chunks through it so far]. inter_sm: 8
-  // pieces of 16 KB in the engine's shared memory (a comm CTA runs no engine); intra_sm: 4 of
-  // 8 KB after the engine's (what is left beside it at D = 128), two stores in flight.
-  template <int kStages, int kStores, int kBytes>
-  struct CommRing {
-    static constexpr int kSmem = kStages * kBytes + 8 * kStages + 8;
-    using Ring = BulkRing<kStages, kStores>;
-    __device__ static Ring at(char* smem) {
-      return Ring{smem, reinterpret_cast<uint64_t*>(smem + kStages * kBytes), kBytes};
-    }
-    __device__ static unsigned long long& used(char* smem) {
-      return *reinterpret_cast<unsigned long long*>(smem + kStages * kBytes + 8 * kStages);
-    }
-  };
-  using InterRing = CommRing<8, 4, 16384>;
-  using IntraRing = CommRing<4, 2, 8192>;
-  static constexpr int kCommSmemBytes = IntraRing::kSmem;
+  // The comm unit's TMA ring (primitives/bulk_ring.cuh UnitRing: initialised once per unit by
+  // the template's comm_begin and kept across its tasks). inter_sm: 8 pieces of 16 KB in the
+  // engine's shared memory (a comm CTA runs no engine); intra_sm: 4 of 8 KB after the engine's
+  // (what is left beside it at D = 128), two stores in flight.
+  using InterRing = UnitRing<8, 4, 16384>;
+  using IntraRing = UnitRing<4, 2, 8192>;
+  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
-  static_assert(InterRing::kSmem <= Engine::kSmemBytes, "a comm CTA's ring fits");
+  static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
 
   static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
     return {};
@@ -195,19 +184,16 @@ struct RingAttention {
   template <class F>
   static __device__ void with_ring(const Args& a, char* smem, F&& f) {
     if (a.common.overlap == kInterSM) {
-      f(InterRing{}, smem);
+      f(InterRing{smem});
     } else {
-      f(IntraRing{}, smem);
+      f(IntraRing{smem});
     }
   }
   static __device__ void comm_begin(const Args& a, char* smem) {
-    with_ring(a, smem, [](auto r, char* m) {
-      decltype(r)::at(m).init();
-      decltype(r)::used(m) = 0;
-    });
+    with_ring(a, smem, [](const auto& ring) { ring.begin(); });
   }
   static __device__ void comm_end(const Args& a, char* smem) {
-    with_ring(a, smem, [](auto r, char* m) { decltype(r)::at(m).inval(); });
+    with_ring(a, smem, [](const auto& ring) { ring.end(); });
   }
 
   // Task (s, part, row0, rows): those rows of the K and V block held at step s into slot s + 1
@@ -224,14 +210,11 @@ struct RingAttention {
     const int nxt = (cta.rank + 1) % a.common.world_size;
     const __nv_bfloat16* ks = s == 0 ? l.k.at(cta.local_rank) : l.k_ring.map(cta.rank);
     const __nv_bfloat16* vs = s == 0 ? l.v.at(cta.local_rank) : l.v_ring.map(cta.rank);
-    with_ring(a, smem, [&](auto r, char* m) {
-      auto ring = decltype(r)::at(m);
-      ring.used = decltype(r)::used(m);
+    with_ring(a, smem, [&](const auto& ring) {
       ring.copy(reinterpret_cast<char*>(l.k_ring.map(nxt) + dst_row * cols),
                 reinterpret_cast<const char*>(ks + src_row * cols), bytes, Drain::kStore);
       ring.copy(reinterpret_cast<char*>(l.v_ring.map(nxt) + dst_row * cols),
                 reinterpret_cast<const char*>(vs + src_row * cols), bytes, Drain::kStore);
-      decltype(r)::used(m) = ring.used;
     });
   }
 

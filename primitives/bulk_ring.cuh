@@ -107,4 +107,38 @@ struct BulkRing {
   }
 };
 
+// A BulkRing that lives as long as a comm unit, laid out in its shared memory as [kStages buffers
+// of kChunkBytes][kStages mbarriers][chunks through it so far]: begin() once before the unit's
+// first task, copy() in any task, end() after its last (the persistent template's comm_begin /
+// comm_end hooks). Why: a ring initialised and invalidated per task made compute-sanitizer
+// racecheck report write-write hazards between successive tasks' bulk loads into a buffer (the
+// tool does not follow the completions across mbarrier re-initialisation); kept initialised, the
+// buffers' reuse is ordered by the barriers' phases, which it does follow.
+template <int kStages, int kStores, int kChunkBytes>
+struct UnitRing {
+  static constexpr int kSmemBytes = kStages * kChunkBytes + 8 * kStages + 8;
+  char* smem;
+  __device__ BulkRing<kStages, kStores> ring() const {
+    return BulkRing<kStages, kStores>{smem, barriers(), kChunkBytes, used()};
+  }
+  __device__ uint64_t* barriers() const {
+    return reinterpret_cast<uint64_t*>(smem + kStages * kChunkBytes);
+  }
+  __device__ unsigned long long& used() const {
+    return *reinterpret_cast<unsigned long long*>(smem + kStages * kChunkBytes + 8 * kStages);
+  }
+  __device__ void begin() const {
+    auto r = ring();
+    r.init();
+    used() = 0;
+  }
+  // Copies as BulkRing::copy does (every store issued and every buffer read on return).
+  __device__ void copy(char* dst, const char* src, long long bytes, Drain drain) const {
+    auto r = ring();
+    r.copy(dst, src, bytes, drain);
+    used() = r.used;
+  }
+  __device__ void end() const { ring().inval(); }
+};
+
 }  // namespace mk
