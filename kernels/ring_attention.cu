@@ -29,9 +29,9 @@ namespace mk {
 
 // A compute task as the plan encodes its tile (mkernel/ops/ring_attention.py pack_tag / TAG_KEY).
 struct RingTask {
-  int m0, rows;        // first q row within the q chunk; q rows (0: an empty padding task)
+  int m0, rows;          // first q row within the q chunk; q rows (0: an empty padding task)
   int kv_outer, kv_len;  // K / V map batch coordinate; rows of the K / V chunk
-  int step, key;       // ring step; (b * Hq + h) * C + q chunk
+  int step, key;         // ring step; (b * Hq + h) * C + q chunk
   bool diag, first, last;
 };
 constexpr int kRingTagKey = 11;  // mkernel/ops/ring_attention.py TAG_KEY (step: 8 bits)
@@ -90,7 +90,7 @@ struct TaskWork {
   // after_store (one thread), when anyone waits for them or a timeline is recorded.
   __device__ void end(const attn::WorkTile&) {
     if (!hooks.signals()) return;
-    __threadfence();  // this thread's lse / state stores
+    __threadfence();                              // this thread's lse / state stores
     if (threadIdx.x % 128 == 0) bulk_wait_all();  // its warpgroup's O stores
     __syncwarp();
     asm volatile("bar.sync 5, 256;" ::: "memory");  // both consumer warpgroups (barrier 5)
@@ -122,8 +122,12 @@ struct TaskWork {
     __device__ attn::KvTile tile() const {
       const int n0 = (tiles - 1 - j) * attn::kTileRows;
       const bool ring = step > 0;
-      return attn::KvTile{ring ? &p->k_ring : &p->k, ring ? &p->v_ring : &p->v, kv_outer, n0,
-                          kv_len - n0, diag_m0 >= 0 && n0 + attn::kTileRows - 1 > diag_m0};
+      return attn::KvTile{ring ? &p->k_ring : &p->k,
+                          ring ? &p->v_ring : &p->v,
+                          kv_outer,
+                          n0,
+                          kv_len - n0,
+                          diag_m0 >= 0 && n0 + attn::kTileRows - 1 > diag_m0};
     }
     __device__ void advance(bool waits) {
       if (++j < tiles || i >= last) return;
@@ -152,8 +156,9 @@ struct RingAttnEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0,   tile.rows, tile.n0,        tile.cols,     (tag >> 3) & 255,
-                tag >> kRingTagKey,   (tag & 1) != 0, (tag & 2) != 0, (tag & 4) != 0};
+    return Task{tile.m0,        tile.rows,        tile.n0,
+                tile.cols,      (tag >> 3) & 255, tag >> kRingTagKey,
+                (tag & 1) != 0, (tag & 2) != 0,   (tag & 4) != 0};
   }
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
@@ -242,10 +247,9 @@ struct RingAttention {
           !map(&p.v, l.v.base + r * l.v.rank_stride, BC, l.kv_heads, BN) ||
           !map(&p.o, l.out.base + r * l.out.rank_stride, BC, l.heads, 64))
         return false;
-      if (W > 1 && (!map(&p.k_ring, l.k_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads,
-                         BN) ||
-                    !map(&p.v_ring, l.v_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads,
-                         BN)))
+      if (W > 1 &&
+          (!map(&p.k_ring, l.k_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads, BN) ||
+           !map(&p.v_ring, l.v_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads, BN)))
         return false;
       p.lse = l.lse.base + r * l.lse.rank_stride;
       p.o_f32 = nullptr;

@@ -269,10 +269,10 @@ template <class Op, class = void>
 struct has_comm_unit_hooks : std::false_type {};
 template <class Op>
 struct has_comm_unit_hooks<
-    Op, std::void_t<decltype(Op::comm_begin(std::declval<const FusedArgs<Op>&>(),
-                                            std::declval<char*>())),
-                    decltype(Op::comm_end(std::declval<const FusedArgs<Op>&>(),
-                                          std::declval<char*>()))>> : std::true_type {};
+    Op, std::void_t<
+            decltype(Op::comm_begin(std::declval<const FusedArgs<Op>&>(), std::declval<char*>())),
+            decltype(Op::comm_end(std::declval<const FusedArgs<Op>&>(), std::declval<char*>()))>>
+    : std::true_type {};
 
 template <class Op>
 __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,

@@ -279,8 +279,8 @@ struct AttnEngine {
         tma_load_4d(smem + Map::kQOffset + c * Map::kQChunkBytes, &p.q, bars.q_full, c * 64, t.h,
                     t.m_tile * BM, t.outer);
       q_phase ^= 1u;
-      auto load = [&](bool is_k, int offset, uint64_t* full, uint64_t* empty,
-                      PipeState<STAGES>& st, const KvTile& kt) {
+      auto load = [&](bool is_k, int offset, uint64_t* full, uint64_t* empty, PipeState<STAGES>& st,
+                      const KvTile& kt) {
         mbar_wait(&empty[st.stage], st.phase ^ 1u);
         mbar_arrive_expect_tx(&full[st.stage], kKVTxBytes);
         char* dst = smem + offset + st.stage * Map::kKVStageBytes;
