@@ -12,6 +12,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mkernel
 from tests.helpers import assert_pads_zero
@@ -54,6 +56,25 @@ def test_fused_ring_is_the_formula(overlap, W, layout, causal):
 def test_fused_ring_shapes(overlap, W, B, S, heads, D, layout):
     _run(W, B, S, heads, D, True, layout, overlap, seed=S + D)
     _run(W, B, S, heads, D, False, layout, overlap, seed=S + D + 1)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    W=st.integers(1, 5),
+    B=st.integers(1, 2),
+    S=st.integers(1, 300),
+    heads=st.sampled_from([(4, 2), (4, 1), (2, 2), (1, 1), (6, 3)]),
+    D=st.sampled_from([64, 128]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["contiguous", "zigzag"]),
+    overlap=st.sampled_from(OVERLAPS),
+    sms=st.sampled_from([None, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_ring_over_shapes(W, B, S, heads, D, causal, layout, overlap, sms, seed):
+    if layout == "zigzag":
+        S += S % 2  # zigzag needs an even S_local
+    _run(W, B, S, heads, D, causal, layout, overlap, seed=seed, sms=sms)
 
 
 def test_few_sms_per_rank_and_two_calls_on_one_world():
