@@ -1,7 +1,8 @@
 // The engine contract of the persistent template: what a compute engine provides so that the
-// template can run a plan's compute tasks on it. The dense GEMM engine (primitives/gemm/engine.cuh)
-// and the comm-only engine (templates/no_compute.cuh) implement it; a grouped GEMM or an attention
-// engine plugs in the same way, with no change to the template.
+// template can run a plan's compute tasks on it. The dense GEMM engine (primitives/gemm/engine.cuh),
+// the attention engine (RingAttnEngine in kernels/ring_attention.cu) and the comm-only engine
+// (templates/no_compute.cuh) implement it; a grouped GEMM plugs in the same way, with no change to
+// the template.
 //
 //   struct Engine {
 //     using Params = ...;                 // per served rank, in the __grid_constant__ argument

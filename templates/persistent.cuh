@@ -18,6 +18,9 @@
 //     static __device__ void comm_move(const FusedArgs<Op>&, const CtaInfo&, const int* args,
 //                                      const Team&, char* smem);
 //     static bool prepare(const long long* rec, FusedArgs<Op>&);  // host: engine params, maps
+//     // optional, both or neither: lane 0 of a comm unit, before its first task / after its last
+//     static __device__ void comm_begin(const FusedArgs<Op>&, char* smem);
+//     static __device__ void comm_end(const FusedArgs<Op>&, char* smem);
 //   };
 //
 // Layout of a CTA (Engine::kThreads threads):
