@@ -32,6 +32,7 @@ AREA_TESTS = {
     "mkernel/ops/gemm_ar.py": ("tests/test_gemm_ar.py",),
     "mkernel/ops/common.py": ("tests/test_gemm_ar.py", "tests/test_ag_gemm.py"),
     "mkernel/interp/trace.py": ("tests/test_gemm_rs.py",),
+    "mkernel/ops/ring_attention.py": ("tests/test_ring_attention.py",),
 }
 
 ORDER = DEFAULT_TESTS + tuple(sorted({t for ts in AREA_TESTS.values() for t in ts}))
@@ -54,6 +55,7 @@ class Mutation:
 
 
 RS, AG, AR, AX = (f"mkernel/ops/{op}.py" for op in ("gemm_rs", "ag_gemm", "gemm_ar", "all_gather"))
+RA = "mkernel/ops/ring_attention.py"
 COMMON, PROTO, SCHED = "mkernel/ops/common.py", "mkernel/protocol.py", "mkernel/schedule.py"
 PROG, MACH, TWINS, TRACE = (
     f"mkernel/interp/{f}.py" for f in ("program", "machine", "twins", "trace")
@@ -100,8 +102,10 @@ MUTATIONS = [
     Mutation(
         "rs_hook_rank",
         RS,
-        "order = apply_order(schedule.tile_order, r, tiles, default)",
-        "order = apply_order(schedule.tile_order, (r + 1) % W, tiles, default)",
+        "for j in block]\n        order = apply_order(schedule.tile_order, r, tiles, default)\n"
+        "        # NOTE: the peers' tiles first",
+        "for j in block]\n        order = apply_order(schedule.tile_order, (r + 1) % W, tiles, "
+        "default)\n        # NOTE: the peers' tiles first",
         "tile-order hook applied to the wrong rank (rank r runs rank r+1's order)",
     ),
     Mutation(
@@ -159,7 +163,7 @@ MUTATIONS = [
     Mutation(
         "ag_push_rows",
         AG,
-        "dst = (ctx.rank * ms + r0, rows, 0, k)",
+        "dst = (src * ms + r0, rows, 0, k)",
         "dst = (r0, rows, 0, k)",
         "push writes the chunk at its shard-local rows of the gathered A",
     ),
@@ -611,5 +615,36 @@ MUTATIONS = [
         "raisers.get((w.pad, w.rank, w.index), -1)",
         "w.rank",
         "a wait names its own rank as the peer that raises it",
+    ),
+    Mutation(
+        "ra_landed_consumers",
+        RA,
+        "n = readers[r][s] + (parts if s in sends[r] else 0)",
+        "n = readers[r][s]",
+        "ring attention: a step's landed flag does not count the forward among its consumers",
+    ),
+    Mutation(
+        "ra_not_step_major",
+        RA,
+        "lists = [sorted(ids, key=step_of) for ids in lists]",
+        "lists = [list(ids) for ids in lists]",
+        "ring attention: a unit walks each q tile through every step (each unit needs every "
+        "block after its first tile: no overlap)",
+    ),
+    Mutation(
+        "ra_rows_by_unit",
+        RA,
+        "        for i in range(depth):\n            for u in range(units):",
+        "        for u in range(units):\n            for i in range(depth):",
+        "ring attention: a unit's tasks laid out contiguously, not as rows u, u + units, ... (the "
+        "template's rule): a q tile's tasks land on several units",
+    ),
+    Mutation(
+        "ra_state_not_resumed",
+        RA,
+        'state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)',
+        "state = torch.zeros(n, D + 2)",
+        "ring attention: a q tile's later task starts from a fresh state (the engine's "
+        "load_state skipped)",
     ),
 ]
