@@ -10,8 +10,9 @@
 #    waiting for the block to land;
 # 5. the backward (issue 13): autograd through `ring_attention`, dK / dV partials on the ring.
 #
-# There is no GPU attention engine yet (`SPEC.device` is False): a GPU world raises
-# NotImplementedError. The plan printed here is what that engine will execute.
+# The plan printed here is the one the GPU runs too: on a GPU world the same call launches
+# kernels/ring_attention.cu (the attention engine on the persistent template), which reads these
+# tables; this tutorial stays on the CPU.
 
 # %%
 import copy
