@@ -46,6 +46,7 @@ import functools
 import math
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +77,21 @@ QKV = (
     Buffer("k", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
     Buffer("v", "input", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
 )
+# The K/V ring (ring_tasks; the backward declares it too).
+KV_RING = (
+    Buffer(
+        "k_ring",
+        "symmetric",
+        torch.bfloat16,
+        ("ring_rows", "kv_cols"),
+        "W - 1 K slots: the block of step s >= 1 at rows (s - 1) * B * S",
+        when="ranks",
+    ),
+    Buffer(
+        "v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "V slots", when="ranks"
+    ),
+)
+LANDED = Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot")
 SPEC = OpSpec(
     name="ring_attention",
     doc="ring attention forward: K/V blocks travel the ring, online softmax per q tile",
@@ -83,17 +99,7 @@ SPEC = OpSpec(
         *QKV,
         Buffer("out", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("lse", "output", torch.float32, ("lse_rows", "seq"), "[B * Hq, S]"),
-        Buffer(
-            "k_ring",
-            "symmetric",
-            torch.bfloat16,
-            ("ring_rows", "kv_cols"),
-            "W - 1 K slots: the block of step s >= 1 at rows (s - 1) * B * S",
-            when="ranks",
-        ),
-        Buffer(
-            "v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "V slots", when="ranks"
-        ),
+        *KV_RING,
         Buffer(
             "state",
             "symmetric",
@@ -103,9 +109,7 @@ SPEC = OpSpec(
             when="ranks",
         ),
     ),
-    pads=(
-        Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot"),
-    ),
+    pads=(LANDED,),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
 )
 
@@ -178,6 +182,47 @@ def make_plan(
 ) -> Plan:
     """Chains of compute tasks, one per q tile (its (step, K/V chunk) pairs, the masked diagonal
     first), each on one unit in a row; W - 1 slots per rank, so no send waits for a reader."""
+    scalars = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    scalars |= dict(causal=causal, zigzag=zigzag, scale_bits=scale_bits)
+    p = ring_tasks(SPEC, schedule, world, **scalars)
+    tile = TILE_CONFIGS["64x128x64"]  # unused: the attention engine has one tile shape
+    args = (p.shapes, p.sizes, p.tiles, p.compute, p.comm, p.extra)
+    return build_plan(SPEC, p.schedule, world, tile, *args)
+
+
+@dataclass
+class RingTasks:
+    """The ring's plan before ``build_plan`` (``ring_tasks``): per rank its compute and comm tasks
+    in execution order, the tiles, the op's shapes and sizes, the resolved schedule, and for an op
+    that adds to it (the backward) ``readers[r][s]``, rank r's compute tasks of step s."""
+
+    schedule: Schedule
+    compute: list[list[Task]]
+    comm: list[list[Task]]
+    tiles: list[Tile]
+    shapes: dict[str, int]
+    sizes: dict[str, int]
+    extra: dict[str, Any]
+    readers: list[list[int]]
+
+
+def ring_tasks(
+    spec: OpSpec,
+    schedule: Schedule,
+    world: World,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: int,
+    zigzag: int,
+    scale_bits: int = 0,
+) -> RingTasks:
+    """The forward's plan shape for ``spec`` (this op's, or one built on it): the K/V ring (W - 1
+    slots, ``landed`` counted, ``parts`` comm tasks per step) and one compute task per (q tile,
+    K/V chunk of one step), a q tile's tasks on one unit, each unit's rows step-major. ``shapes``
+    and the scalar sizes hold ``spec.scalars``."""
     W, S, D, B, H = world.size, seq, head_dim, batch, heads
     if W > 256 or B * H * 2 >= 1 << (31 - TAG_KEY):
         raise ValueError(
@@ -185,7 +230,7 @@ def make_plan(
             f"tag), got W = {W}, B * Hq = {B * H}"
         )
     if not is_resolved(schedule):  # a direct call (the API resolves first): as build_plan would
-        schedule, _ = resolve(schedule, SPEC.name, world, {})
+        schedule, _ = resolve(schedule, spec.name, world, {})
     C = num_chunks(zigzag, causal, W)
     Sc = S // C
     tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
@@ -279,10 +324,11 @@ def make_plan(
                 rows.append(Task(t, (t,), landed(r, step_of(t)) if t != empty else ()))
         compute.append(rows)
 
-    shapes = dict(batch=B, seq=S, heads=H, kv_heads=kv_heads, head_dim=D, causal=causal) | {
+    scalars = dict(batch=B, seq=S, heads=H, kv_heads=kv_heads, head_dim=D, causal=causal) | {
         "zigzag": zigzag,
         "scale_bits": scale_bits,
     }
+    shapes = {k: scalars[k] for k in spec.scalars}
     sizes = {
         "rows": B * S,
         "q_cols": H * D,
@@ -292,10 +338,9 @@ def make_plan(
         "ring_rows": max(1, W - 1) * B * S,
         "state_rows": B * H * S,
         "state_cols": D + 2,
-    } | {k: v for k, v in shapes.items() if k in SPEC.scalars}
-    tile = TILE_CONFIGS["64x128x64"]  # unused: the attention engine has one tile shape
+    } | shapes
     extra = {"chunks": C, "q_tile": tq, "parts": parts, "sends": sends, "out_tiles": out_tiles}
-    return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
+    return RingTasks(schedule, compute, comm, tiles, shapes, sizes, extra, readers)
 
 
 # -- input checks and the API ---------------------------------------------------------------------
