@@ -2,7 +2,9 @@
 the layout's global positions (computed here, never from mkernel.reference), with a tolerance from
 the bf16 rounding of the results and of the out / lse inputs and fp32 sums; NaN-poisoned outputs;
 pads and the dK/dV workspace back to zero; two calls in a row; autograd through ring_attention
-(out and lse); the reference; bad input named before anything runs; planted protocol mistakes."""
+(out and lse); the reference; the plan is the forward's plus the dK / dV way back; bad input named
+before anything runs; planted protocol mistakes (races on the K/V slots and on dkv_acc, a q tile
+split across units, a dk tile never stored)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import mkernel
 from mkernel.errors import RaceError, TileWriteError
 from mkernel.interp import program, twins
 from mkernel.ops import common
+from mkernel.ops import ring_attention as ra
 from mkernel.ops import ring_attention_backward as rb
 from mkernel.ops.ring_attention import attention, ring_attention
 from mkernel.ops.ring_attention_backward import ring_attention_backward
@@ -285,6 +288,12 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
         assert [(w.pad, w.index) for w in finish.waits] == [(pad, (0,))]
 
 
+def _step(plan, task) -> int | None:
+    """The step of a compute task (its tile's tag); None for an empty task that pads a unit."""
+    tile = plan.tiles[task.args[0]]
+    return ra.unpack_tag(tile.tag)[1] if tile.rows else None
+
+
 def test_every_grad_send_waits_for_all_its_steps_contributions():
     W = 3
     plan = _plan(W, 20, False, "zigzag")
@@ -292,9 +301,40 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
         computes = plan.roles["compute"].tasks[r]
         for t in _comm(plan, r, rb.GRAD):
             s = t.args[0]
-            n = sum(c.args[1] == s for c in computes)
+            n = sum(_step(plan, c) == s for c in computes)
             (w,) = [w for w in t.waits if w.pad == "computed"]
             assert (w.index, w.value) == ((s,), n)
+
+
+@pytest.mark.parametrize(
+    "W, S, causal, layout, sched",
+    [
+        (4, 20, True, "zigzag", dict(overlap="intra_sm", sms=3)),
+        (3, 17, True, "contiguous", dict(overlap="inter_sm", sms=9, chunk_rows=5)),
+        (2, 8, False, "zigzag", dict(overlap="intra_sm", sms=2)),
+        (1, 5, True, "contiguous", dict()),
+    ],
+)
+def test_the_plan_is_the_forwards_plus_the_way_back(W, S, causal, layout, sched):
+    """The forward's compute rows (a q tile's tasks on one unit, step-major: its laws are
+    tests/test_ring_attention.py's), each adding 1 to computed[its step]; the forward's K/V sends,
+    then the grad sends by step, then the finish (the order that cannot deadlock, make_plan)."""
+    back = _plan(W, S, causal, layout, **sched)
+    world = mkernel.World.emulated(W)
+    fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes, scale_bits=0)
+    assert back.tiles == fwd.tiles and back.extra["out_tiles"] == fwd.extra["out_tiles"]
+    assert (back.compute_units, back.comm_units) == (fwd.compute_units, fwd.comm_units)
+    for r in range(W):
+        for b, f in zip(back.roles["compute"].tasks[r], fwd.roles["compute"].tasks[r], strict=True):
+            s = _step(back, b)
+            computed = () if s is None else (("computed", r, (s,), 1, "add"),)
+            assert (b.id, b.args, b.waits) == (f.id, f.args, f.waits)
+            assert [(x.pad, x.rank, x.index, x.value, x.op) for x in b.raises] == list(computed)
+        comm, sends = back.roles["comm"].tasks[r], fwd.roles["comm"].tasks[r]
+        assert comm[: len(sends)] == sends, f"rank {r}: the K/V sends are not the forward's"
+        steps = [t.args[0] for t in comm[len(sends) : -1]]
+        assert all(t.args[1] == rb.GRAD for t in comm[len(sends) : -1]) and steps == sorted(steps)
+        assert comm[-1].args == (0, rb.FINISH)
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -334,8 +374,8 @@ def test_bad_input_is_named_before_anything_runs():
 
 
 def _run(W, S, layout, causal, *, edit=None, calls=1, seed=0):
-    """One fresh backward plan through run_plan as the API runs it; ``edit(tasks)`` changes a deep
-    copy of the tasks ({role: [W][...]})."""
+    """One fresh backward plan through run_plan as the API runs it; ``edit(plan, tasks)`` changes a
+    deep copy of the tasks ({role: [W][...]})."""
     world = mkernel.World.emulated(W)
     q, k, v, dout = _inputs(W, 1, S, 2, 1, seed=seed)
     out, lse = ring_attention(q, k, v, world, causal=causal, layout=layout)
@@ -344,7 +384,7 @@ def _run(W, S, layout, causal, *, edit=None, calls=1, seed=0):
     plan = rb.make_plan(sched, world, **shapes)
     if edit is not None:
         tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
-        edit(tasks)
+        edit(plan, tasks)
         plan = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
     grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
     ws = common.workspace(world, plan)
@@ -363,12 +403,44 @@ def test_the_unchanged_plan_passes_over_two_calls(layout):
 
 
 def _drop(pad: str, rank: int, kind: int, step: int):
-    def edit(tasks):
+    def edit(plan, tasks):
         for t in tasks["comm"][rank]:
             if t.args[:2] == (step, kind):
                 t.waits = tuple(w for w in t.waits if w.pad != pad)
 
     return edit
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_compute_task_without_its_landed_wait_is_a_race_on_the_slot(seed):
+    def edit(plan, tasks):
+        hit = [t for t in tasks["compute"][1] if t.waits]
+        assert hit, "no compute task of rank 1 waits"
+        for t in hit:
+            t.waits = tuple(w for w in t.waits if w.pad != "landed")
+
+    with pytest.raises(RaceError, match="k_ring|v_ring"):
+        _run(3, 20, "contiguous", False, edit=edit, seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_q_tile_split_across_units_loses_its_dq(seed):
+    # unit 0 runs a task of a q tile unit 1 began (and the other way round): the tile's dQ state
+    # is where unit 1 left it, unordered with unit 0's read
+    def later(plan, rows: list, unit: int) -> int:  # the row of unit's first non-first task
+        for i in range(unit, len(rows), plan.compute_units):
+            tile = plan.tiles[rows[i].args[0]]
+            if tile.rows and not ra.unpack_tag(tile.tag)[3]:
+                return i
+        raise AssertionError(f"unit {unit} continues no q tile")
+
+    def edit(plan, tasks):
+        rows = tasks["compute"][0]
+        i, j = later(plan, rows, 0), later(plan, rows, 1)
+        rows[i], rows[j] = rows[j], rows[i]
+
+    with pytest.raises(AssertionError, match="continues a q tile"):
+        _run(3, 20, "contiguous", False, edit=edit, seed=seed)
 
 
 @pytest.mark.parametrize("seed", range(2))

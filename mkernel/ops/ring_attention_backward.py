@@ -1,7 +1,8 @@
 """Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
 Function that makes ``ring_attention`` differentiable. Fused in the CPU interpreter only
-(``SPEC.device`` is False), on top of the forward's plan (mkernel/ops/ring_attention.py); in an
-emulated world on a GPU it runs unfused on the backward engine (ring_attention_gpu.backward).
+(``SPEC.device`` is False), on the forward's plan shape (mkernel/ops/ring_attention.py,
+``ring_tasks``); in an emulated world on a GPU it runs unfused on the backward engine
+(ring_attention_gpu.backward).
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -9,16 +10,19 @@ Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, 
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = scale dS K;  dK = scale dS^T Q
     dq_r, dk_r, dv_r = those rows of rank r (GQA: dK, dV summed over the q heads of a K/V head)
 
-Per (q tile, K/V tile), FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T -
-lse)), delta = rowsum(dO * O) once per q tile, all in fp32.
+Per (q tile, K/V chunk), FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T -
+lse)), delta = rowsum(dO * O) - dlse once per q tile, all in fp32.
 
-Protocol (docs/ring_attention.md, "Backward"): the forward's ring, unchanged: K/V blocks travel
-r -> r+1 into double-buffered slots (``landed`` / ``free``), compute task (q tile t, step s, K/V
-tile j) waits ``landed[s]`` and ``merged[t, s, j]`` (the tile's dQ accumulator and delta, chained
-as the forward chains its softmax state). What is new is the way back of dK / dV:
+Protocol (docs/ring_attention.md, "Backward"): the forward's plan, unchanged: the K/V blocks travel
+the ring into W - 1 slots per rank (``landed`` counted, ``parts`` comm tasks per step, no
+``free``); a compute task is one (q tile, K/V chunk of one step) pair that waits ``landed[s]`` (s
+> 0); a unit runs its q tiles' tasks step-major, all of one q tile's tasks on that unit, which
+keeps the tile's fp32 dQ accumulator and delta in the ``state`` workspace between them (program
+order: no signal); the tile's first task computes delta, its last stores dq once in bf16. What is
+new is the way back of dK / dV:
 
-- compute (t, s, j) reduce-adds its fp32 dK, dV contributions into ``dkv_acc`` slot s on its own
-  rank (adds commute: no order among them) and adds 1 to ``computed[s]``;
+- compute (q tile, step s, K/V chunk) reduce-adds its fp32 dK, dV contributions into ``dkv_acc``
+  slot s on its own rank (adds commute: no order among them) and adds 1 to ``computed[s]``;
 - grad (step s) on rank r waits ``computed[s]`` (all of r's contributions to the block it holds)
   and, s > 0, ``dlanded[s]`` (the partial of the previous holders, reduce-added into the same
   slot by rank r-1); it reads the slot, zeroes it (workspace back to zero for the next call) and
@@ -27,8 +31,11 @@ as the forward chains its softmax state). What is new is the way back of dK / dV
 - finish on each rank waits ``dlanded[0]`` (or, when no other rank uses its block, its own
   ``computed[0]``), reads slot 0, zeroes it and stores dk, dv once in bf16.
 
-One ``dkv_acc`` slot per step (W slots): a slot is used once per call, so the partials need no
-``free`` signal; the next call's adds are ordered after this call's zeroing by the entry barrier.
+A comm task's args: a K/V send's are the forward's (s, part, row0, rows), part < ``GRAD``; a grad
+send's (s, GRAD), the finish's (0, FINISH). A rank's comm tasks: its K/V sends (the forward's, in
+the same rows), then its grad sends by step, then its finish. One ``dkv_acc`` slot per step (W
+slots): a slot is used once per call, so the partials need no ``free`` signal; the next call's
+adds are ordered after this call's zeroing by the entry barrier.
 
     W = 3, contiguous, causal (rank r holds B0..Br); g = the grad send of a partial; +in: the
     previous holders' partial, added into the same slot
@@ -38,14 +45,14 @@ One ``dkv_acc`` slot per step (W slots): a slot is used once per call, so the pa
     rank 2:   q2.B2 (own; finish:       q2.B1 (+in); g -> r1 slot 0  q2.B0 (+in); g -> r0 slot 0
               computed[0])
 
-GPU mapping (not built): as the forward, a CTA owns a q tile (dQ in registers); its dK / dV
-contributions go out with red.global.add (or a per-CTA reduction first); the comm role's grad
-send is cp.reduce.async.bulk .add into the peer's slot.
+GPU mapping (not built): as the forward's kernel runs its plan, a unit's q tile keeps dQ and
+delta in registers within a step's run and in ``state`` between steps; its dK / dV contributions
+go out with red.global.add (or a per-CTA reduction first); the comm role's grad send is
+cp.reduce.async.bulk .add into the peer's slot.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 from typing import Any
@@ -58,9 +65,9 @@ from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..world import World
 from . import common
 from . import ring_attention as fwd
-from . import ring_two_slots as ring
 
-KV_SEND, GRAD, FINISH = 0, 1, 2  # comm task kinds (args[1])
+# comm args[1] beyond a K/V send's part: a grad send, the finish
+GRAD, FINISH = fwd.MAX_PARTS, fwd.MAX_PARTS + 1
 SPEC = OpSpec(
     name="ring_attention_backward",
     doc="ring attention backward: K/V travel the ring, fp32 dK/dV partials travel with them",
@@ -73,9 +80,13 @@ SPEC = OpSpec(
         Buffer("dq", "output", torch.bfloat16, ("rows", "q_cols"), "[B * S, Hq * D]"),
         Buffer("dk", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
         Buffer("dv", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
-        *ring.KV_RING,
+        *fwd.KV_RING,
         Buffer(
-            "state", "symmetric", torch.float32, ("state_rows", "state_cols"), "dQ acc [D], delta"
+            "state",
+            "symmetric",
+            torch.float32,
+            ("state_rows", "state_cols"),
+            "per q row between a tile's tasks: dQ acc [D] (fp32), delta",
         ),
         Buffer(
             "dkv_acc",
@@ -86,13 +97,7 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        *ring.RING_PADS,
-        Pad(
-            "merged",
-            ("qtile", "step", "kv"),
-            ("qtiles", "W", "kv_tiles"),
-            doc="the q tile's dQ accumulator is ready for K/V tile kv of step's block",
-        ),
+        fwd.LANDED,
         Pad("computed", ("step",), ("W",), doc="my compute tasks of step added their dK, dV"),
         Pad(
             "dlanded",
@@ -120,58 +125,59 @@ def make_plan(
     causal: int,
     zigzag: int,
 ) -> Plan:
-    """The forward's plan (its K/V ring, its compute tasks and their ``merged`` chain), each compute
-    task also raising ``computed``, plus the grad sends and a finish per rank."""
+    """The forward's plan (``ring_tasks``: its K/V ring, its compute tasks, a q tile's on one unit),
+    each compute task also raising ``computed``, plus the grad sends and a finish per rank.
+
+    NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a K/V send of step s
+    (0, s), a compute task of step s (1, s), a grad send of step s (2, s), the finish (3, 0). Each
+    wait is for tasks of a smaller key: a K/V send of step s waits ``landed[s]`` (K/V sends of
+    s - 1 on r - 1), a compute task of step s the same, a grad send of step s ``computed[s]``
+    (compute tasks of step s) and ``dlanded[s]`` (the grad send of s - 1 on r - 1), the finish
+    grad sends or compute tasks of step 0. Each unit runs its tasks in non-decreasing key order:
+    a compute unit only compute tasks, step-major (empty ones wait for nothing); a comm unit
+    takes rows u, u + units, ... of K/V sends by step, then grad sends by step, then the finish.
+    So the waiting task of least key waits only for tasks that are done or that are first in
+    their unit's queue with nothing blocked before them: they run, and every task ends."""
     W = world.size
-    tile_rows = schedule.chunk_rows or ring.Q_TILE
-    f = ring.ring_parts(W, tile_rows, batch, seq, heads, kv_heads, head_dim, causal, zigzag)
-    ex = f.extra
-    sends, steps = ex["sends"], ex["steps"]
+    scalars = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    p = fwd.ring_tasks(SPEC, schedule, world, **scalars, causal=causal, zigzag=zigzag)
+    sends, readers = p.extra["sends"], p.readers
     # holds[r][s]: rank r holds a block at step s (its own at 0, else one its predecessor sent)
     holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
-    n_tasks = [[sum(p[0] == s for st in steps[r] for p in st) for s in range(W)] for r in range(W)]
 
-    compute = []
-    for r, tasks in enumerate(f.compute):
-        done = []
-        for t in copy.deepcopy(tasks):
-            s = t.args[1]
-            t.raises = t.raises + (Raise("computed", r, (s,), op="add"),)
-            done.append(t)
-        compute.append(done)
+    for r, tasks in enumerate(p.compute):
+        for t in tasks:
+            tile = p.tiles[t.args[0]]
+            if tile.rows:  # not an empty task that pads a unit
+                step = fwd.unpack_tag(tile.tag)[1]
+                t.raises = t.raises + (Raise("computed", r, (step,), op="add"),)
 
     def computed(r: int, s: int) -> tuple[Wait, ...]:
-        n = n_tasks[r][s]
+        n = readers[r][s]
         return (Wait("computed", r, (s,), value=n),) if n else ()
 
-    comm = []
-    for r in range(W):
+    first_id = W * p.extra["parts"]  # after the K/V sends' ids
+    for r, tasks in enumerate(p.comm):
         nxt = (r + 1) % W
-        kv = {t.args[0]: t for t in f.comm[r]}
-        tasks = []
         for s in range(W):
-            if s in kv:
-                t = kv[s]
-                tasks.append(Task(KV_SEND * (W + 1) + s, (s, KV_SEND), t.waits, t.raises))
             if not holds[r][s] or (s == 0 and 0 not in sends[r]):
                 continue  # nothing held, or my own block that nobody else uses: finish has it
             waits = computed(r, s) + ((Wait("dlanded", r, (s,)),) if s else ())
             on = s in sends[r]
             dest = Raise("dlanded", nxt, (s + 1,)) if on else Raise("dlanded", (r - s) % W, (0,))
-            tasks.append(Task(GRAD * (W + 1) + s, (s, GRAD), waits, (dest,)))
+            tasks.append(Task(first_id + s, (s, GRAD), waits, (dest,)))
         home = (Wait("dlanded", r, (0,)),) if 0 in sends[r] else computed(r, 0)
-        tasks.append(Task(FINISH * (W + 1), (0, FINISH), home, ()))
-        comm.append(tasks)
+        tasks.append(Task(first_id + W, (0, FINISH), home, ()))
 
-    sizes = f.sizes | {
-        "state_rows": batch * heads * seq,
+    sizes = p.sizes | {
         "state_cols": head_dim + 1,
         "acc_rows": W * batch * seq,
         "acc_cols": 2 * kv_heads * head_dim,
     }
-    extra = {k: ex[k] for k in ("qtiles", "kv_tiles", "steps", "sends")} | {"holds": holds}
+    extra = p.extra | {"holds": holds}
     tile = TILE_CONFIGS["64x128x64"]  # unused: this op has no device kernel
-    return build_plan(SPEC, schedule, world, tile, f.shapes, sizes, f.tiles, compute, comm, extra)
+    args = (p.shapes, sizes, p.tiles, p.compute, p.comm, extra)
+    return build_plan(SPEC, p.schedule, world, tile, *args)
 
 
 # -- input checks and the API ---------------------------------------------------------------------
@@ -335,73 +341,84 @@ def operands(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> dict[str,
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
     S, D, H, Hkv = z["seq"], z["head_dim"], z["heads"], z["kv_heads"]
-    BS, C = z["batch"] * S, Hkv * D  # rows of a block, columns of dK (dV follows)
+    BS, KC = z["batch"] * S, Hkv * D  # rows of a block, columns of dK (dV follows)
+    C = plan.extra["chunks"]
+    Sc = S // C
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qtiles, kv_tiles, steps = plan.extra["qtiles"], plan.extra["kv_tiles"], plan.extra["steps"]
-    sends = plan.extra["sends"]
+    sends, out_tiles = plan.extra["sends"], plan.extra["out_tiles"]
+    tile_of = {x: t for t, x in enumerate(out_tiles)}  # (b, h, row0, rows) -> its dq tile
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
-    kv_send = ring.kv_send_twin(plan)  # the two-slot K/V ring
+    kv_send = fwd.twins_of(plan)["comm"]  # the forward's K/V ring
+    owner: dict[tuple[int, int, int, int], int] = {}  # (call, rank, key, m0) -> its unit
 
-    def block(s: int) -> tuple[str, str, int]:
-        return ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s % 2) * BS)
-
-    def compute(ctx, task):  # one (q tile, K/V tile): dQ into the chain, dK / dV into slot s
-        t, s, j = task.args[:3]
-        b, h, r0, n = qtiles[t]
-        k0, kn = kv_tiles[j]
-        hk = h // (H // Hkv)
-        q_rect = (b * S + r0, n, h * D, D)
-        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)
+    def compute(ctx, task):  # one (q tile, K/V chunk): dQ into the state, dK / dV into slot s
+        tile = plan.tiles[task.args[0]]
+        if tile.rows == 0:  # an empty task that pads the unit's rows
+            return
+        key, s, _, first, last = fwd.unpack_tag(tile.tag)
+        bh, cq = divmod(key, C)
+        b, h = divmod(bh, H)
+        hk, k0 = h // (H // Hkv), (tile.n0 % C) * Sc
+        q0, n = cq * Sc + tile.m0, tile.rows
+        q_rect = (b * S + q0, n, h * D, D)
+        qv = (yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)).float()
         do = (yield from twins.tile_load_async(ctx, "dout", ctx.rank, q_rect)).float()
-        kb, vb, base = block(s)
-        kv_rect = (base + b * S + k0, kn, hk * D, D)
+        kb, vb, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
+        kv_rect = (base + b * S + k0, Sc, hk * D, D)
         kt = (yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)).float()
         vt = (yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)).float()
-        lse_rect = (b * H + h, 1, r0, n)
+        lse_rect = (b * H + h, 1, q0, n)
         lse = (yield from twins.tile_load_async(ctx, "lse", ctx.rank, lse_rect))[0]
-        st_rect = ((b * H + h) * S + r0, n, 0, D + 1)
-        mine = steps[ctx.rank][t]
-        if (s, j) == mine[0]:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
+        st_rect = ((b * H + h) * S + q0, n, 0, D + 1)
+        mine = (ctx.call, ctx.rank, key, tile.m0)
+        if first:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
+            owner[mine] = ctx.agent.unit
             o = yield from twins.tile_load_async(ctx, "out", ctx.rank, q_rect)
             dlse = yield from twins.tile_load_async(ctx, "dlse", ctx.rank, lse_rect)
             state = torch.zeros(n, D + 1)
             state[:, D] = (do * o.float()).sum(dim=1) - dlse[0]
         else:
+            if owner.get(mine) != ctx.agent.unit:  # a kernel would reload what it stored
+                raise AssertionError(
+                    f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile "
+                    f"that unit {owner.get(mine)} began (a plan keeps a q tile on one unit)"
+                )
             state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
-        scores = (qv.float() @ kt.T) * scale  # [n, kn]
+        scores = (qv @ kt.T) * scale  # [n, Sc]
         if z["causal"]:
-            keys = pos[(ctx.rank - s) % W][k0 : k0 + kn]
-            future = keys[None, :] > pos[ctx.rank][r0 : r0 + n, None]
+            keys = pos[(ctx.rank - s) % W][k0 : k0 + Sc]
+            future = keys[None, :] > pos[ctx.rank][q0 : q0 + n, None]
             scores = scores.masked_fill(future, -math.inf)
-        dq, dk, dv = grads(scores, lse, do, qv.float(), kt, vt, state[:, D], scale)
+        dq, dk, dv = grads(scores, lse, do, qv, kt, vt, state[:, D], scale)
         state[:, :D] += dq
-        acc = (s * BS + b * S + k0, kn)
+        acc = (s * BS + b * S + k0, Sc)
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, hk * D, D), dk)
-        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, C + hk * D, D), dv)
-        if (s, j) != mine[-1]:
+        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, KC + hk * D, D), dv)
+        if not last:
             yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
             return
+        t = tile_of[(b, h, q0, n)]
         yield from twins.output_store(ctx, "dq", ctx.rank, q_rect, state[:, :D].bfloat16(), t)
 
     def comm(ctx, task):
         s, kind = task.args[:2]
-        if kind == KV_SEND:
+        if kind < GRAD:  # a part of the K/V block of step s (the forward's comm task)
             yield from kv_send(ctx, task)
             return
-        slot = (s * BS, BS, 0, 2 * C)
+        slot = (s * BS, BS, 0, 2 * KC)
         part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, slot)
         yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, slot, torch.zeros_like(part))
         if kind == GRAD:  # on to the next holder, or home to the block's owner (slot 0)
             on = s in sends[ctx.rank]
             dst, row = ((ctx.rank + 1) % W, (s + 1) * BS) if on else ((ctx.rank - s) % W, 0)
-            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row, BS, 0, 2 * C), part)
+            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row, BS, 0, 2 * KC), part)
             return
-        T, n = len(qtiles), z["batch"] * Hkv  # FINISH: my block's gradient, once in bf16
+        T, n = len(out_tiles), z["batch"] * Hkv  # FINISH: my block's gradient, once in bf16
         for i in range(n):
             b, hk = divmod(i, Hkv)
             rows, cols = slice(b * S, (b + 1) * S), hk * D
             rect = (b * S, S, cols, D)
-            dk, dv = part[rows, cols : cols + D], part[rows, C + cols : C + cols + D]
+            dk, dv = part[rows, cols : cols + D], part[rows, KC + cols : KC + cols + D]
             yield from twins.output_store(ctx, "dk", ctx.rank, rect, dk.bfloat16(), T + i)
             yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv.bfloat16(), T + n + i)
 
@@ -423,7 +440,7 @@ def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, i
     tiles (a sequence x one K/V head), numbered after the q tiles."""
     S, D = plan.shapes["seq"], plan.shapes["head_dim"]
     Hkv, B = plan.shapes["kv_heads"], plan.shapes["batch"]
-    qtiles = plan.extra["qtiles"]
+    qtiles = plan.extra["out_tiles"]
     T, n = len(qtiles), B * Hkv
     kv = {i: (i // Hkv * S, S, i % Hkv * D, D) for i in range(n)}
     return {
