@@ -136,8 +136,10 @@ def make_plan(
     grad sends or compute tasks of step 0. Each unit runs its tasks in non-decreasing key order:
     a compute unit only compute tasks, step-major (empty ones wait for nothing); a comm unit
     takes rows u, u + units, ... of K/V sends by step, then grad sends by step, then the finish.
-    So the waiting task of least key waits only for tasks that are done or that are first in
-    their unit's queue with nothing blocked before them: they run, and every task ends."""
+    Were the run stalled (each unfinished unit's head task waiting), take the waiting head t of
+    least key: t waits for an unfinished t' of smaller key; the head h of t''s unit has key(h) <=
+    key(t') < key(t) and waits too: a contradiction. (The K/V sends first also keep the ring from
+    waiting behind compute.)"""
     W = world.size
     scalars = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     p = fwd.ring_tasks(SPEC, schedule, world, **scalars, causal=causal, zigzag=zigzag)
