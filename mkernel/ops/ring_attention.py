@@ -180,8 +180,7 @@ def make_plan(
     zigzag: int,
     scale_bits: int = 0,
 ) -> Plan:
-    """Chains of compute tasks, one per q tile (its (step, K/V chunk) pairs, the masked diagonal
-    first), each on one unit in a row; W - 1 slots per rank, so no send waits for a reader."""
+    """The op's plan: ``ring_tasks`` (the module docstring's protocol) on this op's SPEC."""
     scalars = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     scalars |= dict(causal=causal, zigzag=zigzag, scale_bits=scale_bits)
     p = ring_tasks(SPEC, schedule, world, **scalars)
