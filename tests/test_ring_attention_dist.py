@@ -120,3 +120,17 @@ def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, l
         got = ring_attention_gpu.backward(dout, q, k, v, out, lse, dlse, causal, SCALE, zigzag)
     what = f"emulated gpu path W={W} {layout} causal={causal}"
     _assert_grads(got, q, k, v, dout, out, lse, causal, SCALE, layout, what, dlse)
+
+
+@pytest.mark.parametrize("op", ["ring_attention", "gemm_rs", "all_gather"])
+def test_a_distributed_cpu_world_is_refused_by_name(op):
+    """The interpreter runs emulated worlds; a distributed world runs on GPUs: on the CPU every
+    fused op says so before anything runs (not a symmetric-memory or reshape error)."""
+    import mkernel
+
+    world = World(size=2, device=torch.device("cpu"), kind="distributed", rank=0)
+    x = torch.randn(8, 8).bfloat16()
+    q = torch.randn(1, 8, 2, 64).bfloat16()
+    args = {"ring_attention": (q, q, q), "gemm_rs": (x, x), "all_gather": (x,)}[op]
+    with pytest.raises(NotImplementedError, match="emulated worlds"):
+        getattr(mkernel, op)(*args, world)

@@ -33,7 +33,7 @@ def check_world(world: Any) -> World:
 
 def check_world_for(spec: OpSpec, world: Any) -> World:
     """check_world, and for an op with no device kernel yet (``spec.device`` False) a CPU emulated
-    world: its plan runs only in the interpreter."""
+    world: its plan runs only in the interpreter; any op on a CPU world: an emulated one."""
     world = check_world(world)
     if not spec.device and world.on_gpu:
         raise NotImplementedError(
@@ -42,6 +42,11 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
         )
     if not spec.device and not world.emulated_world:
         raise NotImplementedError(f"{spec.name} runs in emulated worlds only (World.emulated(W))")
+    if not world.on_gpu and not world.emulated_world:
+        raise NotImplementedError(
+            f"{spec.name} on the CPU runs in the interpreter, which runs emulated worlds "
+            "(World.emulated(W)); a distributed world runs on GPUs (one process per GPU)"
+        )
     return world
 
 
