@@ -522,11 +522,71 @@ def attention(
 # -- CPU interpreter: the data-movement twins (the engine's and the comm role's) -------------------
 
 
+@dataclass(frozen=True)
+class TaskView:
+    """A compute task's tile decoded for a twin (the forward's and the backward's): its q tile
+    (batch, head, kv head, first local row, rows, index of its out / dq tile), its step, where
+    its K/V chunk is (buffers, rect of the rank's rows), and its place in the tile's tasks."""
+
+    key: int
+    m0: int
+    step: int
+    first: bool
+    last: bool
+    b: int
+    h: int
+    hk: int
+    q0: int
+    rows: int
+    out_tile: int
+    k_buf: str
+    v_buf: str
+    kv_rect: tuple[int, int, int, int]
+    k0: int  # first row of the K/V chunk within its block
+
+
+def task_view(plan: Plan, tile: Tile) -> TaskView:
+    z = plan.shapes
+    S, D, H, B = z["seq"], z["head_dim"], z["heads"], z["batch"]
+    C, tq = plan.extra["chunks"], plan.extra["q_tile"]
+    Sc = S // C
+    key, s, _, first, last = unpack_tag(tile.tag)
+    bh, cq = divmod(key, C)
+    b, h = divmod(bh, H)
+    hk, k0 = h // (H // z["kv_heads"]), (tile.n0 % C) * Sc
+    k_buf, v_buf, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * B * S)
+    out_tile = key * -(-Sc // tq) + tile.m0 // tq  # outputs()'s order: (b, h, chunk, q tile)
+    kv_rect = (base + b * S + k0, Sc, hk * D, D)
+    q0 = cq * Sc + tile.m0
+    return TaskView(key, tile.m0, s, first, last, b, h, hk, q0, tile.rows, out_tile, k_buf, v_buf,
+                    kv_rect, k0)  # fmt: skip
+
+
+def keep_on_unit(owner: dict, ctx, task, v: TaskView) -> None:
+    """The q tile's first task claims it for its unit; a later one must run on that unit, which
+    holds the tile's state (the engine's threads reload what they stored)."""
+    mine = (ctx.call, ctx.rank, v.key, v.m0)
+    if v.first:
+        owner[mine] = ctx.agent.unit
+    elif owner.get(mine) != ctx.agent.unit:
+        raise AssertionError(
+            f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile that unit "
+            f"{owner.get(mine)} began (a plan keeps a q tile on one unit)"
+        )
+
+
+def mask_future(scores: torch.Tensor, pos: list[torch.Tensor], rank: int, v: TaskView):
+    """Causal: -inf where the key's global position lies after the query's."""
+    W = len(pos)
+    keys = pos[(rank - v.step) % W][v.k0 : v.k0 + scores.shape[1]]
+    future = keys[None, :] > pos[rank][v.q0 : v.q0 + v.rows, None]
+    return scores.masked_fill(future, -math.inf)
+
+
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
     S, D, H, Hkv, B = z["seq"], z["head_dim"], z["heads"], z["kv_heads"], z["batch"]
-    C = plan.extra["chunks"]
-    Sc, BS = S // C, B * S
+    BS, T = B * S, len(plan.extra["out_tiles"])
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = [positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
     owner: dict[tuple[int, int, int, int], int] = {}  # (call, rank, key, m0) -> its unit
@@ -535,43 +595,29 @@ def twins_of(plan: Plan, scale: float | None = None):
         tile = plan.tiles[task.args[0]]
         if tile.rows == 0:  # an empty task that pads the unit's rows
             return
-        key, s, _, first, last = unpack_tag(tile.tag)
-        bh, cq = divmod(key, C)
-        b, h = divmod(bh, H)
-        ck = tile.n0 % C
-        q0, n = cq * Sc + tile.m0, tile.rows
-        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, (b * S + q0, n, h * D, D))
-        kb, vb, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
-        kv_rect = (base + b * S + ck * Sc, Sc, (h // (H // Hkv)) * D, D)
-        kt = yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)
-        vt = yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)
-        st_rect = ((b * H + h) * S + q0, n, 0, D + 2)
-        mine = (ctx.call, ctx.rank, key, tile.m0)
-        if first:
-            owner[mine] = ctx.agent.unit
+        v = task_view(plan, tile)
+        n, q_rect = v.rows, (v.b * S + v.q0, v.rows, v.h * D, D)
+        qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)
+        kt = yield from twins.tile_load_async(ctx, v.k_buf, ctx.rank, v.kv_rect)
+        vt = yield from twins.tile_load_async(ctx, v.v_buf, ctx.rank, v.kv_rect)
+        st_rect = ((v.b * H + v.h) * S + v.q0, n, 0, D + 2)
+        keep_on_unit(owner, ctx, task, v)
+        if v.first:
             state = torch.zeros(n, D + 2)
             state[:, D] = -math.inf
         else:
-            if owner.get(mine) != ctx.agent.unit:  # the engine's threads reload what they stored
-                raise AssertionError(
-                    f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile "
-                    f"that unit {owner.get(mine)} began (a plan keeps a q tile on one unit)"
-                )
             state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
         scores = (qv.float() @ kt.float().T) * scale  # [n, Sc]
         if z["causal"]:
-            keys = pos[(ctx.rank - s) % W][ck * Sc : (ck + 1) * Sc]
-            future = keys[None, :] > pos[ctx.rank][q0 : q0 + n, None]
-            scores = scores.masked_fill(future, -math.inf)
+            scores = mask_future(scores, pos, ctx.rank, v)
         state = merge(state, scores, vt.float())
-        if not last:
+        if not v.last:
             yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
             return
         out, lse = finish(state)
-        t = plan.extra["out_tiles"].index((b, h, q0, n))
-        yield from twins.output_store(ctx, "out", ctx.rank, (b * S + q0, n, h * D, D), out, t)
-        lse_rect = (b * H + h, 1, q0, n)
-        T = len(plan.extra["out_tiles"])
+        t = v.out_tile
+        yield from twins.output_store(ctx, "out", ctx.rank, q_rect, out, t)
+        lse_rect = (v.b * H + v.h, 1, v.q0, n)
         yield from twins.output_store(ctx, "lse", ctx.rank, lse_rect, lse[None], T + t)
 
     def comm(ctx, task):  # rows [r0, r0 + n) of the block of step s into slot s + 1 of rank r + 1

@@ -344,11 +344,8 @@ def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
     S, D, H, Hkv = z["seq"], z["head_dim"], z["heads"], z["kv_heads"]
     BS, KC = z["batch"] * S, Hkv * D  # rows of a block, columns of dK (dV follows)
-    C = plan.extra["chunks"]
-    Sc = S // C
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     sends, out_tiles = plan.extra["sends"], plan.extra["out_tiles"]
-    tile_of = {x: t for t, x in enumerate(out_tiles)}  # (b, h, row0, rows) -> its dq tile
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
     kv_send = fwd.twins_of(plan)["comm"]  # the forward's K/V ring
     owner: dict[tuple[int, int, int, int], int] = {}  # (call, rank, key, m0) -> its unit
@@ -357,50 +354,37 @@ def twins_of(plan: Plan, scale: float | None = None):
         tile = plan.tiles[task.args[0]]
         if tile.rows == 0:  # an empty task that pads the unit's rows
             return
-        key, s, _, first, last = fwd.unpack_tag(tile.tag)
-        bh, cq = divmod(key, C)
-        b, h = divmod(bh, H)
-        hk, k0 = h // (H // Hkv), (tile.n0 % C) * Sc
-        q0, n = cq * Sc + tile.m0, tile.rows
+        v = fwd.task_view(plan, tile)
+        b, h, hk, q0, n, s = v.b, v.h, v.hk, v.q0, v.rows, v.step
         q_rect = (b * S + q0, n, h * D, D)
         qv = (yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)).float()
         do = (yield from twins.tile_load_async(ctx, "dout", ctx.rank, q_rect)).float()
-        kb, vb, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
-        kv_rect = (base + b * S + k0, Sc, hk * D, D)
-        kt = (yield from twins.tile_load_async(ctx, kb, ctx.rank, kv_rect)).float()
-        vt = (yield from twins.tile_load_async(ctx, vb, ctx.rank, kv_rect)).float()
+        kt = (yield from twins.tile_load_async(ctx, v.k_buf, ctx.rank, v.kv_rect)).float()
+        vt = (yield from twins.tile_load_async(ctx, v.v_buf, ctx.rank, v.kv_rect)).float()
         lse_rect = (b * H + h, 1, q0, n)
         lse = (yield from twins.tile_load_async(ctx, "lse", ctx.rank, lse_rect))[0]
         st_rect = ((b * H + h) * S + q0, n, 0, D + 1)
-        mine = (ctx.call, ctx.rank, key, tile.m0)
-        if first:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
-            owner[mine] = ctx.agent.unit
+        fwd.keep_on_unit(owner, ctx, task, v)
+        if v.first:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
             o = yield from twins.tile_load_async(ctx, "out", ctx.rank, q_rect)
             dlse = yield from twins.tile_load_async(ctx, "dlse", ctx.rank, lse_rect)
             state = torch.zeros(n, D + 1)
             state[:, D] = (do * o.float()).sum(dim=1) - dlse[0]
         else:
-            if owner.get(mine) != ctx.agent.unit:  # a kernel would reload what it stored
-                raise AssertionError(
-                    f"rank {ctx.rank} unit {ctx.agent.unit}: task {task.id} continues a q tile "
-                    f"that unit {owner.get(mine)} began (a plan keeps a q tile on one unit)"
-                )
             state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
         scores = (qv @ kt.T) * scale  # [n, Sc]
         if z["causal"]:
-            keys = pos[(ctx.rank - s) % W][k0 : k0 + Sc]
-            future = keys[None, :] > pos[ctx.rank][q0 : q0 + n, None]
-            scores = scores.masked_fill(future, -math.inf)
+            scores = fwd.mask_future(scores, pos, ctx.rank, v)
         dq, dk, dv = grads(scores, lse, do, qv, kt, vt, state[:, D], scale)
         state[:, :D] += dq
-        acc = (s * BS + b * S + k0, Sc)
+        acc = (s * BS + b * S + v.k0, scores.shape[1])
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, hk * D, D), dk)
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, KC + hk * D, D), dv)
-        if not last:
+        if not v.last:
             yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
             return
-        t = tile_of[(b, h, q0, n)]
-        yield from twins.output_store(ctx, "dq", ctx.rank, q_rect, state[:, :D].bfloat16(), t)
+        dq_out = state[:, :D].bfloat16()
+        yield from twins.output_store(ctx, "dq", ctx.rank, q_rect, dq_out, v.out_tile)
 
     def comm(ctx, task):
         s, kind = task.args[:2]
