@@ -1,6 +1,6 @@
-"""What the distributed checks of the unfused GPU paths (check_ring_attention.py, check_moe.py)
-share: this process's World (its GPU chosen before NCCL starts) and one PASS / FAIL line per check
-that every rank agrees on (a failure on any rank fails the line)."""
+"""What the distributed checks share: this process's World (its GPU chosen before NCCL starts),
+one PASS / FAIL line per check that every rank agrees on (a failure on any rank fails the line)
+(check_ring_attention.py, check_moe.py), and a relative error (those and check_ops.py)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,9 @@ def report(world: mkernel.World, ok: bool, line: str) -> bool:
     if world.rank == 0:
         print(f"{'FAIL' if failed else 'PASS'} {line}", flush=True)
     return failed
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (on the CPU, in fp32)."""
+    got, want = got.float().cpu(), want.float().cpu()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))

@@ -25,12 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import mkernel  # noqa: E402
-from tests.distributed._common import report, start  # noqa: E402
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float().cpu(), want.float().cpu()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+from tests.distributed._common import rel_err, report, start  # noqa: E402
 
 
 def check(world, W: int, rank: int, layout: str, causal: bool, seed: int) -> tuple[bool, str]:
