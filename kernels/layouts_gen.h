@@ -130,6 +130,7 @@ struct Layout {
 // ring_attention: ring attention forward: K/V blocks travel the ring, online softmax per q tile
 namespace ring_attention {
 enum Pad : int { kPadBarrier = 0, kPadLanded = 1, kPadLandedCount = 2 };
+constexpr int kTagKey = 11;
 struct Layout {
   RankPtr<const __nv_bfloat16> q;  // [rows, q_cols] input: [B * S, Hq * D]
   RankPtr<const __nv_bfloat16> k;  // [rows, kv_cols] input: [B * S, Hkv * D]

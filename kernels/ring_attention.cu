@@ -34,7 +34,10 @@ struct RingTask {
   int step, key;         // ring step; (b * Hq + h) * C + q chunk
   bool diag, first, last;
 };
-constexpr int kRingTagKey = 11;  // mkernel/ops/ring_attention.py TAG_KEY (step: 8 bits)
+// The tag's fields (mkernel/ops/ring_attention.py pack_tag): diag, first, last in bits 0..2, the
+// step up to kTagKey, the q tile's key above.
+constexpr int kTagKey = spec::ring_attention::kTagKey;
+constexpr int kStepMask = (1 << (kTagKey - 3)) - 1;
 
 // A unit's work, in the plan's order (step-major): a work item is a run of one q tile's tasks of
 // one step (zigzag: both K / V chunks of a block), its kv tiles those of each task in turn. An
@@ -156,9 +159,9 @@ struct RingAttnEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0,        tile.rows,        tile.n0,
-                tile.cols,      (tag >> 3) & 255, tag >> kRingTagKey,
-                (tag & 1) != 0, (tag & 2) != 0,   (tag & 4) != 0};
+    return Task{
+        tile.m0,        tile.rows,      tile.n0,        tile.cols,     (tag >> 3) & kStepMask,
+        tag >> kTagKey, (tag & 1) != 0, (tag & 2) != 0, (tag & 4) != 0};
   }
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {

@@ -80,6 +80,7 @@ def _spec(name: str) -> P.OpSpec:
 def _layout(spec: P.OpSpec) -> str:
     lines = [f"// {spec.name}: {spec.doc}\n" if spec.doc else "", f"namespace {spec.name} {{\n"]
     lines.append(_enum("Pad", [p.name for p in spec.all_pads()], "pad_"))
+    lines.extend(f"constexpr int {_camel(n)} = {v};\n" for n, v in spec.constants)
     lines.append("struct Layout {\n")
     for b in spec.buffers:
         ctype = P._CTYPES[b.dtype]

@@ -135,6 +135,9 @@ class OpSpec:
     # False: the op has no device kernel yet (no kernels/<op>.cu); it runs in the CPU interpreter,
     # and a call on a GPU world raises before anything runs.
     device: bool = True
+    # Named int constants the op's plan and its device code share (an encoding's field widths):
+    # emitted into kernels/layouts_gen.h as spec::<op>::k<Name>, so neither side restates them.
+    constants: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         # NOTE: the pad and buffer limits are the launch record's; an op without a kernel

@@ -133,3 +133,17 @@ def test_broken_hook_contract_fails_with_a_readable_message(tmp_path):
     )
     assert res.returncode != 0
     assert "Op needs 'static __device__ void comm_move(" in res.stdout + res.stderr
+
+
+def test_an_ops_constants_are_emitted_in_its_namespace():
+    """OpSpec.constants reach the device side once, from the Python value (ring attention's tag
+    layout: the plan packs with TAG_KEY, the kernel decodes with spec::ring_attention::kTagKey)."""
+    from mkernel import codegen
+    from mkernel.ops import ring_attention as ra
+
+    text = codegen.layouts_header()
+    ns = text[text.index("namespace ring_attention {") :]
+    assert f"constexpr int kTagKey = {ra.TAG_KEY};" in ns[: ns.index("struct Layout")]
+    assert ra.unpack_tag(ra.pack_tag(5, ra.STEP_MASK, True, False, True)) == (
+        5, ra.STEP_MASK, True, False, True
+    )  # fmt: skip

@@ -91,6 +91,18 @@ KV_RING = (
         "v_ring", "symmetric", torch.bfloat16, ("ring_rows", "kv_cols"), "V slots", when="ranks"
     ),
 )
+# A compute task's tile (one per task; args[0] is its id), as the engine reads it
+# (kernels/ring_attention.cu task_of):
+#   m0    first q row within the q chunk       rows  q rows (0: an empty task that pads a unit)
+#   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
+#         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
+#   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
+# first / last: the task begins / ends its q tile's tasks (all on one unit, step-major among the
+# unit's other tiles): a task after the first loads the tile's online-softmax state from the
+# ``state`` workspace, one before the last stores it there, the last stores out and lse.
+TAG_KEY = 11  # step: 8 bits (W <= 256); the kernel reads it as spec::ring_attention::kTagKey
+STEP_MASK = (1 << (TAG_KEY - 3)) - 1
+
 LANDED = Pad("landed", ("step",), ("W",), counted=True, doc="the K/V block of step is in my slot")
 SPEC = OpSpec(
     name="ring_attention",
@@ -111,6 +123,7 @@ SPEC = OpSpec(
     ),
     pads=(LANDED,),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
+    constants=(("tag_key", TAG_KEY),),
 )
 
 
@@ -144,25 +157,13 @@ def chunk_id(rank: int, c: int, world_size: int, zigzag: int) -> int:
     return (rank if c == 0 else 2 * world_size - 1 - rank) if zigzag else rank
 
 
-# A compute task's tile (one per task; args[0] is its id), as the engine reads it
-# (kernels/ring_attention.cu task_of):
-#   m0    first q row within the q chunk       rows  q rows (0: an empty task that pads a unit)
-#   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
-#         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
-#   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
-# first / last: the task begins / ends its q tile's tasks (all on one unit, step-major among the
-# unit's other tiles): a task after the first loads the tile's online-softmax state from the
-# ``state`` workspace, one before the last stores it there, the last stores out and lse.
-TAG_KEY = 11  # step: 8 bits (W <= 256)
-
-
 def pack_tag(key: int, step: int, diag: bool, first: bool, last: bool) -> int:
     return (key << TAG_KEY) | (step << 3) | (int(last) << 2) | (int(first) << 1) | int(diag)
 
 
 def unpack_tag(tag: int) -> tuple[int, int, bool, bool, bool]:
     """(key, step, diag, first, last) of a compute tile's tag."""
-    return tag >> TAG_KEY, (tag >> 3) & 255, bool(tag & 1), bool(tag & 2), bool(tag & 4)
+    return tag >> TAG_KEY, (tag >> 3) & STEP_MASK, bool(tag & 1), bool(tag & 2), bool(tag & 4)
 
 
 # -- the plan -------------------------------------------------------------------------------------
