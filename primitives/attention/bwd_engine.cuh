@@ -313,10 +313,9 @@ struct AttnBwdEngine {
           const int buf = step & 1;
           __syncwarp();
           if (lane == 0) {
-            if (i + 1 < p.q_tiles)
-              fetch_rows(p, w, g, i + 1, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
-            else if (g + 1 < p.group)
-              fetch_rows(p, w, g + 1, w.q_begin, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
+            with_next(p, w, g, i, [&](int ng, int ni) {
+              fetch_rows(p, w, ng, ni, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
+            });
           }
           mbar_wait(&rows_full[buf], (step >> 1) & 1);
           lse2 = rows + buf * 2 * BQ;
@@ -327,10 +326,8 @@ struct AttnBwdEngine {
             mine[lane + 32 * r] = row_lse2[r];
             mine[BQ + lane + 32 * r] = row_delta[r];
           }
-          if (i + 1 < p.q_tiles)
-            load_rows(p, w, g, i + 1, lane, row_lse2, row_delta);
-          else if (g + 1 < p.group)
-            load_rows(p, w, g + 1, w.q_begin, lane, row_lse2, row_delta);
+          with_next(p, w, g, i,
+                    [&](int ng, int ni) { load_rows(p, w, ng, ni, lane, row_lse2, row_delta); });
           __syncwarp();
           lse2 = mine;
         }
@@ -339,19 +336,9 @@ struct AttnBwdEngine {
         mbar_wait(&bars.q_full[st.stage], st.phase);
 
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {  // S^T = K_wg Q^T
-          const int c = kk / 4, off = (kk % 4) * 32;
-          WgmmaKK<BQ>::mma(s, desc_k_major_sw128(k_wg + c * Map::kKVChunkBytes + off),
-                           desc_k_major_sw128(q_st + c * Map::kQChunkBytes + off), kk > 0);
-        }
+        mma_kk(s, k_wg, q_st);  // S^T = K_wg Q^T
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_wg dO^T
-          const int c = kk / 4, off = (kk % 4) * 32;
-          WgmmaKK<BQ>::mma(dp, desc_k_major_sw128(v_wg + c * Map::kKVChunkBytes + off),
-                           desc_k_major_sw128(do_st + c * Map::kQChunkBytes + off), kk > 0);
-        }
+        mma_kk(dp, v_wg, do_st);  // dP^T = V_wg dO^T
         wgmma_commit();
 
         wgmma_wait<1>();  // S^T done
@@ -433,6 +420,29 @@ struct AttnBwdEngine {
     if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
     store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
     store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+  }
+
+  // f(group head, q tile) of the step after (g, i) in a CTA's walk (q tiles of one head, then the
+  // next head of the GQA group), if there is one: whose rows to bring one step ahead.
+  template <class F>
+  __device__ static __forceinline__ void with_next(const AttnBwdParams& p, const Work& w, int g,
+                                                   int i, F&& f) {
+    if (i + 1 < p.q_tiles)
+      f(g, i + 1);
+    else if (g + 1 < p.group)
+      f(g + 1, w.q_begin);
+  }
+
+  // acc = A_wg B^T over D: both operands K-major in 128-byte swizzled chunks (S^T from K and Q,
+  // dP^T from V and dO).
+  __device__ static __forceinline__ void mma_kk(float (&acc)[kSRegs], uint32_t a, uint32_t b) {
+    using namespace gemm;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int c = kk / 4, off = (kk % 4) * 32;
+      WgmmaKK<BQ>::mma(acc, desc_k_major_sw128(a + c * Map::kKVChunkBytes + off),
+                       desc_k_major_sw128(b + c * Map::kQChunkBytes + off), kk > 0);
+    }
   }
 
   // TMA_ROWS, one lane: q tile i of group head g's packed rows (lse2, delta) -> dst, landing on bar.
