@@ -35,14 +35,7 @@ int launch(const AttentionArgs& a, cudaStream_t stream, int num_sms) {
     return kAttnTensorMap;
   p.lse = a.lse;
   p.o_f32 = a.o_f32;
-  p.B = a.B;
-  p.S_q = a.S_q;
-  p.S_kv = a.S_kv;
-  p.Hq = a.Hq;
-  p.Hkv = a.Hkv;
-  p.group = a.Hq / a.Hkv;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.causal = a.causal;
+  set_sizes(p, a.B, a.S_q, a.S_kv, a.Hq, a.Hkv, a.scale, a.causal);
   p.m_tiles = (a.S_q + Cfg::BM - 1) / Cfg::BM;
   p.total = a.B * a.Hq * p.m_tiles;  // < 2^31: checked by launch_attention
 

@@ -42,15 +42,8 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
   p.rows = a.rows;
   p.dk = a.dk;
   p.dv = a.dv;
-  p.B = a.B;
-  p.S_q = a.S_q;
-  p.S_kv = a.S_kv;
-  p.Hq = a.Hq;
-  p.Hkv = a.Hkv;
-  p.group = a.Hq / a.Hkv;
+  set_sizes(p, a.B, a.S_q, a.S_kv, a.Hq, a.Hkv, a.scale, a.causal);
   p.scale = a.scale;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.causal = a.causal;
   p.kv_f32 = a.kv_f32;
   p.kv_accumulate = a.kv_accumulate;
   p.q_tiles = (a.S_q + Cfg::BQ - 1) / Cfg::BQ;

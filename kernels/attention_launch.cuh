@@ -34,6 +34,21 @@ cudaError_t launch_engine(const Params& p, int grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The sizes every attention params struct holds (AttnParams, AttnBwdParams), from a launcher's
+// arguments: the softmax scale folded into log2(e), since the engines exponentiate with exp2.
+template <class Params>
+inline void set_sizes(Params& p, int B, int S_q, int S_kv, int Hq, int Hkv, float scale,
+                      int causal) {
+  p.B = B;
+  p.S_q = S_q;
+  p.S_kv = S_kv;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.group = Hq / Hkv;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = causal;
+}
+
 // A launcher's argument check: non-null and `bytes`-aligned (bytes a power of two).
 inline bool aligned(const void* ptr, uintptr_t bytes) {
   return ptr != nullptr && (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;

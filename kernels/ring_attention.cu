@@ -20,6 +20,7 @@
 // Maps: a rank's rows are C chunks of Sc = S / C rows (C = 2 for causal zigzag, else 1), so every
 // map views its tensor as [B * C, Sc, H, D]: a q tile or K / V tile never crosses a chunk (TMA
 // zero-fills rows past it and drops stores past it).
+#include "kernels/attention_launch.cuh"
 #include "kernels/fused_host.cuh"
 #include "primitives/attention/engine.cuh"
 #include "primitives/attention/tensor_map_nd.h"
@@ -256,13 +257,7 @@ struct RingAttention {
         return false;
       p.lse = l.lse.base + r * l.lse.rank_stride;
       p.o_f32 = nullptr;
-      p.B = l.batch;
-      p.S_q = p.S_kv = Sc;
-      p.Hq = l.heads;
-      p.Hkv = l.kv_heads;
-      p.group = l.heads / l.kv_heads;
-      p.scale_log2 = scale * 1.4426950408889634f;
-      p.causal = l.causal;
+      attn::set_sizes(p, l.batch, Sc, Sc, l.heads, l.kv_heads, scale, l.causal);
       p.m_tiles = (Sc + BM - 1) / BM;
       p.total = 0;  // unused: the plan's tasks are the work
       p.chunks = C;
