@@ -149,7 +149,7 @@ struct TaskWork {
 // The attention engine behind the template's engine contract (templates/engine_contract.cuh).
 template <int D>
 struct RingAttnEngine {
-  using Cfg = attn::AttnConfig<D, true, false, 24>;  // intra-warpgroup overlap, no ping-pong
+  using Cfg = attn::AttnConfig<D, true, false>;  // intra-warpgroup overlap, no ping-pong
   using Core = attn::AttnEngine<Cfg>;
   using Params = attn::AttnParams;
   using Task = RingTask;

@@ -45,7 +45,7 @@
 namespace mk::attn {
 
 // Named constants of one instance (STYLE.md: a config struct, not positional template soup).
-template <int D_, bool OVERLAP_, bool PINGPONG_, int PRODUCER_REGS = 24>
+template <int D_, bool OVERLAP_, bool PINGPONG_>
 struct AttnConfig {
   static constexpr int D = D_;      // head dim (64 or 128)
   static constexpr int BM = 128;    // query rows per work tile = CONSUMERS x 64
@@ -57,13 +57,12 @@ struct AttnConfig {
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
   // setmaxnreg moves registers within what the launch gave the CTA: 168 per thread (64K / 384,
   // rounded down to 8), so producer + 2 x consumer <= 3 x 168 = 504, or the consumers' increase
-  // waits forever (32 + 2 x 240 hung). 24 + 2 x 240 for both kernels: the ring kernel's
-  // producer also runs the plan's waits and its spare warp the comm tasks, which spill at 24
-  // (off the loop), but its consumers measured up to 10% slower with 232 or 224.
+  // waits forever (32 + 2 x 240 hung the ring kernel). The ring kernel's producer also runs the
+  // plan's waits and its spare warp the comm tasks, which spill at 24 (off the consumers' loop);
+  // 56 + 2 x 224 measured no faster there (0.90 against 0.92 of the engine in one A/B run).
   static constexpr int kLaunchRegs = 168;
-  static constexpr int kProducerRegs = PRODUCER_REGS;
-  static constexpr int kConsumerRegs = (3 * kLaunchRegs - PRODUCER_REGS) / 2 / 8 * 8;
-  static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24, "setmaxnreg: a multiple of 8");
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs + CONSUMERS * kConsumerRegs <= 3 * kLaunchRegs,
                 "the warpgroups' registers fit what the launch allocates");
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
@@ -223,8 +222,9 @@ struct AttnEngine {
     run_cta(p, smem, work, [] {});
   }
 
-  // Every thread of the CTA, over a work source (PlainWork, ChainWork); warp 1 of the producer
-  // warpgroup runs spare() meanwhile (the persistent template's intra_sm communicator).
+  // Every thread of the CTA, over a work source (PlainWork; the ring kernel's TaskWork); warp 1 of
+  // the producer warpgroup runs spare() meanwhile (the persistent template's intra_sm
+  // communicator).
   template <class Work, class Spare>
   __device__ static void run_cta(const AttnParams& p, char* smem, Work& work, Spare&& spare) {
     static_assert(BM == kTileRows && BN == kTileRows, "work sources count kTileRows rows");
