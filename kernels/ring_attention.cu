@@ -153,7 +153,7 @@ struct RingAttnEngine {
   using Core = attn::AttnEngine<Cfg>;
   using Params = attn::AttnParams;
   using Task = RingTask;
-  struct Dest {};  // a chain's out and lse rows follow from its task (no per-task destination)
+  struct Dest {};  // a q tile's out and lse rows follow from its tasks (no per-task destination)
   static constexpr int kThreads = Core::kThreads;
   static constexpr int kSmemBytes = Core::kSmemBytes;
   static constexpr int kSpareWarp = 1;  // warp 1 of the producer warpgroup

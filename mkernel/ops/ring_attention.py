@@ -238,9 +238,9 @@ def ring_tasks(
     parts = max(1, min(MAX_PARTS, comm_units, B * S))
 
     tiles: list[Tile] = []
-    chains: list[list[tuple[int, list[int]]]] = []  # per rank: (cost, tile ids)
+    qtiles: list[list[tuple[int, list[int]]]] = []  # per rank, per q tile: (cost, its tasks' tiles)
     readers = [[0] * W for _ in range(W)]
-    out_tiles: list[tuple[int, int, int, int]] = []  # per chain of rank 0: (b, h, row0, rows)
+    out_tiles: list[tuple[int, int, int, int]] = []  # per q tile of rank 0: (b, h, row0, rows)
     for r in range(W):
         mine = []
         for b in range(B):
@@ -269,7 +269,7 @@ def ring_tasks(
                         mine.append((cost, ids))
                         if r == 0:
                             out_tiles.append((b, h, cq * Sc + m0, n))
-        chains.append(mine)
+        qtiles.append(mine)
     empty = len(tiles)
     tiles.append(Tile(empty, 0, 0, 0, 0, 0))
 
@@ -310,7 +310,7 @@ def ring_tasks(
         # q tile's tasks are all on the unit that keeps its state between them. Unit u's tasks
         # are rows u, u + units, ... (the template's rule); empty tasks pad the shorter units.
         load, lists = [0] * units, [[] for _ in range(units)]
-        for cost, ids in sorted(chains[r], key=lambda c: -c[0]):
+        for cost, ids in sorted(qtiles[r], key=lambda c: -c[0]):
             u = min(range(units), key=load.__getitem__)
             load[u] += cost
             lists[u].extend(ids)

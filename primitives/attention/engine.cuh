@@ -533,7 +533,7 @@ struct AttnEngine {
       } else {
         epilogue(c, t, sm, o, o_smem);
       }
-      work.end(t);  // the item's tasks are complete (ChainWork: their after_store)
+      work.end(t);  // the item's tasks are complete (TaskWork: their after_store)
     }
     if (lt == 0) bulk_wait_all();  // the last O tile has been read (and written) before exit
   }
