@@ -30,7 +30,7 @@ inline FusedCommon make_common(const long long* rec) {
   FusedCommon c{};
   c.role[kRoleCompute] = role_tables(rec, kRecComputeTaskSpan, kRecComputeCapRows);
   c.role[kRoleComm] = role_tables(rec, kRecCommTaskSpan, kRecCommCapRows);
-  c.tiles = rec_ptr<int>(rec, kRecTiles);
+  c.tiles = reinterpret_cast<int*>(rec[kRecTiles]);
   c.compute_units = (int)rec[kRecComputeUnits];
   c.comm_units = (int)rec[kRecCommUnits];
   c.ctas_per_rank = (int)rec[kRecCtasPerRank];

@@ -127,6 +127,51 @@ struct Layout {
 };
 }  // namespace gemm_rs
 
+// moe_dispatch_gemm: MoE dispatch + the first grouped GEMM (x_token @ w1[e] per routed (token, slot))
+namespace moe_dispatch_gemm {
+enum Pad : int { kPadBarrier = 0, kPadExpertRows = 1, kPadExpertRowsCount = 2 };
+struct Layout {
+  RankPtr<const __nv_bfloat16> x;  // [tokens, hidden] input: this rank's tokens
+  RankPtr<const int> topk_ids;  // [tokens, k] input: global expert ids, -1 unused
+  RankPtr<const __nv_bfloat16> w1;  // [w1_rows, inter] input: [E_local * H, I] experts
+  RankPtr<__nv_bfloat16> y;  // [max_rows, inter] output: grouped-GEMM rows here
+  RankPtr<int> src;  // [max_rows, 3] output: (source, token, slot) per row
+  RankPtr<int> expert_offsets;  // [1, offsets] output: rows per expert, summed
+  SymPtr<__nv_bfloat16> recv;  // [recv_rows, hidden] symmetric: tokens sent here
+  __nv_bfloat16* recv_local;
+  SymPtr<int> row_map;  // [map_rows] symmetric: device layout: the receive row of each y row, then a cursor per expert
+  int* row_map_local;
+  int tokens;
+  int hidden;
+  int inter;
+  int experts;
+  int k;
+  int tile_rows;
+  int max_rows;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.x = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.topk_ids = {reinterpret_cast<const int*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.w1 = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.y = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot3]), rec[kRecStride3]};
+    l.src = {reinterpret_cast<int*>(rec[kRecSlot4]), rec[kRecStride4]};
+    l.expert_offsets = {reinterpret_cast<int*>(rec[kRecSlot5]), rec[kRecStride5]};
+    l.recv = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
+    l.recv_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
+    l.row_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
+    l.row_map_local = reinterpret_cast<int*>(rec[kRecStride7]);
+    l.tokens = (int)rec[kRecScalar0];
+    l.hidden = (int)rec[kRecScalar1];
+    l.inter = (int)rec[kRecScalar2];
+    l.experts = (int)rec[kRecScalar3];
+    l.k = (int)rec[kRecScalar4];
+    l.tile_rows = (int)rec[kRecScalar5];
+    l.max_rows = (int)rec[kRecScalar6];
+    return l;
+  }
+};
+}  // namespace moe_dispatch_gemm
+
 // ring_attention: ring attention forward: K/V blocks travel the ring, online softmax per q tile
 namespace ring_attention {
 enum Pad : int { kPadBarrier = 0, kPadLanded = 1, kPadLandedCount = 2 };

@@ -266,7 +266,11 @@ class Plan:
         return [cap.rows, cap.waits, cap.raises] if cap else [0, 0, 0]
 
     def tile_table(self) -> torch.Tensor:
-        """[T, 5] int32: m0, n0, rows, cols, tag per tile."""
+        """[T, 5] int32: m0, n0, rows, cols, tag per tile. A device-filled compute role gets one
+        zeroed row per table row (its layout phase writes each task's tile at the task's row)."""
+        cap = self.roles["compute"].capacity
+        if cap is not None:
+            return torch.zeros(self.world_size * cap.rows, 5, dtype=torch.int32)
         return torch.tensor([t[1:] for t in self.tiles], dtype=torch.int32).reshape(-1, 5)
 
     def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:

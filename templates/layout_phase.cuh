@@ -29,13 +29,19 @@ struct TableWriter {
   int* waits;      // [W * waits, kWaitFields]
   int* raise_span;
   int* raises;  // [W * raises, kRaiseFields]
+  int* tiles;   // compute role: the plan's tile table, one row per table row (else null)
   int rank, first, row, row_end, wait, wait_end, raise, raise_end;
   bool overflow;
+
+  __device__ bool fail() {
+    overflow = true;
+    return false;
+  }
 
   // Starts a task with its arguments (args[0] names it in timelines and timeouts, as in host-built
   // tables; for compute tasks it is the tile id); its waits and raises follow. False if full.
   __device__ bool task(int a0, int a1 = 0, int a2 = 0, int a3 = 0) {
-    if (row == row_end) return !(overflow = true);
+    if (row == row_end) return fail();
     int* a = args + (long long)row * kTaskArgs;
     a[0] = a0;
     a[1] = a1;
@@ -46,11 +52,24 @@ struct TableWriter {
     ++row;
     return true;
   }
+  // A compute task and its tile (m0, n0, rows, cols, tag): the tile goes to the tile table's row of
+  // the same index as the task's table row, which args[0] (the tile id) then names; row ids are
+  // unique across ranks (rank r's region), so no two ranks' tiles share a row.
+  __device__ bool tile_task(int m0, int n0, int rows, int cols, int tag) {
+    if (row == row_end || tiles == nullptr) return fail();
+    int* t = tiles + 5LL * row;
+    t[0] = m0;
+    t[1] = n0;
+    t[2] = rows;
+    t[3] = cols;
+    t[4] = tag;
+    return task(row);
+  }
   // A wait of the current task: pad id, the rank whose pad, flat index, value, reset policy
   // (consumers; counter pad id when > 1, else -1), patience (timeout multiplier), peer (raiser).
   __device__ bool add_wait(int pad, int on_rank, int index, int value, int consumers = 1,
                            int counter = -1, int patience = 1, int peer = -1) {
-    if (row == first || wait == wait_end) return !(overflow = true);
+    if (row == first || wait == wait_end) return fail();
     int* w = waits + (long long)wait * kWaitFields;
     w[kWPad] = pad;
     w[kWRank] = on_rank;
@@ -65,7 +84,7 @@ struct TableWriter {
   }
   // A raise of the current task: pad id, the rank whose pad, flat index, value, kRaiseSet/Add.
   __device__ bool add_raise(int pad, int on_rank, int index, int value = 1, int op = kRaiseSet) {
-    if (row == first || raise == raise_end) return !(overflow = true);
+    if (row == first || raise == raise_end) return fail();
     int* r = raises + (long long)raise * kRaiseFields;
     r[kRPad] = pad;
     r[kRRank] = on_rank;

@@ -66,7 +66,7 @@ struct RoleTables {
 
 struct FusedCommon {
   RoleTables role[2];  // kRoleCompute, kRoleComm
-  const int* tiles;    // [T, 5]: m0, n0, rows, cols, tag
+  int* tiles;  // [T, 5]: m0, n0, rows, cols, tag (a device-filled compute role's layout writes them)
   int compute_units, comm_units, ctas_per_rank, overlap;
   bool compute_signals;               // some compute task raises: the engine completes each tile
   int world_size, rank0, ranks_here;  // emulated: rank0 0, ranks_here W; distributed: own rank, 1
@@ -336,8 +336,8 @@ struct has_layout<Op, std::void_t<decltype(Op::layout(
     : std::true_type {};
 
 // The writer of `rank`'s region of a role (rows, waits, raises from rank * capacity on).
-__device__ inline TableWriter table_writer(const RoleTables& t, int rank) {
-  TableWriter w{t.task_span, t.args, t.wait_span, t.waits, t.raise_span, t.raises};
+__device__ inline TableWriter table_writer(const RoleTables& t, int rank, int* tiles) {
+  TableWriter w{t.task_span, t.args, t.wait_span, t.waits, t.raise_span, t.raises, tiles};
   w.rank = rank;
   w.first = w.row = rank * t.cap[0];
   w.row_end = w.row + t.cap[0];
@@ -359,8 +359,8 @@ __device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta) {
   const int readers = c.ctas_per_rank - 1;
   if (threadIdx.x == 0) {
     if (cta.slot == 0) {
-      TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank);
-      TableWriter comm = table_writer(c.role[kRoleComm], cta.rank);
+      TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank, c.tiles);
+      TableWriter comm = table_writer(c.role[kRoleComm], cta.rank, nullptr);
       Op::layout(args, cta, compute, comm);
       // NOTE: a task beyond the plan's capacity would be lost: stop loudly, it is the op's bug.
       if (compute.overflow || comm.overflow) __trap();

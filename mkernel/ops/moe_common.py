@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..schedule import TILE_CONFIGS, TileConfig
 from ..world import World
 
 Rect = tuple[int, int, int, int]
@@ -90,6 +91,17 @@ def max_rows(world_size: int, tokens: int, k: int, experts: int) -> int:
 def tile_rows(schedule: Any) -> int:
     """Rows per grouped-GEMM tile: ``Schedule.chunk_rows`` (default 64)."""
     return schedule.chunk_rows or 64
+
+
+def grouped_tile(rows: int, world: Any) -> TileConfig:
+    """The grouped GEMM engine's tile config for tiles of ``rows`` rows (its BM holds them; a
+    shorter tile computes zeros past its rows and stores none of them); BN = 128 columns. The
+    device takes tiles of at most 128 rows."""
+    if rows > 128 and world.on_gpu:
+        raise ValueError(
+            f"Schedule.chunk_rows={rows}: the grouped GEMM engine takes tiles of at most 128 rows"
+        )
+    return TILE_CONFIGS["64x128x64" if rows <= 64 else "128x128x64"]
 
 
 class Twins(NamedTuple):

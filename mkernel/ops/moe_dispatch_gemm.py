@@ -42,7 +42,7 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
+from ..schedule import Plan, Schedule, build_plan
 from ..world import World
 from . import common, moe_gpu
 from .moe_common import (
@@ -54,6 +54,7 @@ from .moe_common import (
     check_tensor,
     dispatch_result,
     gemm_tiles,
+    grouped_tile,
     max_rows,
     on_gpu_path,
     route,
@@ -70,7 +71,16 @@ SPEC = OpSpec(
         Buffer("topk_ids", "input", torch.int32, ("tokens", "k"), "global expert ids, -1 unused"),
         Buffer("w1", "input", torch.bfloat16, ("w1_rows", "inter"), "[E_local * H, I] experts"),
         Buffer("y", "output", torch.bfloat16, ("max_rows", "inter"), "grouped-GEMM rows here"),
+        Buffer("src", "output", torch.int32, ("max_rows", "3"), "(source, token, slot) per row"),
+        Buffer("expert_offsets", "output", torch.int32, ("1", "offsets"), "row prefix per expert"),
         Buffer("recv", "symmetric", torch.bfloat16, ("recv_rows", "hidden"), "tokens sent here"),
+        Buffer(
+            "row_map",
+            "symmetric",
+            torch.int32,
+            ("map_rows",),
+            "device layout: the receive row of each y row, then a cursor per expert",
+        ),
     ),
     pads=(
         Pad(
@@ -81,19 +91,20 @@ SPEC = OpSpec(
             doc="token copies landed here for local expert e (added by the senders)",
         ),
     ),
-    scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows"),
-    device=False,
+    scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
 )
 
 
 def make_plan(
     schedule: Schedule, world: World, tokens: int, hidden: int, inter: int, experts: int, k: int
 ) -> Plan:
-    """Empty per-rank tables of the room any routing of these shapes needs (the layout twin fills
-    them per call): a plan per shape, cached like every op's."""
+    """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
+    its twin, fills them per call): a plan per shape, cached like every op's. The device cuts each
+    of the twin's row tiles into BN-wide column tiles, so the compute room counts those."""
     W, T, tr = world.size, tokens, tile_rows(schedule)
+    tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
-    tiles = -(-rows // tr) + experts  # each expert's rows cut into tiles: at most one short each
+    tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
     comm = Capacity(rows=T * min(k, W), waits=0, raises=T * k)
     compute = Capacity(rows=tiles, waits=tiles, raises=0)
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
@@ -101,10 +112,11 @@ def make_plan(
         **shapes,
         "w1_rows": experts * hidden,
         "max_rows": rows,
+        "offsets": experts + 1,
         "recv_rows": W * T,  # every token of every rank, once
+        "map_rows": rows + experts,
         "tile_rows": tr,
     }
-    tile = TILE_CONFIGS["64x128x64"]  # unused until a grouped-GEMM engine exists
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], compute, comm)
 
 
@@ -147,6 +159,9 @@ def prepare(
         "topk_ids": ids,
         "w1": w1.view(W, E * H, N),
         "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16),  # poisoned
+        # the device layout's outputs (the host's routing gives them here)
+        "src": torch.full((W, rows, 3), -1, dtype=torch.int32),
+        "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32),
     }  # run_cpu adds the workspace (common.workspace)
     return world, schedule, plan, routing, buffers
 
@@ -190,15 +205,48 @@ def moe_dispatch_gemm(
         ids = topk_ids.to(torch.int32).contiguous()
         return moe_dist.dispatch(x, ids, w1, world, moe_dist.engine_gemm)
     if on_gpu_path(SPEC.name, world):
-        common.check_schedule(schedule)
-        s = shapes(x, topk_ids, w1, world)
-        ids = topk_ids.to(torch.int32).contiguous()
-        return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
+        return dispatch_gpu(x, topk_ids, w1, world, schedule)
     world, schedule, plan, routing, buffers = prepare(x, topk_ids, w1, world, schedule)
     tw = twins_of(plan, routing)
     common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "y")
     y = [buffers["y"][d, : len(r)].clone() for d, r in enumerate(routing.rows)]
     return dispatch_result(world, routing, buffers["topk_ids"].clone(), y, plan.sizes["hidden"])
+
+
+def dispatch_gpu(
+    x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor, world: World, schedule: Any
+) -> MoeDispatch:
+    """The fused kernel (kernels/moe_dispatch_gemm.cu) in an emulated GPU world, one launch. The
+    host reads the rows per rank once (a bincount of the ids on the device: the one synchronize of
+    the call), to size y / src and to return each rank's rows; the kernel's layout phase computes
+    the same counts, the offsets, src and every task on the device."""
+    world = common.check_world_for(SPEC, world)
+    schedule = common.check_schedule(schedule)
+    s = shapes(x, topk_ids, w1, world)
+    common.check_faults(schedule, world)
+    W, T, E, N = world.size, s["tokens"], s["experts"], s["inter"]
+    ids = topk_ids.to(torch.int32).contiguous()
+    if T == 0:  # nothing routed anywhere: no launch
+        return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
+    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
+    used = ids[ids >= 0].long()
+    per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
+    rows = max(1, max(per_rank))
+    dev = x.device
+    out = {
+        "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),  # poisoned
+        "src": torch.full((W, rows, 3), -1, dtype=torch.int32, device=dev),
+        "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32, device=dev),
+    }
+    common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1.view(W, -1, N), **out})
+    return MoeDispatch(
+        [out["y"][d, :n] for d, n in enumerate(per_rank)],
+        [out["src"][d, :n] for d, n in enumerate(per_rank)],
+        [out["expert_offsets"][d, 0] for d in range(W)],
+        world,
+        ids.clone(),
+        s["hidden"],
+    )
 
 
 # -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------

@@ -71,6 +71,8 @@ struct TileTask {
 // writes), the producer's TMA loads only B, and both complete on the stage's full barrier. NOTE:
 // cp.async writes are generic-proxy: each consumer fences to the async proxy before its wgmmas. Rows
 // past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
+// The row indices are read through L2 (ld.cg), not the read-only path: a fused op's layout phase
+// writes them earlier in the same launch (MoE dispatch).
 template <class Cfg, bool kGroupedB = false, bool kGatherA = false>
 struct Engine {
   using Map = SmemMap<Cfg>;
@@ -257,7 +259,7 @@ struct Engine {
 #pragma unroll
       for (int j = 0; j < kRowsPer; ++j) {
         const int r = g + j * kGatherThreads;
-        const int row = r < t.rows ? __ldg(p.a_rows + t.m0 + r) : -1;
+        const int row = r < t.rows ? __ldcg(p.a_rows + t.m0 + r) : -1;
         row_src[j] = r < t.rows ? src + (long)min(max(row, 0), p.a_src_rows - 1) * p.lda * 2
                                 : nullptr;
       }

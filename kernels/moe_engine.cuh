@@ -1,0 +1,46 @@
+// The grouped GEMM engine behind the persistent template's engine contract (MoE experts): the dense
+// engine with a batch of B matrices (kGroupedB) whose plan tiles name their matrix in the tag, and
+// optionally A rows gathered by index (kGatherA: the dispatch reads its rows' tokens from the
+// receive buffer through the layout phase's row map).
+#pragma once
+#include "kernels/fused_host.cuh"
+
+namespace mk {
+
+template <class Cfg, bool kGather>
+struct GroupedEngine : gemm::Engine<Cfg, /*kGroupedB=*/true, kGather> {
+  // A plan tile's tag is its expert (the matrix of B's batch the tile multiplies).
+  template <class T>
+  __device__ static gemm::TileTask task_of(const T& t) {
+    return gemm::TileTask{t.m0, t.n0, t.rows, t.cols, t.tag};
+  }
+};
+
+// B of every served rank: its experts' [E, K, N] weights at b.at(r) (a 3D map, box {64, 64, 1}).
+template <class Params>
+inline bool fill_grouped_b(int ranks_here, Params* out, const RankPtr<const __nv_bfloat16>& b,
+                           int experts, int K, int N, int M) {
+  for (int r = 0; r < ranks_here; ++r) {
+    if (host::make_tensor_map_bf16_3d(&out[r].b, b.base + r * b.rank_stride, experts, K, N, N,
+                                      (uint64_t)K * N, 64, 64, 128) != host::kTensorMapOk)
+      return false;
+    out[r].M = M;
+    out[r].N = N;
+    out[r].K = K;
+  }
+  return true;
+}
+
+// The op on the tile configs a grouped tile may use (no clusters: B differs per tile).
+template <template <class> class Op, bool kGather>
+inline int launch_grouped(const long long* rec, cudaStream_t s) {
+  switch ((int)rec[kRecTileConfig]) {
+    case kTile128x128x64:
+      return launch_persistent<Op<GroupedEngine<gemm::Tile128x128x64, kGather>>>(rec, s);
+    case kTile64x128x64:
+      return launch_persistent<Op<GroupedEngine<gemm::Tile64x128x64, kGather>>>(rec, s);
+    default: return kBadConfig;
+  }
+}
+
+}  // namespace mk

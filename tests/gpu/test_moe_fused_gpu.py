@@ -1,0 +1,147 @@
+"""The fused MoE dispatch kernel (kernels/moe_dispatch_gemm.cu) in emulated GPU worlds: the
+layout phase's rows, src and offsets exact, y against fp64 formulas with bf16 tolerance (y
+NaN-poisoned by the API), pads back to zero after every call; W 1..8, k 1 / 2 / 8, uniform /
+one-expert / one-rank / no routing, T = 0 and off the tile, both overlaps, tile heights 1..128,
+H and I spanning several K blocks and column tiles; hypothesis over routings; a silent rank times
+out naming the flag; 1000 calls with a new routing each."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mkernel
+from mkernel.errors import CommTimeout
+from tests.helpers import assert_close_exact, assert_pads_zero
+from tests.test_moe import expected_rows, routing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _operands(W, T, E, H, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(W, T, H, generator=g).bfloat16()
+    w1 = (torch.randn(W, E, H, N, generator=g) / H**0.5).bfloat16()
+    return x, w1
+
+
+def check(res, x, ids, w1, what):
+    """Rows, src, offsets exact; y within the bf16 rounding of the fp64 products."""
+    E = w1.shape[1]
+    for d, rows in enumerate(expected_rows(ids, E)):
+        src = res.src[d].cpu()
+        assert src.tolist() == [list(r[:3]) for r in rows], f"{what}: src of rank {d}"
+        offs = [sum(1 for r in rows if r[3] < e) for e in range(E + 1)]
+        assert res.expert_offsets[d].cpu().tolist() == offs, f"{what}: offsets of rank {d}"
+        y = res.y[d].cpu()
+        assert y.shape == (len(rows), w1.shape[-1]), f"{what}: y of rank {d}"
+        if rows:
+            a = torch.stack([x[s, t].double() for s, t, _, _ in rows])
+            b = torch.stack([w1[d, e].double() for _, _, _, e in rows])
+            exact = torch.einsum("rh,rhi->ri", a, b)
+            mag = torch.einsum("rh,rhi->ri", a.abs(), b.abs())
+            assert_close_exact(y, exact, mag, x.shape[-1], f"{what}: y of rank {d}")
+
+
+def run(W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None, world=None):
+    world = world or mkernel.World.emulated(W, device="cuda")
+    x, w1 = _operands(W, T, E, H, N, seed)
+    ids = routing(W, T, E, k, mode, seed)
+    sched = mkernel.Schedule(overlap=overlap, chunk_rows=chunk_rows)
+    what = f"W={W} T={T} E={E} k={k} {mode} H={H} I={N} {overlap} rows={chunk_rows}"
+    res = mkernel.moe_dispatch_gemm(x.cuda(), ids.cuda(), w1.cuda(), world, sched)
+    check(res, x, ids, w1, what)
+    assert_pads_zero(world)
+    return world
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 8])
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_worlds_routings_and_overlaps(W, k, overlap):
+    E = 2 if W * 2 >= k else 4
+    for mode in ("uniform", "one_expert", "none"):
+        for T in (0, 1, 70):
+            run(W, T, E, k, mode, seed=W * 100 + k * 10 + T, overlap=overlap)
+    if k <= E:
+        run(W, 33, E, k, "rank0", seed=7, overlap=overlap)  # ranks and experts with no rows
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 16, 64, 100, 128])
+def test_tile_heights(chunk_rows):
+    run(3, 90, 3, 2, "uniform", seed=chunk_rows, chunk_rows=chunk_rows)
+
+
+@pytest.mark.parametrize("H,N", [(8, 8), (64, 128), (192, 264), (512, 1024)])
+def test_shapes_across_k_blocks_and_column_tiles(H, N):
+    run(2, 150, 3, 2, "uniform", seed=H + N, H=H, N=N)
+
+
+def test_many_experts_and_tokens():
+    run(4, 300, 16, 8, "uniform", seed=3, H=256, N=256)
+
+
+def test_tiles_taller_than_the_engine_are_refused():
+    world = mkernel.World.emulated(2, device="cuda")
+    x, w1 = _operands(2, 4, 1, 16, 8, 0)
+    ids = routing(2, 4, 1, 1, "uniform", 0)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        mkernel.moe_dispatch_gemm(
+            x.cuda(), ids.cuda(), w1.cuda(), world, mkernel.Schedule(chunk_rows=256)
+        )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    W=st.integers(1, 5),
+    T=st.integers(0, 140),
+    E=st.integers(1, 4),
+    k=st.sampled_from([1, 2, 8]),
+    mode=st.sampled_from(["uniform", "one_expert", "rank0", "none"]),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_routings(W, T, E, k, mode, overlap, seed):
+    if k > W * E or (mode == "rank0" and k > E):
+        return
+    run(W, T, E, k, mode, seed, overlap=overlap)
+
+
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_silent_rank_times_out_naming_the_flag_and_the_world_recovers(overlap):
+    world = mkernel.World.emulated(2, device="cuda", timeout_s=0.5)
+    x, w1 = _operands(2, 20, 2, 64, 128, 1)
+    ids = routing(2, 20, 2, 2, "uniform", 1).cuda()  # rank 1's tokens feed rank 0's experts
+    bad = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
+    t0 = time.perf_counter()
+    mkernel.moe_dispatch_gemm(x.cuda(), ids, w1.cuda(), world, bad)
+    with pytest.raises(CommTimeout) as e:
+        world.check()
+    assert time.perf_counter() - t0 < 10
+    assert e.value.peer == 1 and "expert_rows" in e.value.signal
+    run(2, 20, 2, 2, "uniform", 1, overlap=overlap, world=world)  # usable after
+
+
+def test_loop_of_1000_calls_with_changing_routing():
+    W, T, E, k = 2, 48, 2, 2
+    world = mkernel.World.emulated(W, device="cuda")
+    x, w1 = _operands(W, T, E, 64, 128, 0)
+    xc, w1c = x.cuda(), w1.cuda()
+    first = None
+    for i in range(1000):
+        ids = routing(W, T, E, k, "uniform", seed=i % 10)
+        res = mkernel.moe_dispatch_gemm(xc, ids.cuda(), w1c, world)
+        if i < 10:
+            check(res, x, ids, w1, f"call {i}")
+        if i == 0:
+            first = [y.clone() for y in res.y]
+        if i % 10 == 0:  # the same routing again: the same bits
+            assert all(torch.equal(a, b) for a, b in zip(first, res.y, strict=True)), f"call {i}"
+    assert_pads_zero(world)
