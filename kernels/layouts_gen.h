@@ -136,7 +136,7 @@ struct Layout {
   RankPtr<const __nv_bfloat16> w1;  // [w1_rows, inter] input: [E_local * H, I] experts
   RankPtr<__nv_bfloat16> y;  // [max_rows, inter] output: grouped-GEMM rows here
   RankPtr<int> src;  // [max_rows, 3] output: (source, token, slot) per row
-  RankPtr<int> expert_offsets;  // [1, offsets] output: rows per expert, summed
+  RankPtr<int> expert_offsets;  // [1, offsets] output: row prefix per expert
   SymPtr<__nv_bfloat16> recv;  // [recv_rows, hidden] symmetric: tokens sent here
   __nv_bfloat16* recv_local;
   SymPtr<int> row_map;  // [map_rows] symmetric: device layout: the receive row of each y row, then a cursor per expert
@@ -171,6 +171,50 @@ struct Layout {
   }
 };
 }  // namespace moe_dispatch_gemm
+
+// moe_gemm_combine: second grouped GEMM + combine: out[t] = sum_j w[t, j] * (h_row(t, j) @ w2[e])
+namespace moe_gemm_combine {
+enum Pad : int { kPadBarrier = 0, kPadTileDone = 1, kPadTileDoneCount = 2 };
+constexpr int kSlotFields = 4;
+struct Layout {
+  RankPtr<const __nv_bfloat16> h;  // [max_rows, inter] input: rows in dispatch order
+  RankPtr<const __nv_bfloat16> w2;  // [w2_rows, hidden] input: [E_local * I, H] experts
+  RankPtr<const int> src;  // [max_rows, 3] input: the dispatch's (rank, token, slot)
+  RankPtr<const int> expert_offsets;  // [1, offsets] input: the dispatch's
+  RankPtr<const float> topk_weights;  // [tokens, k] input: this rank's weights
+  RankPtr<__nv_bfloat16> out;  // [tokens, hidden] output: this rank's tokens
+  RankPtr<float> partial;  // [max_rows, hidden] output: this rank's expert rows in fp32, read by their sources (a per-call workspace sized by the rows: every rank's at base + rank * stride in the emulated world)
+  SymPtr<int> slot_rows;  // [slots, slot_fields] symmetric: per own (token, slot): the rank, row, row tile and tile rows of its expert row
+  int* slot_rows_local;
+  int tokens;
+  int hidden;
+  int inter;
+  int experts;
+  int k;
+  int tile_rows;
+  int max_rows;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.h = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.w2 = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.src = {reinterpret_cast<const int*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.expert_offsets = {reinterpret_cast<const int*>(rec[kRecSlot3]), rec[kRecStride3]};
+    l.topk_weights = {reinterpret_cast<const float*>(rec[kRecSlot4]), rec[kRecStride4]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot5]), rec[kRecStride5]};
+    l.partial = {reinterpret_cast<float*>(rec[kRecSlot6]), rec[kRecStride6]};
+    l.slot_rows = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
+    l.slot_rows_local = reinterpret_cast<int*>(rec[kRecStride7]);
+    l.tokens = (int)rec[kRecScalar0];
+    l.hidden = (int)rec[kRecScalar1];
+    l.inter = (int)rec[kRecScalar2];
+    l.experts = (int)rec[kRecScalar3];
+    l.k = (int)rec[kRecScalar4];
+    l.tile_rows = (int)rec[kRecScalar5];
+    l.max_rows = (int)rec[kRecScalar6];
+    return l;
+  }
+};
+}  // namespace moe_gemm_combine
 
 // ring_attention: ring attention forward: K/V blocks travel the ring, online softmax per q tile
 namespace ring_attention {

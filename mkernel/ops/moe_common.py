@@ -157,7 +157,7 @@ def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Te
     """Ragged per-rank [R_d, C] tensors as one [W, rows, C] tensor (the interpreter's buffers hold
     every rank at the same shape), padded with ``fill``."""
     C = parts[0].shape[1]
-    out = torch.full((len(parts), rows, C), fill, dtype=parts[0].dtype)
+    out = torch.full((len(parts), rows, C), fill, dtype=parts[0].dtype, device=parts[0].device)
     for d, p in enumerate(parts):
         out[d, : p.shape[0]] = p
     return out

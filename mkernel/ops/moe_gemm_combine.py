@@ -1,6 +1,6 @@
 """The second grouped GEMM of an MoE layer fused with the combine (expert parallelism): API, plan,
-layout and data-movement twins, reference. The mirror of moe_dispatch_gemm.py; fused in the CPU
-interpreter only for now (``SPEC.device = False``; on a GPU world unfused: moe_gpu.py); docs/moe.md
+layout and data-movement twins, reference. The mirror of moe_dispatch_gemm.py; one launch on a GPU
+(kernels/moe_gemm_combine.cu, emulated worlds), the same tasks in the CPU interpreter; docs/moe.md
 has the picture.
 
 Unfused meaning, per source rank s (h_d: rows of destination d in the dispatch's order, the row of
@@ -9,16 +9,28 @@ Unfused meaning, per source rank s (h_d: rows of destination d in the dispatch's
     out[s][t] = sum(topk_weights[s][t, j] * (h_d[row(s, t, j)].float() @ w2[d][e].float())
                     for j with topk_ids[s][t, j] >= 0).bfloat16()        # zero if routed nowhere
 
-Protocol (tasks made per call by the layout twin, from the dispatch's ``src`` and
-``expert_offsets`` and the rank's own routing ids; both roles are ``Capacity``):
+Protocol (tasks made per call by the layout phase, from every rank's ``src`` and
+``expert_offsets`` as the dispatch left them; both roles are ``Capacity``):
 
-- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows: h rows @ w2[e] with
-  fp32 accumulation; each fp32 result row goes back to its source rank as a bulk copy into the
-  source's ``partial[t * k + j]`` (its own row: no atomics), raising ``token_back[t] += 1`` there;
-- comm, on source s: per token t, wait for ``token_back[t] == its used slots``, then sum
-  ``topk_weights[t, j] * partial[t * k + j]`` over its slots in slot order in fp32 (deterministic,
-  whatever order the rows landed in) and store the bf16 row once; a token routed nowhere stores
-  zeros. No expert tile waits for anything: h and w2 are inputs, written before the launch.
+- compute, on destination d: per expert e, row tiles of ``tile_rows`` of its rows (row tile i of
+  the rank, in expert order), each cut into BN-wide column tiles: h rows @ w2[e] with fp32
+  accumulation, stored in fp32 into d's own ``partial`` rows (no atomics, no send), then
+  ``tile_done[i] += 1`` on d (a row tile is done when all of its column tiles are);
+- comm, on source s: per token t, for each used slot j in slot order a wait for ``tile_done[i]``
+  on the rank d holding its row (its row tile's rows are the counted consumers: each is one
+  token's), then ``out[t] = bf16(sum_j topk_weights[t, j] * partial@d[row])`` read from the
+  peers in slot order in fp32 (deterministic, whatever order the tiles finished in); a token
+  routed nowhere stores zeros without waiting. The rows come back to their token's rank as the
+  reduce reads them: one fp32 row per (token, slot) crosses, each once.
+
+The source's layout maps its slots to (rank, row, row tile) from the peers' ``src`` tables
+(``slot_rows``, a symmetric workspace); its own ``topk_ids`` are not read on the device.
+
+    W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
+    rank 0 compute: tile 0 (rows of x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
+    rank 1 compute: tile 0 (row of x0[0]) @ w2_1[0] -> partial@1 row 0;              tile_done@1[0]
+    rank 0 comm:    token 0: wait tile_done@0[0], tile_done@1[0] | w00 p@0[0] + w01 p@1[0] -> out
+    rank 1 comm:    token 0: wait tile_done@0[0] | w10 p@0[1] -> out
 """
 
 from __future__ import annotations
@@ -30,15 +42,16 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
+from ..schedule import Plan, Schedule, build_plan
 from ..world import World
-from . import common, moe_gpu
+from . import common
 from .moe_common import (
     MoeDispatch,
     Twins,
     check_columns,
     check_tensor,
     gemm_tiles,
+    grouped_tile,
     max_rows,
     on_gpu_path,
     stacked,
@@ -47,6 +60,7 @@ from .moe_common import (
 
 GEMM = 1  # compute task kind (args[0]): (GEMM, local expert, first row, rows)
 REDUCE = 2  # comm task kind: (REDUCE, token)
+SLOT_FIELDS = 4  # slot_rows columns: rank, row, row tile, rows in that tile (rank -1: unused)
 SPEC = OpSpec(
     name="moe_gemm_combine",
     doc="second grouped GEMM + combine: out[t] = sum_j w[t, j] * (h_row(t, j) @ w2[e])",
@@ -57,27 +71,50 @@ SPEC = OpSpec(
             "src", "input", torch.int32, ("max_rows", "3"), "the dispatch's (rank, token, slot)"
         ),
         Buffer("expert_offsets", "input", torch.int32, ("1", "offsets"), "the dispatch's"),
-        Buffer("topk_ids", "input", torch.int32, ("tokens", "k"), "this rank's routing"),
         Buffer("topk_weights", "input", torch.float32, ("tokens", "k"), "this rank's weights"),
         Buffer("out", "output", torch.bfloat16, ("tokens", "hidden"), "this rank's tokens"),
-        Buffer("partial", "symmetric", torch.float32, ("slots", "hidden"), "expert rows, fp32"),
+        Buffer(
+            "partial",
+            "output",
+            torch.float32,
+            ("max_rows", "hidden"),
+            "this rank's expert rows in fp32, read by their sources (a per-call workspace sized "
+            "by the rows: every rank's at base + rank * stride in the emulated world)",
+        ),
+        Buffer(
+            "slot_rows",
+            "symmetric",
+            torch.int32,
+            ("slots", "slot_fields"),
+            "per own (token, slot): the rank, row, row tile and tile rows of its expert row",
+        ),
     ),
-    pads=(Pad("token_back", ("token",), ("tokens",), doc="rows of my token t landed in partial"),),
-    scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows"),
-    device=False,
+    pads=(
+        Pad(
+            "tile_done",
+            ("tile",),
+            ("mtiles",),
+            counted=True,
+            doc="column tiles of row tile i here stored in partial (its rows' reduces consume it)",
+        ),
+    ),
+    scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
+    constants=(("slot_fields", SLOT_FIELDS),),
 )
 
 
 def make_plan(
     schedule: Schedule, world: World, tokens: int, hidden: int, inter: int, experts: int, k: int
 ) -> Plan:
-    """Empty per-rank tables of the room any routing of these shapes needs (the layout twin fills
-    them per call)."""
+    """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
+    its twin, fills them per call). The device cuts each row tile into BN-wide column tiles."""
     W, T, tr = world.size, tokens, tile_rows(schedule)
+    tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
-    tiles = -(-rows // tr) + experts
-    compute = Capacity(rows=tiles, waits=0, raises=rows)
-    comm = Capacity(rows=T, waits=T, raises=0)
+    mtiles = -(-rows // tr) + experts  # each expert's rows cut into tiles: at most one short each
+    tiles = mtiles * -(-hidden // tile.bn)
+    compute = Capacity(rows=tiles, waits=0, raises=tiles)
+    comm = Capacity(rows=T, waits=T * k, raises=0)
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
     sizes = {
         **shapes,
@@ -85,9 +122,10 @@ def make_plan(
         "w2_rows": experts * inter,
         "offsets": experts + 1,
         "slots": T * k,
+        "slot_fields": SLOT_FIELDS,
+        "mtiles": mtiles,
         "tile_rows": tr,
     }
-    tile = TILE_CONFIGS["64x128x64"]  # unused until a grouped-GEMM engine exists
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], compute, comm)
 
 
@@ -141,16 +179,17 @@ def prepare(
     common.check_faults(schedule, world)
     plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
     W, E, N, H = world.size, s["experts"], s["inter"], s["hidden"]
-    rows = max(dispatch.rows)
+    rows = max(1, *dispatch.rows)
+    dev = world.device
     buffers = {
         "h": stacked(list(h), rows),
         "w2": w2.view(W, E * N, H),
         "src": stacked(dispatch.src, rows),
         "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
-        "topk_ids": dispatch.topk_ids,
         "topk_weights": topk_weights,
-        "out": common.check_out(None, world, (s["tokens"], H)),  # poisoned
-    }  # run_cpu adds the workspace (common.workspace)
+        "out": torch.full((W, s["tokens"], H), float("nan"), dtype=torch.bfloat16, device=dev),
+        "partial": torch.full((W, rows, H), float("nan"), dtype=torch.float32, device=dev),
+    }  # poisoned: out and partial rows nobody writes show as NaN; run_cpu adds the workspace
     return world, schedule, plan, buffers
 
 
@@ -191,11 +230,13 @@ def moe_gemm_combine(
         common.check_schedule(schedule)
         hr = moe_dist.check_combine(h, w2, dispatch, topk_weights, world)
         return moe_dist.combine(hr, w2, dispatch, topk_weights, world, moe_dist.engine_gemm)
-    if on_gpu_path(SPEC.name, world):
-        common.check_schedule(schedule)
-        shapes(h, w2, dispatch, topk_weights, world)
-        return moe_gpu.combine(list(h), w2, dispatch, topk_weights)
+    on_gpu = on_gpu_path(SPEC.name, world)
     world, schedule, plan, buffers = prepare(h, w2, dispatch, topk_weights, world, schedule)
+    if dispatch.topk_ids.shape[1] == 0:  # no tokens: nothing to launch
+        return buffers["out"]
+    if on_gpu:  # the fused kernel (kernels/moe_gemm_combine.cu), one launch
+        common.run_gpu(world, plan, buffers)
+        return buffers["out"]
     tw = twins_of(plan, dispatch)
     common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "out")
     return buffers["out"]
@@ -204,59 +245,79 @@ def moe_gemm_combine(
 # -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------
 
 
+def slot_table(
+    plan: Plan, offsets: list[list[int]], src: list[list[list[int]]], me: int
+) -> list[list[int]]:
+    """Rank ``me``'s ``slot_rows``: per own (token, slot) t * k + j, the (rank, row, row tile, rows
+    of that tile) of its expert row, from every rank's ``expert_offsets`` and ``src``; rank -1 for
+    an unused slot. Row tiles are numbered per rank in ``gemm_tiles`` order."""
+    T, k, tr = (plan.sizes[n] for n in ("tokens", "k", "tile_rows"))
+    table = [[-1, 0, 0, 0] for _ in range(T * k)]
+    for d, offs in enumerate(offsets):
+        for i, (_, r0, n) in enumerate(gemm_tiles(offs, tr)):
+            for row in range(r0, r0 + n):
+                s, t, j = src[d][row]
+                if s == me:
+                    table[t * k + j] = [d, row, i, n]
+    return table
+
+
 def layout_tasks(
-    plan: Plan, offsets: list[int], src: list[list[int]], ids: list[list[int]], me: int
+    plan: Plan, offsets: list[int], slots: list[list[int]], me: int
 ) -> dict[str, list[Task]]:
-    """Rank ``me``'s tasks: its experts' GEMM tiles (each row raising its token's flag on the
-    row's source rank) and a reduce per own token (waiting for all of its rows)."""
+    """Rank ``me``'s tasks: its experts' row tiles (each adding its column tiles to its
+    ``tile_done`` flag: the twin's one task adds them all at once, the device's column tiles 1
+    each) and a reduce per own token, waiting for the tile of each used slot in slot order."""
+    T, k, H = (plan.sizes[n] for n in ("tokens", "k", "hidden"))
+    tiles_n = -(-H // plan.tile.bn)
     tiles = gemm_tiles(offsets, plan.sizes["tile_rows"])
     compute = [
-        Task(i, (GEMM, e, r0, n), raises=tuple(
-            Raise("token_back", s, (t,), 1, op="add") for s, t, _ in src[r0 : r0 + n]
-        ))
+        Task(i, (GEMM, e, r0, n), raises=(Raise("tile_done", me, (i,), tiles_n, op="add"),))
         for i, (e, r0, n) in enumerate(tiles)
-    ]  # fmt: skip
-    E, comm = plan.sizes["experts"], []
-    for t, row in enumerate(ids):
-        used = [g for g in row if g >= 0]
-        waits = (Wait("token_back", me, (t,), len(used), peer=min(used) // E),) if used else ()
+    ]
+    comm = []
+    for t in range(T):
+        waits = tuple(
+            Wait("tile_done", d, (i,), tiles_n, consumers=n, peer=d)
+            for d, _, i, n in slots[t * k : (t + 1) * k]
+            if d >= 0
+        )
         comm.append(Task(t, (REDUCE, t), waits=waits))
     return {"compute": compute, "comm": comm}
 
 
 def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
-    """The interpreter side of one call; the layout twin reads the dispatch's routing tables (on
-    the device: what the dispatch's layout phase left in device memory)."""
+    """The interpreter side of one call; the layout twin reads every rank's ``expert_offsets`` and
+    ``src`` (what the dispatch left in device memory), as the device's layout phase does."""
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
     E = plan.sizes["experts"]
-    made: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # rank -> (src rows, ids)
+    made: dict[int, list[list[int]]] = {}  # rank -> its slot table (slot_rows on the device)
 
     def layout(ctx):
-        me = ctx.rank
-        offs = yield from twins.tile_load(ctx, "expert_offsets", me, (0, 1, 0, E + 1))
-        offsets = offs.flatten().tolist()
-        src = yield from twins.tile_load(ctx, "src", me, (0, offsets[-1], 0, 3))
-        ids = yield from twins.tile_load(ctx, "topk_ids", me, (0, T, 0, k))
-        made[me] = (src.tolist(), ids.tolist())
-        return layout_tasks(plan, offsets, *made[me], me)
+        offsets, src = [], []
+        for d in range(ctx.W):
+            offs = yield from twins.tile_load(ctx, "expert_offsets", d, (0, 1, 0, E + 1))
+            offsets.append(offs.flatten().tolist())
+            rows = yield from twins.tile_load(ctx, "src", d, (0, offsets[-1][-1], 0, 3))
+            src.append(rows.tolist())
+        made[ctx.rank] = slots = slot_table(plan, offsets, src, ctx.rank)
+        return layout_tasks(plan, offsets[ctx.rank], slots, ctx.rank)
 
-    def compute(ctx, task):  # one expert tile: h rows @ w2[e], each row back to its source
+    def compute(ctx, task):  # one expert tile: h rows @ w2[e] into this rank's fp32 partial rows
         _, e, r0, n = task.args[:4]
         a = yield from twins.tile_load(ctx, "h", ctx.rank, (r0, n, 0, N))
         b = yield from twins.tile_load(ctx, "w2", ctx.rank, (e * N, N, 0, H))
-        rows = a.float() @ b.float()  # fp32, [n, H]
-        for i, (s, t, j) in enumerate(made[ctx.rank][0][r0 : r0 + n]):
-            yield from twins.tile_send_bulk(
-                ctx, "partial", s, (t * k + j, 1, 0, H), rows[i : i + 1]
-            )
+        # the engine's fp32 epilogue: plain stores into this rank's rows (no output tile: the
+        # reduces read them, the kernel end does not)
+        yield from twins.tile_send(ctx, "partial", ctx.rank, (r0, n, 0, H), a.float() @ b.float())
 
     def comm(ctx, task):  # the weighted sum of one own token, in slot order, one bf16 store
         t = task.args[1]
         w = yield from twins.tile_load(ctx, "topk_weights", ctx.rank, (t, 1, 0, k))
         acc = torch.zeros(1, H, dtype=torch.float32)
-        for j, g in enumerate(made[ctx.rank][1][t]):
-            if g >= 0:
-                p = yield from twins.tile_load(ctx, "partial", ctx.rank, (t * k + j, 1, 0, H))
+        for j, (d, row, _, _) in enumerate(made[ctx.rank][t * k : (t + 1) * k]):
+            if d >= 0:  # read from the rank that holds the row (a peer's memory)
+                p = yield from twins.tile_load(ctx, "partial", d, (row, 1, 0, H))
                 acc += w[0, j] * p
         yield from twins.output_store(ctx, "out", ctx.rank, (t, 1, 0, H), acc.bfloat16(), t)
 

@@ -1,9 +1,10 @@
-"""The fused MoE dispatch kernel (kernels/moe_dispatch_gemm.cu) in emulated GPU worlds: the
-layout phase's rows, src and offsets exact, y against fp64 formulas with bf16 tolerance (y
-NaN-poisoned by the API), pads back to zero after every call; W 1..8, k 1 / 2 / 8, uniform /
-one-expert / one-rank / no routing, T = 0 and off the tile, both overlaps, tile heights 1..128,
-H and I spanning several K blocks and column tiles; hypothesis over routings; a silent rank times
-out naming the flag; 1000 calls with a new routing each."""
+"""The fused MoE kernels (kernels/moe_dispatch_gemm.cu, kernels/moe_gemm_combine.cu) in emulated
+GPU worlds, dispatch -> relu -> combine: the dispatch's rows, src and offsets exact, y and out
+against fp64 formulas with bf16 tolerance (y, out and the combine's fp32 rows NaN-poisoned by the
+API), tokens routed nowhere exactly zero, pads back to zero after every call; W 1..8, k 1 / 2 / 8,
+uniform / one-expert / one-rank / no routing, T = 0 and off the tile, both overlaps, tile heights
+1..128, H and I spanning several K blocks and column tiles; hypothesis over routings; a silent
+rank times out naming the flag (either op); 1000 calls with a new routing each."""
 
 from __future__ import annotations
 
@@ -50,14 +51,40 @@ def check(res, x, ids, w1, what):
             assert_close_exact(y, exact, mag, x.shape[-1], f"{what}: y of rank {d}")
 
 
+def check_combine(out, h, w2, ids, weights, what):
+    """out[s, t] = sum_j weights[s, t, j] * (h_row(s, t, j) @ w2[e]) in fp64, bf16 tolerance."""
+    W, T, k = ids.shape
+    E, N, H = w2.shape[1:]
+    exact = torch.zeros(W, T, H, dtype=torch.float64)
+    mag = torch.zeros_like(exact)
+    for d, rows in enumerate(expected_rows(ids, E)):
+        hd = h[d].cpu().double()
+        for r, (s, t, j, e) in enumerate(rows):
+            wt = weights[s, t, j].double()
+            exact[s, t] += wt * (hd[r] @ w2[d, e].double())
+            mag[s, t] += wt.abs() * (hd[r].abs() @ w2[d, e].double().abs())
+    out = out.cpu()
+    assert_close_exact(out, exact, mag, N + k, f"{what}: out")
+    assert bool((out[(ids < 0).all(dim=-1)] == 0).all()), f"{what}: a token routed nowhere"
+
+
 def run(W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None, world=None):
+    """dispatch -> relu -> combine in one world, each checked."""
     world = world or mkernel.World.emulated(W, device="cuda")
     x, w1 = _operands(W, T, E, H, N, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    w2 = (torch.randn(W, E, N, H, generator=g) / N**0.5).bfloat16()
+    weights = torch.rand(W, T, k, generator=g)
     ids = routing(W, T, E, k, mode, seed)
     sched = mkernel.Schedule(overlap=overlap, chunk_rows=chunk_rows)
     what = f"W={W} T={T} E={E} k={k} {mode} H={H} I={N} {overlap} rows={chunk_rows}"
     res = mkernel.moe_dispatch_gemm(x.cuda(), ids.cuda(), w1.cuda(), world, sched)
     check(res, x, ids, w1, what)
+    assert_pads_zero(world)
+    h = [torch.relu(y) for y in res.y]
+    out = mkernel.moe_gemm_combine(h, w2.cuda(), res, weights.cuda(), world, sched)
+    assert out.shape == (W, T, H) and out.dtype == torch.bfloat16 and out.is_cuda
+    check_combine(out, h, w2, ids, weights, what)
     assert_pads_zero(world)
     return world
 
@@ -133,15 +160,36 @@ def test_loop_of_1000_calls_with_changing_routing():
     W, T, E, k = 2, 48, 2, 2
     world = mkernel.World.emulated(W, device="cuda")
     x, w1 = _operands(W, T, E, 64, 128, 0)
-    xc, w1c = x.cuda(), w1.cuda()
+    w2 = (torch.randn(W, E, 128, 64) / 8).bfloat16()
+    weights = torch.rand(W, T, k)
+    xc, w1c, w2c, wc = x.cuda(), w1.cuda(), w2.cuda(), weights.cuda()
     first = None
     for i in range(1000):
         ids = routing(W, T, E, k, "uniform", seed=i % 10)
         res = mkernel.moe_dispatch_gemm(xc, ids.cuda(), w1c, world)
+        out = mkernel.moe_gemm_combine(res.y, w2c, res, wc, world)
         if i < 10:
             check(res, x, ids, w1, f"call {i}")
+            check_combine(out, res.y, w2, ids, weights, f"call {i}")
         if i == 0:
-            first = [y.clone() for y in res.y]
+            first = [y.clone() for y in res.y] + [out.clone()]
         if i % 10 == 0:  # the same routing again: the same bits
-            assert all(torch.equal(a, b) for a, b in zip(first, res.y, strict=True)), f"call {i}"
+            again = list(res.y) + [out]
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), f"call {i}"
     assert_pads_zero(world)
+
+
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_combine_silent_rank_times_out_naming_tile_done(overlap):
+    W, T, E, k = 2, 20, 2, 2
+    world = mkernel.World.emulated(W, device="cuda", timeout_s=0.5)
+    x, w1 = _operands(W, T, E, 64, 64, 2)
+    w2 = torch.randn(W, E, 64, 64).bfloat16().cuda()
+    ids = routing(W, T, E, k, "uniform", 2).cuda()
+    res = mkernel.moe_dispatch_gemm(x.cuda(), ids, w1.cuda(), world)
+    bad = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=1))
+    mkernel.moe_gemm_combine(res.y, w2, res, torch.rand(W, T, k).cuda(), world, bad)
+    with pytest.raises(CommTimeout) as e:
+        world.check()
+    assert e.value.peer == 1 and "tile_done" in e.value.signal
+    run(W, T, E, k, "uniform", 2, overlap=overlap, world=world)

@@ -1,0 +1,143 @@
+// The second grouped GEMM of an MoE layer + the combine: each expert row times w2 comes back to its
+// token's rank, which sums its slots weighted in fp32 and stores the token once in bf16.
+//
+// Protocol (mkernel/ops/moe_gemm_combine.py, whose layout twin makes the same tasks; both roles
+// device-filled). The layout phase of rank me (thread 0 of CTA slot 0) makes
+//   compute tasks  per local expert, row tiles of tile_rows rows (row tile i of the rank, in
+//                  expert order) cut into BN-wide column tiles: h rows @ w2[e] stored in fp32
+//                  into my `partial` rows, each column tile adding 1 to tile_done[i] here
+//   slot_rows      per own (token, slot): rank d, row, row tile and its rows of the expert row,
+//                  from every rank's src / expert_offsets (the dispatch's outputs)
+//   comm tasks     one reduce per own token: for each used slot, in slot order, a wait for its
+//                  row tile on d (all column tiles; the tile's rows, one token's each, are its
+//                  counted consumers), then out[t] = bf16(sum_j w[t, j] * partial@d[row])
+// No atomics, no zeroing: every row is stored once where it was computed and read once by its
+// token's rank; the sum runs in slot order whatever order the tiles finished in. Emulated worlds
+// (every rank in this launch: the layout reads the peers' src, the reduce their partial rows).
+//
+//   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
+//   rank 0 compute: tile 0 = rows (x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
+//   rank 1 compute: tile 0 = row x0[0] @ w2_1[0] -> partial@1 row 0; tile_done@1[0]
+//   rank 0 comm:    token 0: wait tile_done@0[0], @1[0] | w00 p@0[0] + w01 p@1[0] -> out0[0]
+#include "kernels/moe_engine.cuh"
+
+namespace mk {
+
+template <class EngineT>
+struct MoeGemmCombine {
+  using Engine = EngineT;
+  using Layout = spec::moe_gemm_combine::Layout;
+  using Args = FusedArgs<MoeGemmCombine>;
+  static constexpr int kCommSmemBytes = 0;
+  static constexpr int kReduce = 2;  // comm task kind (args[0]), as the twin's REDUCE
+  static constexpr int kPadDone = spec::moe_gemm_combine::kPadTileDone;
+  static constexpr int kPadDoneCount = spec::moe_gemm_combine::kPadTileDoneCount;
+  static constexpr int kSlot = spec::moe_gemm_combine::kSlotFields;  // rank, row, tile, rows
+
+  static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter& compute,
+                                TableWriter& comm) {
+    const Layout& l = a.layout;
+    const int W = a.common.world_size, me = cta.rank, T = l.tokens, k = l.k, E = l.experts;
+    const int H = l.hidden, tr = l.tile_rows, tiles_n = (H + Engine::BN - 1) / Engine::BN;
+    const int* offs = l.expert_offsets.at(cta.local_rank);
+    int tile = 0;
+    for (int e = 0; e < E; ++e) {
+      for (int m0 = offs[e]; m0 < offs[e + 1]; m0 += tr, ++tile) {
+        for (int n0 = 0; n0 < H; n0 += Engine::BN) {
+          compute.tile_task(m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e);
+          compute.add_raise(kPadDone, me, tile, 1, kRaiseAdd);
+        }
+      }
+    }
+    // My slots' rows on every rank (emulated: rank d is local rank d), row tiles numbered as d's
+    // layout numbers them.
+    int* slots = l.slot_rows.map(me);
+    for (int q = 0; q < T * k; ++q) slots[kSlot * q] = -1;
+    for (int d = 0; d < W; ++d) {
+      const int* offs_d = l.expert_offsets.at(d);
+      const int* src = l.src.at(d);
+      int i = 0;
+      for (int e = 0; e < E; ++e) {
+        for (int m0 = offs_d[e]; m0 < offs_d[e + 1]; m0 += tr, ++i) {
+          const int n = min(tr, offs_d[e + 1] - m0);
+          for (int row = m0; row < m0 + n; ++row) {
+            if (src[3 * row] != me) continue;
+            int* s = slots + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
+            s[0] = d;
+            s[1] = row;
+            s[2] = i;
+            s[3] = n;
+          }
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      comm.task(kReduce, t);
+      for (int j = 0; j < k; ++j) {
+        const int* s = slots + kSlot * (t * k + j);
+        if (s[0] >= 0) comm.add_wait(kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
+      }
+    }
+  }
+
+  static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
+    const Layout& l = a.layout;
+    return gemm::Dest{l.partial.at(cta.local_rank) + (long long)t.m0 * l.hidden + t.n0, l.hidden,
+                      gemm::kStoreF32};
+  }
+
+  // One own token: its used slots' fp32 rows (read from the ranks that computed them, through L2:
+  // written in this launch) weighted and summed in slot order, one bf16 store; zeros if none.
+  static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
+                                   const Team& team, char*) {
+    if (args[0] != kReduce) return;
+    const Layout& l = a.layout;
+    const int t = args[1], k = l.k, H = l.hidden;
+    const int* slots = l.slot_rows.map(cta.rank) + kSlot * t * k;
+    const float* w = l.topk_weights.at(cta.local_rank) + (long long)t * k;
+    __nv_bfloat16* o = l.out.at(cta.local_rank) + (long long)t * H;
+    for (int c = 4 * team.lane; c < H; c += 4 * team.size) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < k; ++j) {
+        const int d = __ldcg(slots + kSlot * j);
+        if (d < 0) continue;
+        const long long row = __ldcg(slots + kSlot * j + 1);
+        const float4 p = __ldcg(reinterpret_cast<const float4*>(l.partial.at(d) + row * H + c));
+        const float wj = w[j];
+        acc.x += wj * p.x;
+        acc.y += wj * p.y;
+        acc.z += wj * p.z;
+        acc.w += wj * p.w;
+      }
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z, acc.w);
+      uint2 v;
+      v.x = *reinterpret_cast<const uint32_t*>(&lo);
+      v.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(o + c) = v;
+    }
+  }
+
+  static bool prepare(const long long*, Args& args) {
+    const Layout& l = args.layout;
+    const int W = args.common.world_size, here = args.common.ranks_here;
+    // The layout reads every rank's src and the reduce every rank's rows: emulated worlds only.
+    if (here != W || l.h.rank_stride % l.inter != 0) return false;
+    const long long h_rows = l.h.rank_stride / l.inter;  // rows of the stacked h ([W, rows, I])
+    if (h_rows < 1 || !fill_grouped_b(here, args.engine, l.w2, l.experts, l.inter, l.hidden,
+                                      (int)h_rows))
+      return false;
+    for (int r = 0; r < here; ++r) {
+      if (host::make_tensor_map_bf16_2d(&args.engine[r].a, l.h.base + r * l.h.rank_stride, h_rows, l.inter,
+                                        l.inter, Engine::BM, 64, 128) != host::kTensorMapOk)
+        return false;
+    }
+    return true;
+  }
+};
+
+int launch_moe_gemm_combine(const long long* rec, cudaStream_t s) {
+  return launch_grouped<MoeGemmCombine, /*kGather=*/false>(rec, s);
+}
+
+}  // namespace mk
