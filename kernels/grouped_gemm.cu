@@ -173,13 +173,13 @@ int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
   static bool attr_set = false;  // NOTE: per process; fine for one device kind
   if (!attr_set) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Cfg::kSmemBytes) != cudaSuccess)
+                             Engine<Cfg, true, kGather>::kSmemBytes) != cudaSuccess)
       return kGroupedLaunchFailed;
     attr_set = true;
   }
   tile_prefix_kernel<<<1, kPrefixThreads, 0, stream>>>(a.offsets, a.G, a.M, Cfg::BM, p.tiles_n,
                                                        a.workspace);
-  kernel<<<num_sms, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  kernel<<<num_sms, Cfg::kThreads, Engine<Cfg, true, kGather>::kSmemBytes, stream>>>(p);
   return cudaGetLastError() == cudaSuccess ? kGroupedOk : kGroupedLaunchFailed;
 }
 

@@ -73,6 +73,16 @@ struct TileTask {
 // past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
 // The row indices are read through L2 (ld.cg), not the read-only path: a fused op's layout phase
 // writes them earlier in the same launch (MoE dispatch).
+// A word in shared memory handed from one thread of the CTA to others (the gather gate).
+__device__ __forceinline__ void st_release_cta_shared(char* p, int v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta_shared(char* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)) : "memory");
+  return v;
+}
+
 template <class Cfg, bool kGroupedB = false, bool kGatherA = false>
 struct Engine {
   using Map = SmemMap<Cfg>;
@@ -81,7 +91,9 @@ struct Engine {
   static constexpr int CONSUMERS = Cfg::CONSUMERS;
   static constexpr int CLUSTER = Cfg::CLUSTER;
   static constexpr int kThreads = Cfg::kThreads;
-  static constexpr int kSmemBytes = Cfg::kSmemBytes;
+  // kGatherA: a gate word after the config's map: the number of tasks whose before_load returned.
+  static constexpr int kGateOffset = Map::kBytes;
+  static constexpr int kSmemBytes = Cfg::kSmemBytes + (kGatherA ? 16 : 0);
   static constexpr int kSmemAlign = 1024;
   static constexpr int kProducerRegs = Cfg::kProducerRegs;
   static constexpr int kConsumerRegs = Cfg::kConsumerRegs;
@@ -175,6 +187,7 @@ struct Engine {
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
     uint64_t* empty = full + STAGES;
     if (smem_u32(smem) % kSmemAlign != 0) __trap();
+    if constexpr (kGatherA) *reinterpret_cast<volatile int*>(smem + kGateOffset) = 0;
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       // this CTA's producer's arrive_expect_tx (+ one cp.async arrival per gather thread)
@@ -211,6 +224,10 @@ struct Engine {
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
       hooks.before_load(i);
+      // The gather warps read A through plain loads, not this thread's TMA: they may start task i
+      // only once its waits have passed (release here, acquire there: the data's writer -> the
+      // waits' acquire -> this release -> the gather's acquire orders their reads after it).
+      if constexpr (kGatherA) st_release_cta_shared(smem + kGateOffset, i + 1);
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
         uint64_t* bar = &full[ps.stage];
@@ -255,6 +272,8 @@ struct Engine {
     const int ntasks = hooks.num_tasks();
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
+      while (ld_acquire_cta_shared(smem + kGateOffset) <= i) {  // task i's waits have passed
+      }
       const char* row_src[kRowsPer];  // nullptr: a row past the tile's valid rows (zeros)
 #pragma unroll
       for (int j = 0; j < kRowsPer; ++j) {
