@@ -190,9 +190,14 @@ class World:
         return buf
 
     def signal_pads(self) -> dict[tuple, torch.Tensor]:
-        """Every int32 symmetric buffer (signal pads) this world holds, by key; tests check that
-        each is back to all zeros after an op."""
-        return {k: b.local for k, b in self._buffers.items() if b.local.dtype == torch.int32}
+        """Every signal pad this world holds, by key (its int32 symmetric buffers but those keyed
+        as data, (op, buffer, "data"): MoE's row maps); tests check that each is back to all
+        zeros after an op."""
+        return {
+            k: b.local
+            for k, b in self._buffers.items()
+            if b.local.dtype == torch.int32 and k[0][-1] != "data"
+        }
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> SymBuffer:
         if self.emulated_world:

@@ -266,7 +266,9 @@ def workspace(world: World, plan: Plan) -> dict[str, SymBuffer | None]:
                 world.size > 1 and (b.when == "ranks" or not world.emulated_world)
             )
             shape = buffer_shape(b, sizes)
-            out[b.name] = world.symmetric((spec.name, b.name), shape, b.dtype) if wanted else None
+            # int32 data (MoE's row maps) is keyed apart from signal pads (World.signal_pads)
+            key = (spec.name, b.name, "data") if b.dtype == torch.int32 else (spec.name, b.name)
+            out[b.name] = world.symmetric(key, shape, b.dtype) if wanted else None
     for p in spec.all_pads()[1:]:
         out[p.name] = world.symmetric((spec.name, p.name), pad_shape(spec, p, sizes), torch.int32)
     return out
