@@ -93,7 +93,7 @@ def run(W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
 def test_worlds_routings_and_overlaps(W, k, overlap):
-    E = 2 if W * 2 >= k else 4
+    E = max(2, -(-k // W))  # k <= W * E
     for mode in ("uniform", "one_expert", "none"):
         for T in (0, 1, 70):
             run(W, T, E, k, mode, seed=W * 100 + k * 10 + T, overlap=overlap)
