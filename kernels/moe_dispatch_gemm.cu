@@ -8,18 +8,19 @@
 //   src, row_map    per y row: (source, token, slot) and the receive row of its token, in the
 //                   order expert, source, token, slot (counts first: no row moves twice)
 //   comm tasks      one push per (own token, destination rank it feeds), nearest rank first,
-//                   adding 1 to expert_rows[e] on the destination per expert e it feeds there
+//                   adding 1 to expert_rows[e, me] on the destination per expert e it feeds there
 //   compute tasks   per local expert, tiles of tile_rows rows x BN columns, each waiting for
-//                   expert_rows[e] == rows of e (its counted consumers: the last tile resets it)
+//                   expert_rows[e, s] == rows of e from s, for every source s that sends e rows
+//                   (its counted consumers: the last tile resets them; a late source is named)
 // A compute tile gathers its rows' tokens from `recv` through row_map (the engine's kGatherA)
 // and stores its bf16 rows of y. Emulated worlds (all ranks in this launch): the layout reads the
 // peers' topk_ids directly; a distributed world would exchange the counts first (not built).
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}, token 1 -> {1}; rank 1: token 0 -> {0}
-//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 expert_rows@0[0]) | x0[0] -> recv@1 row 0,
-//                   x0[1] -> recv@1 row 1 (+1 expert_rows@1[0] each)
-//   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 expert_rows@0[0])
-//   rank 0 compute: wait expert_rows@0[0] == 2 | y0 = [recv0[0], recv0[1]] @ w1_0[0]
+//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 expert_rows@0[0, 0]) | x0[0] -> recv@1 row 0,
+//                   x0[1] -> recv@1 row 1 (+1 expert_rows@1[0, 0] each)
+//   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 expert_rows@0[0, 1])
+//   rank 0 compute: wait expert_rows@0[0, 0] == 1, [0, 1] == 1 | y0 = [recv0[0], recv0[1]] @ w1_0[0]
 #include "kernels/moe_engine.cuh"
 
 namespace mk {
@@ -100,20 +101,26 @@ struct MoeDispatchGemm {
         comm.task(kPush, t, d, base[d]++);
         for (int j = 0; j < k; ++j) {
           const int e = mine[t * k + j] - d * E;
-          if (e >= 0 && e < E) comm.add_raise(kPadRows, d, e, 1, kRaiseAdd);
+          if (e >= 0 && e < E) comm.add_raise(kPadRows, d, e * W + me, 1, kRaiseAdd);
         }
       }
     }
-    // GEMM tiles: expert e's rows in tiles of tile_rows x BN; all of them count as its consumers.
+    // GEMM tiles: expert e's rows in tiles of tile_rows x BN; all of them count as its consumers
+    // of each source's flag (its rows are by source: one run of rows per source).
     const int N = l.inter, tr = l.tile_rows, tiles_n = (N + Engine::BN - 1) / Engine::BN;
     for (int e = 0; e < E; ++e) {
       const int r0 = offs[e], r1 = offs[e + 1];
       if (r1 == r0) continue;
+      int from[kMaxLocalRanks] = {};
+      for (int r = r0; r < r1; ++r) ++from[src[3 * r]];
       const int consumers = (r1 - r0 + tr - 1) / tr * tiles_n;
       for (int m0 = r0; m0 < r1; m0 += tr) {
         for (int n0 = 0; n0 < N; n0 += Engine::BN) {
           compute.tile_task(m0, n0, min(tr, r1 - m0), min(Engine::BN, N - n0), e);
-          compute.add_wait(kPadRows, me, e, r1 - r0, consumers, kPadRowsCount, 1, src[3 * r0]);
+          for (int s = 0; s < W; ++s) {
+            if (from[s] > 0)
+              compute.add_wait(kPadRows, me, e * W + s, from[s], consumers, kPadRowsCount, 1, s);
+          }
         }
       }
     }

@@ -213,7 +213,7 @@ def test_a_token_goes_to_each_destination_rank_once():
     assert pushes == [(0, 0), (0, 1), (1, 1)]  # own rank first, then rank 1; token order
     raised = [[(x.pad, x.rank, x.index, x.op) for x in t.raises] for t in comm]
     add = "add"
-    assert raised[1] == [("expert_rows", 1, (0,), add), ("expert_rows", 1, (1,), add)]
+    assert raised[1] == [("expert_rows", 1, (0, 0), add), ("expert_rows", 1, (1, 0), add)]
     assert r.recv_base[1] == [0, 2]  # rank 1 receives rank 0's 2 tokens, then rank 1's 1
 
 
@@ -225,16 +225,17 @@ def test_each_expert_tile_waits_for_its_own_experts_rows_only():
         offs = r.offsets[d]
         assert sum(t.args[3] for t in tiles) == offs[-1]
         for t in tiles:
-            (w,) = t.waits
             e = t.args[1]
             n_tiles = sum(1 for u in tiles if u.args[1] == e)
-            assert (w.pad, w.rank, w.index, w.value) == (
-                "expert_rows",
-                d,
-                (e,),
-                offs[e + 1] - offs[e],
-            )
-            assert w.consumers == n_tiles  # counted: the last tile of the expert resets the flag
+            # one wait per source that sends expert e rows: its count of them, and it is the peer
+            from_src = [
+                sum(1 for (s, tt, j, ee) in r.rows[d] if ee == e and s == src) for src in range(3)
+            ]
+            want = [("expert_rows", d, (e, s), n, s) for s, n in enumerate(from_src) if n]
+            assert [(w.pad, w.rank, w.index, w.value, w.peer) for w in t.waits] == want
+            assert sum(w.value for w in t.waits) == offs[e + 1] - offs[e]
+            # counted: the last tile of the expert resets each flag
+            assert all(w.consumers == n_tiles for w in t.waits)
 
 
 def test_back_to_back_calls_in_one_run_reuse_the_workspace_safely():

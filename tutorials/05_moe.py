@@ -10,8 +10,8 @@
 # 3. the layout phase: how many tasks a rank runs depends on the routing, so the plan only holds
 #    room (`Capacity`) and the op's layout twin makes the tasks at the start of every call.
 #
-# Runs on a laptop: both ops run in the CPU interpreter (on a GPU world they run unfused, on the
-# grouped GEMM engine; the fused kernels are not built yet: docs/moe.md).
+# Runs on a laptop: both ops run in the CPU interpreter; on a GPU world (emulated) each is one
+# fused kernel that runs the same tasks (docs/moe.md).
 
 # %%
 import torch
@@ -91,8 +91,9 @@ print(f"out matches the dense MoE: max relative error {err:.2e} (bf16 rounding);
 # The plan is built once per shape: its compute and comm roles are `Capacity` (room per rank), not
 # task lists. At the start of every call the layout twin (on a GPU: the op's device `layout`) reads
 # the routing ids, computes the counts and prefix sums, and appends this rank's tasks: a push per
-# (token, destination rank) raising `expert_rows[e]` there for each expert it feeds, and per expert
-# GEMM tiles that wait for their own expert's rows only.
+# (token, destination rank) raising `expert_rows[e, src]` there for each expert it feeds, and per
+# expert GEMM tiles that wait for their own expert's rows only: one count per source that sends
+# some, so a late rank is the one a timeout names.
 
 # %%
 plan = mdg.make_plan(sched, world, T, H, INTER, E_LOCAL, K)
@@ -101,12 +102,12 @@ made = mdg.layout_tasks(plan, route(topk_ids.tolist(), E_LOCAL), 0)
 n_push, n_gemm = len(made["comm"]), len(made["compute"])
 print(f"the layout phase on rank 0 made {n_push} pushes and {n_gemm} GEMM tiles")
 for t in made["comm"][:3]:
-    adds = [f"expert_rows[{x.index[0]}] on rank {x.rank}" for x in t.raises]
+    adds = [f"expert_rows[{x.index[0]}, {x.index[1]}] on rank {x.rank}" for x in t.raises]
     print(f"  push token {t.args[1]} -> rank {t.args[2]} recv row {t.args[3]}; +1 on {adds}")
 for t in made["compute"]:
-    (w,) = t.waits
     rows = f"rows {t.args[2]}..{t.args[2] + t.args[3]}"
-    print(f"  GEMM expert {t.args[1]} {rows}: waits expert_rows[{w.index[0]}] == {w.value}")
+    waits = ", ".join(f"expert_rows[{w.index[0]}, {w.index[1]}] == {w.value}" for w in t.waits)
+    print(f"  GEMM expert {t.args[1]} {rows}: waits {waits}")
 
 # %% [markdown]
 # ## 5. Another routing, the same plan

@@ -17,20 +17,22 @@ its y row before any data moves. Its tasks, made per call (the comm and compute 
 ``Capacity``: how many tasks a rank runs is routing data):
 
 - comm, on source s: one push per (token, destination rank) -- x_token is copied once to each
-  rank it feeds, a bulk copy into that rank's ``recv`` row -- raising ``expert_rows[e] += 1`` on
+  rank it feeds, a copy into that rank's ``recv`` row -- raising ``expert_rows[e, s] += 1`` on
   the destination for each of its experts the token feeds;
-- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows; each waits for
-  ``expert_rows[e] == rows of e`` (so an expert's GEMM starts once its own rows have landed, not
-  after a global barrier; the tiles of e are its counted consumers, the last resets the flag),
-  gathers its rows' tokens from ``recv`` (the expansion to (token, slot) rows), multiplies by
-  w1[e] with fp32 accumulation and stores its bf16 rows of ``y`` (the kernel end reads them).
+- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows; each waits, for
+  every source s that sends e rows, for ``expert_rows[e, s] == rows of e from s`` (so an expert's
+  GEMM starts once its own rows have landed, not after a global barrier, and a wait that times
+  out names the one source that is late; the tiles of e are its counted consumers, the last
+  resets the flags), gathers its rows' tokens from ``recv`` (the expansion to (token, slot) rows),
+  multiplies by w1[e] with fp32 accumulation and stores its bf16 rows of ``y`` (the kernel end
+  reads them).
 
     W = 2, E_local = 1; rank 0's token 0 -> experts {0, 1}, token 1 -> {1}; rank 1's token 0 -> {0}
-    rank 0 comm:  push x0[0] -> recv_0[0] (+1 expert_rows_0[0]); x0[0] -> recv_1[0], x0[1] ->
-                  recv_1[1] (+1 expert_rows_1[0] each)
-    rank 1 comm:  push x1[0] -> recv_0[1] (+1 expert_rows_0[0])
-    rank 0 compute: wait expert_rows_0[0] == 2 -> y_0 = [x0[0], x1[0]] @ w1_0[0]
-    rank 1 compute: wait expert_rows_1[0] == 2 -> y_1 = [x0[0], x0[1]] @ w1_1[0]
+    rank 0 comm:  push x0[0] -> recv_0[0] (+1 expert_rows_0[0, 0]); x0[0] -> recv_1[0], x0[1] ->
+                  recv_1[1] (+1 expert_rows_1[0, 0] each)
+    rank 1 comm:  push x1[0] -> recv_0[1] (+1 expert_rows_0[0, 1])
+    rank 0 compute: wait expert_rows_0[0, 0] == 1, [0, 1] == 1 -> y_0 = [x0[0], x1[0]] @ w1_0[0]
+    rank 1 compute: wait expert_rows_1[0, 0] == 2 -> y_1 = [x0[0], x0[1]] @ w1_1[0]
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ SPEC = OpSpec(
     pads=(
         Pad(
             "expert_rows",
-            ("expert",),
-            ("experts",),
+            ("expert", "src"),
+            ("experts", "W"),
             counted=True,
-            doc="token copies landed here for local expert e (added by the senders)",
+            doc="token copies from rank src landed here for local expert e (added by src)",
         ),
     ),
     scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
@@ -106,7 +108,7 @@ def make_plan(
     rows = max_rows(W, T, k, experts)
     tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
     comm = Capacity(rows=T * min(k, W), waits=0, raises=T * k)
-    compute = Capacity(rows=tiles, waits=tiles, raises=0)
+    compute = Capacity(rows=tiles, waits=tiles * W, raises=0)  # a wait per source
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
     sizes = {
         **shapes,
@@ -255,23 +257,26 @@ def dispatch_gpu(
 def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]:
     """Rank ``me``'s tasks for this routing (what the device layout phase appends to its tables):
     pushes of its tokens, nearest destination first (itself, then me + 1, ...), and its experts'
-    GEMM tiles, each waiting for its expert's rows."""
+    GEMM tiles, each waiting for its expert's rows from each source that sends some."""
     W = plan.world_size
     comm = []
     for d in ((me + i) % W for i in range(W)):
         for t in routing.sent[me][d]:
             feeds = sorted(e for (s, tt, _, e) in routing.rows[d] if s == me and tt == t)
             row = routing.recv_row(d, me, t)
-            raises = tuple(Raise("expert_rows", d, (e,), 1, op="add") for e in feeds)
+            raises = tuple(Raise("expert_rows", d, (e, me), 1, op="add") for e in feeds)
             comm.append(Task(len(comm), (PUSH, t, d, row), raises=raises))
     tiles = gemm_tiles(routing.offsets[me], plan.sizes["tile_rows"])
     compute = []
     for i, (e, r0, n) in enumerate(tiles):
-        rows_e = routing.offsets[me][e + 1] - routing.offsets[me][e]
-        first = routing.rows[me][routing.offsets[me][e]][0]  # a sender, named by timeouts
+        mine = routing.rows[me][routing.offsets[me][e] : routing.offsets[me][e + 1]]
         consumers = sum(1 for te, _, _ in tiles if te == e)
-        wait = Wait("expert_rows", me, (e,), rows_e, consumers=consumers, peer=first)
-        compute.append(Task(i, (GEMM, e, r0, n), waits=(wait,)))
+        waits = tuple(
+            Wait("expert_rows", me, (e, s), count, consumers=consumers, peer=s)
+            for s in range(W)
+            if (count := sum(1 for row in mine if row[0] == s))
+        )
+        compute.append(Task(i, (GEMM, e, r0, n), waits=waits))
     return {"comm": comm, "compute": compute}
 
 
