@@ -137,8 +137,8 @@ struct MoeDispatchGemm {
                                    const Team& team, char*) {
     if (args[0] != kPush) return;
     const Layout& l = a.layout;
-    const uint4* from = reinterpret_cast<const uint4*>(l.x.at(cta.local_rank) +
-                                                       (long long)args[1] * l.hidden);
+    const uint4* from =
+        reinterpret_cast<const uint4*>(l.x.at(cta.local_rank) + (long long)args[1] * l.hidden);
     uint4* to = reinterpret_cast<uint4*>(l.recv.map(args[2]) + (long long)args[3] * l.hidden);
     copy_v4_team(to, from, l.hidden / 8, team.lane, team.size);
   }

@@ -124,12 +124,13 @@ struct MoeGemmCombine {
     // The layout reads every rank's src and the reduce every rank's rows: emulated worlds only.
     if (here != W || l.h.rank_stride % l.inter != 0) return false;
     const long long h_rows = l.h.rank_stride / l.inter;  // rows of the stacked h ([W, rows, I])
-    if (h_rows < 1 || !fill_grouped_b(here, args.engine, l.w2, l.experts, l.inter, l.hidden,
-                                      (int)h_rows))
+    if (h_rows < 1 ||
+        !fill_grouped_b(here, args.engine, l.w2, l.experts, l.inter, l.hidden, (int)h_rows))
       return false;
     for (int r = 0; r < here; ++r) {
-      if (host::make_tensor_map_bf16_2d(&args.engine[r].a, l.h.base + r * l.h.rank_stride, h_rows, l.inter,
-                                        l.inter, Engine::BM, 64, 128) != host::kTensorMapOk)
+      if (host::make_tensor_map_bf16_2d(&args.engine[r].a, l.h.base + r * l.h.rank_stride, h_rows,
+                                        l.inter, l.inter, Engine::BM, 64,
+                                        128) != host::kTensorMapOk)
         return false;
     }
     return true;
