@@ -139,7 +139,7 @@ struct Layout {
   RankPtr<int> expert_offsets;  // [1, offsets] output: row prefix per expert
   SymPtr<__nv_bfloat16> recv;  // [recv_rows, hidden] symmetric: tokens sent here
   __nv_bfloat16* recv_local;
-  SymPtr<int> row_map;  // [map_rows] symmetric: device layout: the receive row of each y row, then a cursor per expert
+  SymPtr<int> row_map;  // [max_rows] symmetric: the device layout's: the receive row of each y row
   int* row_map_local;
   int tokens;
   int hidden;

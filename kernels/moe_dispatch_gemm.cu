@@ -2,8 +2,8 @@
 // (once per destination rank) and are multiplied there by w1[e], one launch.
 //
 // Protocol (mkernel/ops/moe_dispatch_gemm.py, whose layout twin makes the same tasks): how many
-// tasks a rank runs is routing data, so both roles are device-filled. The layout phase (thread 0
-// of CTA slot 0 of each rank, before any task runs) reads every rank's topk_ids and computes
+// tasks a rank runs is routing data, so both roles are device-filled. The layout phase (every
+// thread of CTA slot 0 of each rank, before any task runs) reads every rank's topk_ids and computes
 //   expert_offsets  counts of rows per local expert, prefix-summed (an output)
 //   src, row_map    per y row: (source, token, slot) and the receive row of its token, in the
 //                   order expert, source, token, slot (counts first: no row moves twice)
@@ -35,95 +35,219 @@ struct MoeDispatchGemm {
   static constexpr int kPadRows = spec::moe_dispatch_gemm::kPadExpertRows;
   static constexpr int kPadRowsCount = spec::moe_dispatch_gemm::kPadExpertRowsCount;
 
+  // The local expert (0 .. E - 1) of id g on rank d, or -1 (another rank's, unused, or invalid).
+  static __device__ int local_expert(int g, int d, int experts) {
+    const int e = g - d * experts;
+    return g >= 0 && e >= 0 && e < experts ? e : -1;
+  }
   // The ranks token t of rank s feeds (bit d: some id in d's experts; out-of-range ids feed none).
-  static __device__ unsigned fed_ranks(const int* ids, int t, int k, int experts, int W) {
+  static __device__ unsigned fed_ranks(const int* ids, int k, int experts, int W) {
     unsigned mask = 0;
     for (int j = 0; j < k; ++j) {
-      const int g = ids[t * k + j];
+      const int g = ids[j];
       if (g >= 0 && g < W * experts) mask |= 1u << (g / experts);
     }
     return mask;
   }
 
+  // Every thread of CTA slot 0. Counts first (shared-memory atomics), then prefix sums give every
+  // row, task, wait and raise its index, and each thread writes its own: the order is the twin's
+  // (rows by expert, source, token; pushes nearest rank first, then token order) whatever the
+  // number of threads. The engine's shared memory is the scratch (it starts after the layout).
   static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter& compute,
-                                TableWriter& comm) {
+                                TableWriter& comm, char* smem) {
     const Layout& l = a.layout;
     const int W = a.common.world_size, me = cta.rank, T = l.tokens, k = l.k, E = l.experts;
-    const int lo = me * E;
+    const int N = l.inter, tr = l.tile_rows, tiles_n = (N + Engine::BN - 1) / Engine::BN;
+    const int nt = blockDim.x, tid = threadIdx.x;
     int* offs = l.expert_offsets.at(cta.local_rank);  // [E + 1]
     int* src = l.src.at(cta.local_rank);              // [max_rows, 3]
-    int* row_map = l.row_map.map(me);                 // [max_rows] receive rows, then [E] cursors
-    int* cursor = row_map + l.max_rows;
-    // Counts of rows per local expert, then their prefix sums (emulated: rank s is local rank s).
-    for (int e = 0; e <= E; ++e) offs[e] = 0;
-    for (int s = 0; s < W; ++s) {
-      const int* ids = l.topk_ids.at(s);
-      for (int i = 0; i < T * k; ++i) {
-        const int e = ids[i] - lo;
-        if (e >= 0 && e < E) ++offs[e + 1];
+    int* row_map = l.row_map.map(me);                 // [max_rows]: receive row of each y row
+    // Scratch (ints): per (expert, source) rows; per (source, destination) tokens; per expert
+    // offsets, tile and wait prefixes, sources; per my-token chunk pushes and raises per rank;
+    // push and raise bases per rank; per token chunk: receive rows, then rows per expert.
+    int* es = reinterpret_cast<int*>(smem);  // [E, W]
+    int* fed = es + E * W;                   // [W, W]
+    int* eoff = fed + W * W;                 // [E + 1]
+    int* tile_base = eoff + E + 1;           // [E + 1]
+    int* wait_base = tile_base + E + 1;      // [E + 1]
+    int* nz = wait_base + E + 1;             // [E]
+    int* pc = nz + E;                        // [nt, W]
+    int* pr = pc + nt * W;                   // [nt, W]
+    int* tb = pr + nt * W;                   // [W + 1]: then the total
+    int* rb = tb + W + 1;                    // [W + 1]
+    int* recv_c = rb + W + 1;                // [C + 1]
+    const int used = (int)(recv_c - es);
+    const int C = min(nt, (Engine::kSmemBytes / 4 - used - 1) / (E + 1));
+    int* cnt = recv_c + C + 1;  // [C, E]
+    if (C < 1) {  // E too large for the scratch: the plan's bound is broken, stop loudly
+      compute.fail();
+      return;
+    }
+    for (int i = tid; i < E * W + W * W; i += nt) es[i] = 0;
+    __syncthreads();
+    // 1. Counts: token chunk c of the W * T tokens (source-major) per expert; every token's ranks.
+    const int L = (W * T + C - 1) / C;
+    if (tid < C) {
+      int* mine = cnt + tid * E;
+      for (int e = 0; e < E; ++e) mine[e] = 0;
+      int rc = 0;
+      for (int u = tid * L; u < min((tid + 1) * L, W * T); ++u) {
+        const int s = u / T;
+        const int* ids = l.topk_ids.at(s) + (long long)(u - s * T) * k;
+        for (int j = 0; j < k; ++j) {
+          const int e = local_expert(ids[j], me, E);
+          if (e < 0) continue;
+          ++mine[e];
+          atomicAdd(&es[e * W + s], 1);
+        }
+        const unsigned mask = fed_ranks(ids, k, E, W);
+        rc += (mask >> me) & 1;
+        for (int d = 0; d < W; ++d) {
+          if ((mask >> d) & 1) atomicAdd(&fed[s * W + d], 1);
+        }
+      }
+      recv_c[tid] = rc;
+    }
+    __syncthreads();
+    // 2. Prefix sums: per expert over chunks; receive rows over chunks; then over experts.
+    for (int e = tid; e < E; e += nt) {
+      int run = 0;
+      for (int c = 0; c < C; ++c) {
+        const int v = cnt[c * E + e];
+        cnt[c * E + e] = run;
+        run += v;
+      }
+      eoff[e + 1] = run;
+      int n = 0;
+      for (int s = 0; s < W; ++s) n += es[e * W + s] > 0;
+      nz[e] = n;
+    }
+    if (tid == nt - 1) {
+      int run = 0;
+      for (int c = 0; c < C; ++c) {
+        const int v = recv_c[c];
+        recv_c[c] = run;
+        run += v;
       }
     }
-    for (int e = 0; e < E; ++e) offs[e + 1] += offs[e];
-    for (int e = 0; e < E; ++e) cursor[e] = offs[e];
-    // Every row's place: by expert (cursor), source, token, slot; its token's receive row here.
-    int recv = 0;
-    for (int s = 0; s < W; ++s) {
-      const int* ids = l.topk_ids.at(s);
-      for (int t = 0; t < T; ++t) {
-        bool fed = false;
+    __syncthreads();
+    if (tid == 0) {
+      eoff[0] = tile_base[0] = wait_base[0] = 0;
+      for (int e = 0; e < E; ++e) {
+        const int tiles = (eoff[e + 1] + tr - 1) / tr * tiles_n;  // eoff[e + 1]: e's rows here
+        eoff[e + 1] += eoff[e];
+        tile_base[e + 1] = tile_base[e] + tiles;
+        wait_base[e + 1] = wait_base[e] + tiles * nz[e];
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e <= E; e += nt) offs[e] = eoff[e];
+    // 3. Every row's place (expert, then source, token, slot) and its token's receive row here.
+    if (tid < C) {
+      int* next = cnt + tid * E;
+      int recv = recv_c[tid];
+      for (int u = tid * L; u < min((tid + 1) * L, W * T); ++u) {
+        const int s = u / T, t = u - s * T;
+        const int* ids = l.topk_ids.at(s) + (long long)t * k;
+        bool fedme = false;
         for (int j = 0; j < k; ++j) {
-          const int e = ids[t * k + j] - lo;
-          if (e < 0 || e >= E) continue;
-          const int r = cursor[e]++;
+          const int e = local_expert(ids[j], me, E);
+          if (e < 0) continue;
+          const int r = eoff[e] + next[e]++;
           src[3 * r] = s;
           src[3 * r + 1] = t;
           src[3 * r + 2] = j;
           row_map[r] = recv;
-          fed = true;
+          fedme = true;
         }
-        recv += fed;
+        recv += fedme;
       }
     }
-    // Pushes: the first receive row of my tokens on each rank d follows the tokens of ranks < me
-    // that feed d; my tokens go to d in token order, nearest destination first (me, me + 1, ...).
-    int base[kMaxLocalRanks] = {};
-    for (int q = 0; q < me; ++q) {
-      for (int t = 0; t < T; ++t) {
-        const unsigned mask = fed_ranks(l.topk_ids.at(q), t, k, E, W);
-        for (int d = 0; d < W; ++d) base[d] += (mask >> d) & 1;
+    // 4. GEMM tiles: expert e's rows in tiles of tile_rows x BN, each waiting for e's rows from
+    // every source that sends some (all of e's tiles are the counted consumers of each flag).
+    const int tiles = tile_base[E];
+    for (int x = tid; x < tiles; x += nt) {
+      int lo = 0, hi = E;  // tile_base[lo] <= x < tile_base[hi]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (tile_base[mid] <= x) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      const int e = lo, i = x - tile_base[e], m0 = eoff[e] + i / tiles_n * tr;
+      const int n0 = i % tiles_n * Engine::BN, w0 = wait_base[e] + i * nz[e];
+      compute.put_tile(x, m0, n0, min(tr, eoff[e + 1] - m0), min(Engine::BN, N - n0), e, w0,
+                       nz[e], 0, 0);
+      const int consumers = tile_base[e + 1] - tile_base[e];
+      for (int s = 0, q = 0; s < W; ++s) {
+        const int n = es[e * W + s];
+        if (n > 0) compute.put_wait(w0 + q++, kPadRows, me, e * W + s, n, consumers, kPadRowsCount,
+                                    1, s);
       }
     }
+    compute.count(tiles);
+    // 5. Pushes of my tokens: per (my-token chunk, destination) counts, prefix sums per
+    // destination, destinations nearest first (me, me + 1, ...), then each token's own task.
     const int* mine = l.topk_ids.at(cta.local_rank);
-    for (int i = 0; i < W; ++i) {
-      const int d = (me + i) % W;
-      for (int t = 0; t < T; ++t) {
-        if (!((fed_ranks(mine, t, k, E, W) >> d) & 1)) continue;
-        comm.task(kPush, t, d, base[d]++);
-        for (int j = 0; j < k; ++j) {
-          const int e = mine[t * k + j] - d * E;
-          if (e >= 0 && e < E) comm.add_raise(kPadRows, d, e * W + me, 1, kRaiseAdd);
+    const int Lm = (T + nt - 1) / nt;
+    for (int d = 0; d < W; ++d) pc[tid * W + d] = pr[tid * W + d] = 0;
+    for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
+      const unsigned mask = fed_ranks(mine + (long long)t * k, k, E, W);
+      for (int d = 0; d < W; ++d) {
+        if (!((mask >> d) & 1)) continue;
+        ++pc[tid * W + d];
+        for (int j = 0; j < k; ++j) pr[tid * W + d] += local_expert(mine[t * k + j], d, E) >= 0;
+      }
+    }
+    __syncthreads();
+    for (int d = tid; d < W; d += nt) {
+      int runc = 0, runr = 0;
+      for (int c = 0; c < nt; ++c) {
+        const int vc = pc[c * W + d], vr = pr[c * W + d];
+        pc[c * W + d] = runc;
+        pr[c * W + d] = runr;
+        runc += vc;
+        runr += vr;
+      }
+      tb[d] = runc;  // totals for now
+      rb[d] = runr;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int rows = 0, raises = 0;
+      for (int i = 0; i < W; ++i) {
+        const int d = (me + i) % W, n = tb[d], r = rb[d];
+        tb[d] = rows;
+        rb[d] = raises;
+        rows += n;
+        raises += r;
+      }
+      tb[W] = rows;
+    }
+    __syncthreads();
+    for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
+      const int* ids = mine + (long long)t * k;
+      const unsigned mask = fed_ranks(ids, k, E, W);
+      for (int d = 0; d < W; ++d) {
+        if (!((mask >> d) & 1)) continue;
+        int before = 0;  // tokens of ranks < me that feed d: my first receive row there
+        for (int q = 0; q < me; ++q) before += fed[q * W + d];
+        const int idx = pc[tid * W + d]++;
+        int nr = 0;
+        for (int j = 0; j < k; ++j) nr += local_expert(ids[j], d, E) >= 0;
+        const int r0 = rb[d] + pr[tid * W + d];
+        pr[tid * W + d] += nr;
+        comm.put_task(tb[d] + idx, kPush, t, d, before + idx, 0, 0, r0, nr);
+        for (int j = 0, q = 0; j < k; ++j) {
+          const int e = local_expert(ids[j], d, E);
+          if (e >= 0) comm.put_raise(r0 + q++, kPadRows, d, e * W + me, 1, kRaiseAdd);
         }
       }
     }
-    // GEMM tiles: expert e's rows in tiles of tile_rows x BN; all of them count as its consumers
-    // of each source's flag (its rows are by source: one run of rows per source).
-    const int N = l.inter, tr = l.tile_rows, tiles_n = (N + Engine::BN - 1) / Engine::BN;
-    for (int e = 0; e < E; ++e) {
-      const int r0 = offs[e], r1 = offs[e + 1];
-      if (r1 == r0) continue;
-      int from[kMaxLocalRanks] = {};
-      for (int r = r0; r < r1; ++r) ++from[src[3 * r]];
-      const int consumers = (r1 - r0 + tr - 1) / tr * tiles_n;
-      for (int m0 = r0; m0 < r1; m0 += tr) {
-        for (int n0 = 0; n0 < N; n0 += Engine::BN) {
-          compute.tile_task(m0, n0, min(tr, r1 - m0), min(Engine::BN, N - n0), e);
-          for (int s = 0; s < W; ++s) {
-            if (from[s] > 0)
-              compute.add_wait(kPadRows, me, e * W + s, from[s], consumers, kPadRowsCount, 1, s);
-          }
-        }
-      }
-    }
+    comm.count(tb[W]);
   }
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
@@ -152,7 +276,7 @@ struct MoeDispatchGemm {
       return false;
     for (int r = 0; r < here; ++r) {
       args.engine[r].a_src = l.recv_local + r * recv_rows * l.hidden;
-      args.engine[r].a_rows = l.row_map_local + r * ((long long)l.max_rows + l.experts);
+      args.engine[r].a_rows = l.row_map_local + r * (long long)l.max_rows;
       args.engine[r].lda = l.hidden;
       args.engine[r].a_src_rows = (int)recv_rows;
     }

@@ -2,7 +2,7 @@
 // token's rank, which sums its slots weighted in fp32 and stores the token once in bf16.
 //
 // Protocol (mkernel/ops/moe_gemm_combine.py, whose layout twin makes the same tasks; both roles
-// device-filled). The layout phase of rank me (thread 0 of CTA slot 0) makes
+// device-filled). The layout phase of rank me (every thread of CTA slot 0) makes
 //   compute tasks  per local expert, row tiles of tile_rows rows (row tile i of the rank, in
 //                  expert order) cut into BN-wide column tiles: h rows @ w2[e] stored in fp32
 //                  into my `partial` rows, each column tile adding 1 to tile_done[i] here
@@ -34,50 +34,99 @@ struct MoeGemmCombine {
   static constexpr int kPadDoneCount = spec::moe_gemm_combine::kPadTileDoneCount;
   static constexpr int kSlot = spec::moe_gemm_combine::kSlotFields;  // rank, row, tile, rows
 
+  // Row tiles of rank d before its expert e, from d's offsets ([E + 1]): into base[0 .. E].
+  static __device__ void tile_prefix(const int* offs, int E, int tr, int* base) {
+    base[0] = 0;
+    for (int e = 0; e < E; ++e) base[e + 1] = base[e] + (offs[e + 1] - offs[e] + tr - 1) / tr;
+  }
+  // The largest e < E with base[e] <= x (base non-decreasing, base[0] <= x < base[E]): the expert
+  // of row x when base is a rank's offsets, of row tile x when it is their tile prefix (an expert
+  // with none has base[e] == base[e + 1] and is passed over).
+  static __device__ int find(const int* base, int E, int x) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (base[mid] <= x) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
+
+  // Every thread of CTA slot 0: indices from prefix sums, each thread writes its own tasks.
   static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter& compute,
-                                TableWriter& comm) {
+                                TableWriter& comm, char* smem) {
     const Layout& l = a.layout;
     const int W = a.common.world_size, me = cta.rank, T = l.tokens, k = l.k, E = l.experts;
     const int H = l.hidden, tr = l.tile_rows, tiles_n = (H + Engine::BN - 1) / Engine::BN;
-    const int* offs = l.expert_offsets.at(cta.local_rank);
-    int tile = 0;
-    for (int e = 0; e < E; ++e) {
-      for (int m0 = offs[e]; m0 < offs[e + 1]; m0 += tr, ++tile) {
-        for (int n0 = 0; n0 < H; n0 += Engine::BN) {
-          compute.tile_task(m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e);
-          compute.add_raise(kPadDone, me, tile, 1, kRaiseAdd);
-        }
-      }
+    const int nt = blockDim.x, tid = threadIdx.x;
+    int* base = reinterpret_cast<int*>(smem);  // [W, E + 1]: row tiles of rank d before expert e
+    int* waits = base + W * (E + 1);           // [nt + 1]: waits of my token chunks, prefixed
+    if ((W * (E + 1) + nt + 1) * 4 > Engine::kSmemBytes) {
+      compute.fail();  // E too large for the scratch: stop loudly
+      return;
     }
-    // My slots' rows on every rank (emulated: rank d is local rank d), row tiles numbered as d's
-    // layout numbers them.
     int* slots = l.slot_rows.map(me);
-    for (int q = 0; q < T * k; ++q) slots[kSlot * q] = -1;
+    for (int d = tid; d < W; d += nt) tile_prefix(l.expert_offsets.at(d), E, tr, base + d * (E + 1));
+    for (int q = tid; q < T * k; q += nt) slots[kSlot * q] = -1;
+    __syncthreads();
+    // My row tiles (numbered in expert order), each cut into column tiles adding 1 to its flag.
+    const int* offs = l.expert_offsets.at(cta.local_rank);
+    const int* mybase = base + me * (E + 1);
+    const int tasks = mybase[E] * tiles_n;
+    for (int x = tid; x < tasks; x += nt) {
+      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN, e = find(mybase, E, tile);
+      const int m0 = offs[e] + (tile - mybase[e]) * tr;
+      compute.put_tile(x, m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e, 0, 0, x,
+                       1);
+      compute.put_raise(x, kPadDone, me, tile, 1, kRaiseAdd);
+    }
+    compute.count(tasks);
+    // My slots' rows on every rank (emulated: rank d is local rank d), tiles numbered as d's.
     for (int d = 0; d < W; ++d) {
       const int* offs_d = l.expert_offsets.at(d);
       const int* src = l.src.at(d);
-      int i = 0;
-      for (int e = 0; e < E; ++e) {
-        for (int m0 = offs_d[e]; m0 < offs_d[e + 1]; m0 += tr, ++i) {
-          const int n = min(tr, offs_d[e + 1] - m0);
-          for (int row = m0; row < m0 + n; ++row) {
-            if (src[3 * row] != me) continue;
-            int* s = slots + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
-            s[0] = d;
-            s[1] = row;
-            s[2] = i;
-            s[3] = n;
-          }
-        }
+      for (int row = tid; row < offs_d[E]; row += nt) {
+        if (src[3 * row] != me) continue;
+        const int* db = base + d * (E + 1);
+        const int e = find(offs_d, E, row);  // the row's expert
+        const int i = (row - offs_d[e]) / tr, m0 = offs_d[e] + i * tr;
+        int* s = slots + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
+        s[0] = d;
+        s[1] = row;
+        s[2] = db[e] + i;
+        s[3] = min(tr, offs_d[e + 1] - m0);
       }
     }
-    for (int t = 0; t < T; ++t) {
-      comm.task(kReduce, t);
+    __syncthreads();
+    // One reduce per own token, its waits (used slots, slot order) at prefix-summed positions.
+    const int Lt = (T + nt - 1) / nt, t0 = min(tid * Lt, T), t1 = min(t0 + Lt, T);
+    int mine = 0;
+    for (int q = t0 * k; q < t1 * k; ++q) mine += slots[kSlot * q] >= 0;
+    waits[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {
+      int run = 0;
+      for (int c = 0; c < nt; ++c) {
+        const int v = waits[c];
+        waits[c] = run;
+        run += v;
+      }
+    }
+    __syncthreads();
+    int w = waits[tid];
+    for (int t = t0; t < t1; ++t) {
+      int used = 0;
+      for (int j = 0; j < k; ++j) used += slots[kSlot * (t * k + j)] >= 0;
+      comm.put_task(t, kReduce, t, 0, 0, w, used, 0, 0);
       for (int j = 0; j < k; ++j) {
         const int* s = slots + kSlot * (t * k + j);
-        if (s[0] >= 0) comm.add_wait(kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
+        if (s[0] >= 0) comm.put_wait(w++, kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
       }
     }
+    comm.count(T);
   }
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {

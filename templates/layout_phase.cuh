@@ -1,13 +1,21 @@
 // The layout phase: an op whose task counts only the kernel knows (MoE routing: how many tokens go
 // to which expert is data) fills its role tables at the start of the launch, then every CTA runs
 // them like host-built ones. The plan gives each device-filled role a per-rank capacity
-// (mkernel/protocol.py Capacity): rank r appends into region r of the tables and publishes
+// (mkernel/protocol.py Capacity): rank r writes into region r of the tables and publishes
 // task_span[r]; rows, waits and raises have the same format as the host's (one executor).
 //
-//   thread 0 of CTA slot 0 of each served rank:  Op::layout(args, cta, compute, comm) -> finish()
-//                                                -> fence -> layout flag := 1 (release)
+//   every thread of CTA slot 0 of each served rank:  Op::layout(args, cta, compute, comm, smem)
+//                           (the CTA's shared memory is its scratch: the engine has not started)
+//                           -> any writer overflowed? trap -> thread 0: finish() -> fence
+//                           -> layout flag := 1 (release)
 //   thread 0 of every other CTA of the rank:     wait for the flag (bounded, named), count itself;
 //                                                the last of them resets flag and counter
+//
+// Two ways to write, both through a TableWriter (each thread holds its own copy):
+//   appending  task / tile_task / add_wait / add_raise, one thread (thread 0: its copy's row
+//              count is the one finish() publishes);
+//   indexed    put_task / put_tile / put_wait / put_raise at positions the op computed (prefix
+//              sums), by any thread, then count(n) on every thread (thread 0's is published).
 //
 // Flag and counter are the rank's own barrier[slot 0, rank] and barrier[slot 1, rank] entries, which
 // the entry barrier never uses (it writes barrier[slot, sender] on the peers' pads). Kernels on one
@@ -94,6 +102,69 @@ struct TableWriter {
     raise_span[2 * (row - 1) + 1] = ++raise;
     return true;
   }
+  // -- indexed writes: positions relative to the rank's region (task i, wait w, raise r) --------
+
+  // Task i with its arguments, its waits at [w0, w0 + nw) and raises at [r0, r0 + nr).
+  __device__ bool put_task(int i, int a0, int a1, int a2, int a3, int w0, int nw, int r0, int nr) {
+    if (i < 0 || first + i >= row_end || wait + w0 + nw > wait_end ||
+        raise + r0 + nr > raise_end)
+      return fail();
+    const long long at = first + i;
+    int* a = args + at * kTaskArgs;
+    a[0] = a0;
+    a[1] = a1;
+    a[2] = a2;
+    a[3] = a3;
+    wait_span[2 * at] = wait + w0;
+    wait_span[2 * at + 1] = wait + w0 + nw;
+    raise_span[2 * at] = raise + r0;
+    raise_span[2 * at + 1] = raise + r0 + nr;
+    return true;
+  }
+  // A compute task and its tile (args[0] = its table row, as tile_task).
+  __device__ bool put_tile(int i, int m0, int n0, int rows, int cols, int tag, int w0, int nw,
+                           int r0, int nr) {
+    if (tiles == nullptr || i < 0 || first + i >= row_end) return fail();
+    int* t = tiles + 5LL * (first + i);
+    t[0] = m0;
+    t[1] = n0;
+    t[2] = rows;
+    t[3] = cols;
+    t[4] = tag;
+    return put_task(i, first + i, 0, 0, 0, w0, nw, r0, nr);
+  }
+  __device__ bool put_wait(int w, int pad, int on_rank, int index, int value, int consumers = 1,
+                           int counter = -1, int patience = 1, int peer = -1) {
+    if (w < 0 || wait + w >= wait_end) return fail();
+    int* f = waits + (long long)(wait + w) * kWaitFields;
+    f[kWPad] = pad;
+    f[kWRank] = on_rank;
+    f[kWIndex] = index;
+    f[kWValue] = value;
+    f[kWConsumers] = consumers;
+    f[kWCounter] = counter;
+    f[kWPatience] = patience;
+    f[kWPeer] = peer;
+    return true;
+  }
+  __device__ bool put_raise(int r, int pad, int on_rank, int index, int value = 1,
+                            int op = kRaiseSet) {
+    if (r < 0 || raise + r >= raise_end) return fail();
+    int* f = raises + (long long)(raise + r) * kRaiseFields;
+    f[kRPad] = pad;
+    f[kRRank] = on_rank;
+    f[kRIndex] = index;
+    f[kRValue] = value;
+    f[kROp] = op;
+    return true;
+  }
+  // The rank's tasks are 0 .. n - 1 (indexed writes): what finish() publishes.
+  __device__ bool count(int n) {
+    if (n < 0 || first + n > row_end) return fail();
+    row = first + n;
+    return true;
+  }
+
   __device__ void finish() {
     task_span[2 * rank] = first;
     task_span[2 * rank + 1] = row;

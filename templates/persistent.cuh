@@ -327,14 +327,15 @@ __device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta) {
 
 // -- the layout phase (optional): an op with device-filled roles defines
 //   static __device__ void layout(const FusedArgs<Op>&, const CtaInfo&, TableWriter& compute,
-//                                 TableWriter& comm);
+//                                 TableWriter& comm, char* smem);
+// run by every thread of CTA slot 0 (templates/layout_phase.cuh).
 template <class Op, class = void>
 struct has_layout : std::false_type {};
 template <class Op>
 struct has_layout<Op, std::void_t<decltype(Op::layout(
                           std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
-                          std::declval<TableWriter&>(), std::declval<TableWriter&>()))>>
-    : std::true_type {};
+                          std::declval<TableWriter&>(), std::declval<TableWriter&>(),
+                          std::declval<char*>()))>> : std::true_type {};
 
 // The writer of `rank`'s region of a role (rows, waits, raises from rank * capacity on).
 __device__ inline TableWriter table_writer(const RoleTables& t, int rank, int* tiles) {
@@ -350,33 +351,34 @@ __device__ inline TableWriter table_writer(const RoleTables& t, int rank, int* t
   return w;
 }
 
-// CTA slot 0 of the rank writes the tables, every other CTA waits for them (layout_phase.cuh).
+// CTA slot 0 of the rank writes the tables (all of its threads), every other CTA waits for them.
 template <class Op>
-__device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta) {
+__device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta, char* smem) {
   const FusedCommon& c = args.common;
   int* const own = c.pads[kBarrierPad].map(cta.rank);
   int* flag = own + 0 * c.world_size + cta.rank;   // barrier[0, rank]
   int* count = own + 1 * c.world_size + cta.rank;  // barrier[1, rank]
   const int readers = c.ctas_per_rank - 1;
-  if (threadIdx.x == 0) {
-    if (cta.slot == 0) {
-      TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank, c.tiles);
-      TableWriter comm = table_writer(c.role[kRoleComm], cta.rank, nullptr);
-      Op::layout(args, cta, compute, comm);
-      // NOTE: a task beyond the plan's capacity would be lost: stop loudly, it is the op's bug.
-      if (compute.overflow || comm.overflow) __trap();
+  if (cta.slot == 0) {
+    TableWriter compute = table_writer(c.role[kRoleCompute], cta.rank, c.tiles);
+    TableWriter comm = table_writer(c.role[kRoleComm], cta.rank, nullptr);
+    Op::layout(args, cta, compute, comm, smem);
+    __threadfence();  // every thread's table writes, before thread 0 raises the flag
+    // NOTE: a task beyond the plan's capacity would be lost: stop loudly, it is the op's bug.
+    if (__syncthreads_or(compute.overflow || comm.overflow)) __trap();
+    if (threadIdx.x == 0) {
       compute.finish();
       comm.finish();
       __threadfence();
       if (readers > 0) signal_set_release(flag, 1);
-    } else {
-      const WaitSite site{cta.rank, cta.rank, -1, kRoleBarrier, kBarrierPad, cta.rank};
-      wait_acquire(flag, 1, c.wait, site);
-      // Counted consumers: the last reader resets flag and counter for the next launch.
-      if (atomicAdd(count, 1) + 1 == readers) {
-        st_relaxed_sys(flag, 0);
-        st_relaxed_sys(count, 0);
-      }
+    }
+  } else if (threadIdx.x == 0) {
+    const WaitSite site{cta.rank, cta.rank, -1, kRoleBarrier, kBarrierPad, cta.rank};
+    wait_acquire(flag, 1, c.wait, site);
+    // Counted consumers: the last reader resets flag and counter for the next launch.
+    if (atomicAdd(count, 1) + 1 == readers) {
+      st_relaxed_sys(flag, 0);
+      st_relaxed_sys(count, 0);
     }
   }
   __syncwarp();
@@ -398,7 +400,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   __syncwarp();  // converge warp 0 before the CTA barrier
   __syncthreads();
 
-  if constexpr (has_layout<Op>::value) layout_phase<Op>(args, cta);
+  if constexpr (has_layout<Op>::value) layout_phase<Op>(args, cta, smem);
 
   const int* cspan = c.role[kRoleCompute].task_span + 2 * cta.rank;
   const int* mspan = c.role[kRoleComm].task_span + 2 * cta.rank;

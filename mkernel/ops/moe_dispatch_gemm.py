@@ -80,8 +80,8 @@ SPEC = OpSpec(
             "row_map",
             "symmetric",
             torch.int32,
-            ("map_rows",),
-            "device layout: the receive row of each y row, then a cursor per expert",
+            ("max_rows",),
+            "the device layout's: the receive row of each y row",
         ),
     ),
     pads=(
@@ -116,7 +116,6 @@ def make_plan(
         "max_rows": rows,
         "offsets": experts + 1,
         "recv_rows": W * T,  # every token of every rank, once
-        "map_rows": rows + experts,
         "tile_rows": tr,
     }
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], compute, comm)
