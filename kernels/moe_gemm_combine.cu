@@ -147,16 +147,28 @@ struct MoeGemmCombine {
     __nv_bfloat16* o = l.out.at(cta.local_rank) + (long long)t * H;
     for (int c = 4 * team.lane; c < H; c += 4 * team.size) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int j = 0; j < k; ++j) {
-        const int d = __ldcg(slots + kSlot * j);
-        if (d < 0) continue;
-        const long long row = __ldcg(slots + kSlot * j + 1);
-        const float4 p = __ldcg(reinterpret_cast<const float4*>(l.partial.at(d) + row * H + c));
-        const float wj = w[j];
-        acc.x += wj * p.x;
-        acc.y += wj * p.y;
-        acc.z += wj * p.z;
-        acc.w += wj * p.w;
+      // Slots in groups of 4: their loads in flight together (one at a time left the reduce
+      // bound by memory latency: 15 ms for 940 MB of rows). An unused slot adds 0 * 0: the sum
+      // stays in slot order.
+      for (int j0 = 0; j0 < k; j0 += 4) {
+        float4 p[4];
+        float wj[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int j = j0 + q;
+          const int d = j < k ? __ldcg(slots + kSlot * j) : -1;
+          wj[q] = d >= 0 ? w[j] : 0.f;
+          p[q] = d >= 0 ? __ldcg(reinterpret_cast<const float4*>(
+                              l.partial.at(d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc.x += wj[q] * p[q].x;
+          acc.y += wj[q] * p[q].y;
+          acc.z += wj[q] * p[q].z;
+          acc.w += wj[q] * p[q].w;
+        }
       }
       const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y);
       const __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z, acc.w);

@@ -6,8 +6,9 @@ through local memory), per rank T tokens, H = 7168, I = 2048, E experts in all, 
 routing (DeepSeek-V3-like widths, fewer tokens). Versions, per op (dispatch + first GEMM; second
 GEMM + combine):
 - ``fused``: ``mkernel.moe_dispatch_gemm`` / ``moe_gemm_combine`` (the API: its host synchronize
-  for the row counts included), and ``fused_kernel``: the same kernel launched on prepared
-  buffers (no host work: the kernel alone);
+  for the row counts included), and ``kernel*``: the same kernel launched on prepared
+  buffers (no host work: the kernel alone), under the default schedule and variants (VARIANTS:
+  tile heights, overlap);
 - ``unfused``: the GPU path users would write from our parts (mkernel/ops/moe_gpu.py: device sort,
   ``index_select`` expansion / weighted slot sum, our grouped GEMM per rank);
 - ``gemm``: the grouped GEMM engine alone on the already expanded rows of every rank (the floor).
@@ -30,6 +31,12 @@ from ..schedule import Schedule
 from .timing import interleaved_ms, save, table
 
 H, INTER = 7168, 2048
+VARIANTS = {  # the fused kernels alone under these schedules
+    "kernel": {},
+    "kernel_inter": {"overlap": "inter_sm"},
+    "kernel_128": {"chunk_rows": 128},
+    "kernel_128_inter": {"chunk_rows": 128, "overlap": "inter_sm"},
+}
 
 
 def _routing(W: int, T: int, E: int, k: int, seed: int) -> torch.Tensor:
@@ -50,9 +57,9 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
     d = moe_dispatch_gemm(x, ids, w1, world, sched)
     h = [torch.relu(y) for y in d.y]
     rows = sum(d.rows)
-    # the kernels alone: the API's buffers, launched again without its host work
+    # the kernels alone: the API's buffers, launched again without its host work, under the
+    # default schedule and the variants (other tile heights and overlap)
     s = mdg.shapes(x, ids, w1, world)
-    plan_d = common.cached_plan(sys.modules[mdg.__name__], sched, world, **s)
     R = max(d.rows)
     ops_d = {
         "x": x,
@@ -62,7 +69,17 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
         "src": torch.empty(W, R, 3, device="cuda", dtype=torch.int32),
         "expert_offsets": torch.empty(W, 1, El + 1, device="cuda", dtype=torch.int32),
     }
-    _, _, plan_c, ops_c = mgc.prepare(h, w2, d, weights, world, sched)
+    _, _, _, ops_c = mgc.prepare(h, w2, d, weights, world, sched)
+
+    def kernels(op: str, ops: dict) -> dict[str, Callable[[], object]]:
+        mod = sys.modules[(mdg if op == "dispatch" else mgc).__name__]
+        shapes = s if op == "dispatch" else mgc.shapes(h, w2, d, weights, world)
+        out = {}
+        for name, v in VARIANTS.items():
+            plan = common.cached_plan(mod, Schedule(**v), world, **shapes)
+            out[name] = lambda p=plan: common.run_gpu(world, p, ops)
+        return out
+
     expanded = [
         x.view(W * T, H).index_select(0, (s[:, 0] * T + s[:, 1]).long()) for s in d.src
     ]  # every rank's rows, in row order
@@ -82,7 +99,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
             "dispatch",
             {
                 "fused": lambda: moe_dispatch_gemm(x, ids, w1, world, sched),
-                "fused_kernel": lambda: common.run_gpu(world, plan_d, ops_d),
+                **kernels("dispatch", ops_d),
                 "unfused": lambda: moe_gpu.dispatch(x, ids, w1, H, world),
                 "gemm": gemm1,
             },
@@ -91,7 +108,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
             "combine",
             {
                 "fused": lambda: moe_gemm_combine(h, w2, d, weights, world, sched),
-                "fused_kernel": lambda: common.run_gpu(world, plan_c, ops_c),
+                **kernels("combine", ops_c),
                 "unfused": lambda: moe_gpu.combine(h, w2, d, weights),
                 "gemm": gemm2,
             },
@@ -123,7 +140,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
 
 def run(save_json: bool = True) -> list[dict]:
     rows = []
-    for W, T in ((1, 4096), (2, 2048), (4, 1024)):
+    for W, T in ((1, 4096), (2, 2048)):
         rows += _case(W, T, 64, 8)
     print(table(rows, ["op", "W", "T", "rows", "version", "ms", "tflops", "vs_unfused", "vs_gemm"]))
     if save_json:
