@@ -179,13 +179,13 @@ struct MoeDispatchGemm {
       }
       const int e = lo, i = x - tile_base[e], m0 = eoff[e] + i / tiles_n * tr;
       const int n0 = i % tiles_n * Engine::BN, w0 = wait_base[e] + i * nz[e];
-      compute.put_tile(x, m0, n0, min(tr, eoff[e + 1] - m0), min(Engine::BN, N - n0), e, w0,
-                       nz[e], 0, 0);
+      compute.put_tile(x, m0, n0, min(tr, eoff[e + 1] - m0), min(Engine::BN, N - n0), e, w0, nz[e],
+                       0, 0);
       const int consumers = tile_base[e + 1] - tile_base[e];
       for (int s = 0, q = 0; s < W; ++s) {
         const int n = es[e * W + s];
-        if (n > 0) compute.put_wait(w0 + q++, kPadRows, me, e * W + s, n, consumers, kPadRowsCount,
-                                    1, s);
+        if (n > 0)
+          compute.put_wait(w0 + q++, kPadRows, me, e * W + s, n, consumers, kPadRowsCount, 1, s);
       }
     }
     compute.count(tiles);

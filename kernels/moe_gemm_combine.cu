@@ -69,7 +69,8 @@ struct MoeGemmCombine {
       return;
     }
     int* slots = l.slot_rows.map(me);
-    for (int d = tid; d < W; d += nt) tile_prefix(l.expert_offsets.at(d), E, tr, base + d * (E + 1));
+    for (int d = tid; d < W; d += nt)
+      tile_prefix(l.expert_offsets.at(d), E, tr, base + d * (E + 1));
     for (int q = tid; q < T * k; q += nt) slots[kSlot * q] = -1;
     __syncthreads();
     // My row tiles (numbered in expert order), each cut into column tiles adding 1 to its flag.
@@ -123,7 +124,8 @@ struct MoeGemmCombine {
       comm.put_task(t, kReduce, t, 0, 0, w, used, 0, 0);
       for (int j = 0; j < k; ++j) {
         const int* s = slots + kSlot * (t * k + j);
-        if (s[0] >= 0) comm.put_wait(w++, kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
+        if (s[0] >= 0)
+          comm.put_wait(w++, kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
       }
     }
     comm.count(T);

@@ -106,8 +106,7 @@ struct TableWriter {
 
   // Task i with its arguments, its waits at [w0, w0 + nw) and raises at [r0, r0 + nr).
   __device__ bool put_task(int i, int a0, int a1, int a2, int a3, int w0, int nw, int r0, int nr) {
-    if (i < 0 || first + i >= row_end || wait + w0 + nw > wait_end ||
-        raise + r0 + nr > raise_end)
+    if (i < 0 || first + i >= row_end || wait + w0 + nw > wait_end || raise + r0 + nr > raise_end)
       return fail();
     const long long at = first + i;
     int* a = args + at * kTaskArgs;

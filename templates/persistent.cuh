@@ -332,10 +332,11 @@ __device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta) {
 template <class Op, class = void>
 struct has_layout : std::false_type {};
 template <class Op>
-struct has_layout<Op, std::void_t<decltype(Op::layout(
-                          std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
-                          std::declval<TableWriter&>(), std::declval<TableWriter&>(),
-                          std::declval<char*>()))>> : std::true_type {};
+struct has_layout<
+    Op, std::void_t<decltype(Op::layout(
+            std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
+            std::declval<TableWriter&>(), std::declval<TableWriter&>(), std::declval<char*>()))>>
+    : std::true_type {};
 
 // The writer of `rank`'s region of a role (rows, waits, raises from rank * capacity on).
 __device__ inline TableWriter table_writer(const RoleTables& t, int rank, int* tiles) {

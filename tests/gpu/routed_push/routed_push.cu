@@ -18,8 +18,8 @@ struct RoutedPush {
 
   // One thread: this rank's pushes (raising arrived[me, i] at the destination), then one wait per
   // row routed here (the single consumer resets it). The same tasks as the twin, in its order.
-  static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter&,
-                                TableWriter& comm, char*) {
+  static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter&, TableWriter& comm,
+                                char*) {
     if (threadIdx.x != 0) return;  // appends: one thread
     const Layout& l = a.layout;
     const int W = a.common.world_size, me = cta.rank, rows = l.rows;
