@@ -4,7 +4,7 @@ racecheck and synccheck; each must report 0 errors):
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize_ops.py
 
 Emulated worlds of W = 2 and 3 on one GPU, both overlaps, shapes with remainder tiles (ring
-attention: a partial q tile in each zigzag chunk); each result
+attention: a partial q tile in each zigzag chunk; MoE: tiles past an expert's rows); each result
 is checked against the reference, so a launch that the tool perturbs still has to be right."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 import mkernel
 from mkernel.ops import registry
+from tests.gpu.test_moe_fused_gpu import run as moe_layer
 from tests.helpers import assert_close_bf16
 from tests.test_ring_attention import _assert_attention
 
@@ -31,6 +32,11 @@ def main(only: list[str]) -> int:
                 if op == "ring_attention":
                     ring(world, sched, g)
                     print(f"ok {op} W={W} {overlap}", flush=True)
+                    continue
+                if op.startswith("moe_"):  # both MoE ops: dispatch -> relu -> combine, checked
+                    if op == "moe_dispatch_gemm":
+                        moe_layer(W, 37, 2, 2, "uniform", 3, overlap=overlap, sms=4, world=world)
+                        print(f"ok moe (both ops) W={W} {overlap}", flush=True)
                     continue
                 rows = 72 if op in ("ag_gemm", "all_gather") else 72 * W  # per-rank rows of a
                 a = torch.randn(W, rows, 40, generator=g).bfloat16().cuda()

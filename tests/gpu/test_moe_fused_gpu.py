@@ -68,7 +68,9 @@ def check_combine(out, h, w2, ids, weights, what):
     assert bool((out[(ids < 0).all(dim=-1)] == 0).all()), f"{what}: a token routed nowhere"
 
 
-def run(W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None, world=None):
+def run(
+    W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None, world=None, sms=None
+):
     """dispatch -> relu -> combine in one world, each checked."""
     world = world or mkernel.World.emulated(W, device="cuda")
     x, w1 = _operands(W, T, E, H, N, seed)
@@ -76,7 +78,7 @@ def run(W, T, E, k, mode, seed, H=64, N=136, overlap="intra_sm", chunk_rows=None
     w2 = (torch.randn(W, E, N, H, generator=g) / N**0.5).bfloat16()
     weights = torch.rand(W, T, k, generator=g)
     ids = routing(W, T, E, k, mode, seed)
-    sched = mkernel.Schedule(overlap=overlap, chunk_rows=chunk_rows)
+    sched = mkernel.Schedule(overlap=overlap, chunk_rows=chunk_rows, sms=sms)
     what = f"W={W} T={T} E={E} k={k} {mode} H={H} I={N} {overlap} rows={chunk_rows}"
     res = mkernel.moe_dispatch_gemm(x.cuda(), ids.cuda(), w1.cuda(), world, sched)
     check(res, x, ids, w1, what)
