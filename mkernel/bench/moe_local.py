@@ -11,7 +11,8 @@ GEMM + combine):
   tile heights, overlap);
 - ``unfused``: the GPU path users would write from our parts (mkernel/ops/moe_gpu.py: device sort,
   ``index_select`` expansion / weighted slot sum, our grouped GEMM per rank);
-- ``gemm``: the grouped GEMM engine alone on the already expanded rows of every rank (the floor).
+- ``gemm``: the grouped GEMM engine alone on the already expanded rows of every rank (the floor);
+  ``gemm_gather_*``: the same with A's rows gathered by index (the fused dispatch's GEMM, alone).
 Timed INTERLEAVED in rounds (timing.interleaved_ms). TFLOP/s counts 2 * rows * H * I over all
 ranks. Writes moe_local_<date>.json under $MKERNEL_BENCH_DIR.
 """
@@ -90,6 +91,14 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
         for r in range(W):
             grouped_gemm(expanded[r], w1[r], d.expert_offsets[r], out=ys[r])
 
+    tok = [(sr[:, 0] * T + sr[:, 1]).int() for sr in d.src]  # each row's token, all ranks'
+
+    def gemm1_gather(tile: str) -> None:  # the fused kernel's GEMM: rows gathered by index
+        for r in range(W):
+            grouped_gemm(
+                x.view(W * T, H), w1[r], d.expert_offsets[r], out=ys[r], rows=tok[r], tile=tile
+            )
+
     def gemm2() -> None:
         for r in range(W):
             grouped_gemm(h[r], w2[r], d.expert_offsets[r], out=outs[r], out_dtype=torch.float32)
@@ -102,6 +111,8 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
                 **kernels("dispatch", ops_d),
                 "unfused": lambda: moe_gpu.dispatch(x, ids, w1, H, world),
                 "gemm": gemm1,
+                "gemm_gather_64": lambda: gemm1_gather("64x128x64"),
+                "gemm_gather_128": lambda: gemm1_gather("128x128x64"),
             },
         ),
         (
@@ -140,7 +151,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
 
 def run(save_json: bool = True) -> list[dict]:
     rows = []
-    for W, T in ((1, 4096), (2, 2048)):
+    for W, T in ((2, 2048),):
         rows += _case(W, T, 64, 8)
     print(table(rows, ["op", "W", "T", "rows", "version", "ms", "tflops", "vs_unfused", "vs_gemm"]))
     if save_json:

@@ -73,13 +73,16 @@ struct TileTask {
 // past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
 // The row indices are read through L2 (ld.cg), not the read-only path: a fused op's layout phase
 // writes them earlier in the same launch (MoE dispatch).
-// A word in shared memory handed from one thread of the CTA to others (the gather gate).
-__device__ __forceinline__ void st_release_cta_shared(char* p, int v) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_u32(p)), "r"(v) : "memory");
+// A word in shared memory handed from one thread of the CTA to others (the gather gate): a fence
+// then a relaxed atomic write (release), an atomic read then a fence (acquire). Atomics, not
+// st.release / ld.acquire: compute-sanitizer racecheck reports those as a shared-memory race.
+__device__ __forceinline__ void gate_open(char* p, int v) {
+  __threadfence_block();
+  atomicExch(reinterpret_cast<int*>(p), v);
 }
-__device__ __forceinline__ int ld_acquire_cta_shared(char* p) {
-  int v;
-  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)) : "memory");
+__device__ __forceinline__ int gate_read(char* p) {
+  const int v = atomicOr(reinterpret_cast<int*>(p), 0);
+  __threadfence_block();
   return v;
 }
 
@@ -227,7 +230,7 @@ struct Engine {
       // The gather warps read A through plain loads, not this thread's TMA: they may start task i
       // only once its waits have passed (release here, acquire there: the data's writer -> the
       // waits' acquire -> this release -> the gather's acquire orders their reads after it).
-      if constexpr (kGatherA) st_release_cta_shared(smem + kGateOffset, i + 1);
+      if constexpr (kGatherA) gate_open(smem + kGateOffset, i + 1);
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
         uint64_t* bar = &full[ps.stage];
@@ -272,7 +275,7 @@ struct Engine {
     const int ntasks = hooks.num_tasks();
     for (int i = 0; i < ntasks; ++i) {
       const TileTask t = hooks.task(i);
-      while (ld_acquire_cta_shared(smem + kGateOffset) <= i) {  // task i's waits have passed
+      while (gate_read(smem + kGateOffset) <= i) {  // task i's waits have passed
       }
       const char* row_src[kRowsPer];  // nullptr: a row past the tile's valid rows (zeros)
 #pragma unroll
