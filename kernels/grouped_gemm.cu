@@ -147,12 +147,8 @@ template <class Cfg, bool kGather>
 int launch(const GroupedGemmArgs& a, cudaStream_t stream, int num_sms) {
   GroupedKernelParams<Cfg, kGather> p{};
   using mk::host::kTensorMapOk;
-  // A: the rows in tiles of BM, or (gathered) the source rows one row per box
-  const int a_map = kGather ? mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.a_src_rows, a.K,
-                                                                a.K, 1, 64, 128)
-                            : mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.M, a.K, a.K,
-                                                                Cfg::BM, 64, 128);
-  if (a_map != kTensorMapOk ||
+  if ((!kGather && mk::host::make_tensor_map_bf16_2d(&p.engine.a, a.a, a.M, a.K, a.K, Cfg::BM, 64,
+                                                     128) != kTensorMapOk) ||
       mk::host::make_tensor_map_bf16_3d(&p.engine.b, a.b, a.G, a.K, a.N, a.N, (uint64_t)a.K * a.N,
                                         64, 64, 128) != kTensorMapOk)
     return kGroupedTensorMap;

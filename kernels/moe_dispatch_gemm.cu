@@ -276,10 +276,6 @@ struct MoeDispatchGemm {
       return false;
     for (int r = 0; r < here; ++r) {
       args.engine[r].a_src = l.recv_local + r * recv_rows * l.hidden;
-      // the gathered rows' map: rank r's receive rows, one row per box
-      if (host::make_tensor_map_bf16_2d(&args.engine[r].a, args.engine[r].a_src, recv_rows,
-                                        l.hidden, l.hidden, 1, 64, 128) != host::kTensorMapOk)
-        return false;
       args.engine[r].a_rows = l.row_map_local + r * (long long)l.max_rows;
       args.engine[r].lda = l.hidden;
       args.engine[r].a_src_rows = (int)recv_rows;

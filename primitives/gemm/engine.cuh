@@ -66,11 +66,11 @@ struct TileTask {
 // kGroupedB: B is a batch of matrices [G, K, N] (a 3D tensor map, box {64, 64, 1}) and each task
 // names its matrix (TileTask::group): the grouped GEMM of MoE experts. A rows of a tile past its
 // group's last row belong to the next group; they are computed and never stored (rows clips).
-// kGatherA: row r of the tile's A is row a_rows[m0 + r] of the source rows (MoE rows gathered from
-// the tokens): warps 2 and 3 load it into the swizzled stage as one-row TMA boxes of Params::a (a
-// map of the source rows, box {64, 1}), the producer's TMA loads only B, and both complete on the
-// stage's full barrier. Rows past TileTask::rows are not loaded (computed from stale data, never
-// stored), k past K zero-fills; a row index is clamped into [0, a_src_rows).
+// kGatherA: row r of the tile's A is row a_rows[m0 + r] of Params::a_src (MoE rows gathered from
+// the tokens): warps 2 and 3 copy it with 16-byte cp.async into the swizzled stage (the layout TMA
+// writes), the producer's TMA loads only B, and both complete on the stage's full barrier. NOTE:
+// cp.async writes are generic-proxy: each consumer fences to the async proxy before its wgmmas. Rows
+// past TileTask::rows and k past K land as zeros; a row index is clamped into [0, a_src_rows).
 // The row indices are read through L2 (ld.cg), not the read-only path: a fused op's layout phase
 // writes them earlier in the same launch (MoE dispatch).
 // A word in shared memory handed from one thread of the CTA to others (the gather gate): a fence
@@ -110,11 +110,9 @@ struct Engine {
       (uint32_t)((kGatherA ? 0 : Map::kABytesPerStage) + Map::kBBytesPerStage);
 
   struct Params {
-    // A [M,K] bf16 row-major, box {64, BM} (kGatherA: the source rows [a_src_rows, K], box
-    // {64, 1}); B [K,N] bf16 row-major, box {64, 64}
-    CUtensorMap a, b;
+    CUtensorMap a, b;  // A [M,K] bf16 row-major, box {64, BM}; B [K,N] bf16 row-major, box {64, 64}
     int M, N, K;       // (kGroupedB: B [G,K,N], box {64, 64, 1})
-    // kGatherA only: A row m is source row a_rows[m] (the map `a`'s rows), pitch lda.
+    // kGatherA only (the map `a` is then unused): A row m is a_src row a_rows[m], pitch lda.
     const void* a_src;
     const int32_t* a_rows;  // [M]
     long lda;
@@ -258,13 +256,10 @@ struct Engine {
   }
 
   // Warps 2, 3 (kGatherA): A rows by index into the stage, in the producer's task and stage order.
-  // Thread g owns rows g, g + 64, ... of every tile: their indices are read once per task, then each
-  // stage loads each of its valid rows' 64 columns as one TMA box {64, 1} of the row map `a`,
-  // completing on the stage's full barrier. A box at row r of the stage lands at r * 128 bytes in
-  // the 1024-byte swizzle atoms (the hardware swizzles by the shared address: the layout of a
-  // whole-tile box). Rows past the tile's valid rows are not loaded: the stage keeps stale data
-  // there, and those rows of the tile are computed and never stored (a row of C depends only on
-  // its row of A). k past K zero-fills.
+  // Thread g owns rows g, g + 64, ... of every tile: their indices are read once per task (a
+  // dependent load per row per stage would stall the ring), then each stage copies the rows'
+  // eight 16-byte chunks. With 128-byte rows in 1024-byte swizzle atoms, chunk c of row r sits at
+  // r * 128 + ((c ^ (r % 8)) * 16): the layout TMA's 128B swizzle writes.
   template <class Hooks>
   __device__ static void gather(const Params& p, char* smem, Hooks& hooks) {
     constexpr int kRowsPer = BM / kGatherThreads;
@@ -273,6 +268,8 @@ struct Engine {
     uint64_t* empty = full + STAGES;
     named_barrier_sync_unaligned(kBarInit, kInitThreads);  // the barriers are initialised
     const int g = threadIdx.x - 64;
+    const uint32_t a_base = smem_u32(smem + Map::kAOffset) + g * 128;  // row g of each stage
+    const char* src = static_cast<const char*>(p.a_src);
     const int nk = (p.K + BK - 1) / BK;
     PipeState<STAGES> ps;
     const int ntasks = hooks.num_tasks();
@@ -280,25 +277,30 @@ struct Engine {
       const TileTask t = hooks.task(i);
       while (gate_read(smem + kGateOffset) <= i) {  // task i's waits have passed
       }
-      fence_proxy_async_global();  // rows written by generic stores, read next by TMA
-      int row[kRowsPer];           // -1: a row past the tile's valid rows (not loaded)
-      int live = 0;
+      const char* row_src[kRowsPer];  // nullptr: a row past the tile's valid rows (zeros)
 #pragma unroll
       for (int j = 0; j < kRowsPer; ++j) {
         const int r = g + j * kGatherThreads;
-        row[j] = r < t.rows ? min(max(__ldcg(p.a_rows + t.m0 + r), 0), p.a_src_rows - 1) : -1;
-        live += row[j] >= 0;
+        const int row = r < t.rows ? __ldcg(p.a_rows + t.m0 + r) : -1;
+        row_src[j] = r < t.rows ? src + (long)min(max(row, 0), p.a_src_rows - 1) * p.lda * 2
+                                : nullptr;
       }
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&empty[ps.stage], ps.phase ^ 1u);
-        uint64_t* bar = &full[ps.stage];
-        char* sa = smem + Map::kAOffset + ps.stage * Map::kABytesPerStage;
-        mbar_arrive_expect_tx(bar, live * BK * 2);  // every box counts whole (zero-fill included)
+        const uint32_t stage = a_base + ps.stage * Map::kABytesPerStage;
+        const int live_chunks = min(8, (p.K - kb * BK) / 8);  // K % 8 == 0: whole chunks
 #pragma unroll
         for (int j = 0; j < kRowsPer; ++j) {
-          if (row[j] >= 0) tma_load_2d(sa + (g + j * kGatherThreads) * BK * 2, &p.a, bar, kb * BK,
-                                       row[j]);
+          // rows g + 64 j: r % 8 == g % 8
+          const uint32_t dst = stage + j * kGatherThreads * 128;
+          const char* from = row_src[j] != nullptr ? row_src[j] + kb * BK * 2 : src;
+          const int live = row_src[j] != nullptr ? live_chunks : 0;
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            cp_async_16(dst + ((c ^ (g & 7)) << 4), c < live ? from + c * 16 : src,
+                        c < live ? 16 : 0);
         }
+        cp_async_arrive_noinc(&full[ps.stage]);
         ps.advance();
       }
     }
@@ -351,6 +353,7 @@ struct Engine {
       int prev_stage = 0;
       for (int kb = 0; kb < nk; ++kb) {
         mbar_wait(&full[ps.stage], ps.phase);
+        if constexpr (kGatherA) fence_proxy_async_smem();  // cp.async rows -> wgmma's async reads
         const uint64_t da = desc_k_major_sw128(a_base + ps.stage * Map::kABytesPerStage);
         const uint64_t db =
             desc_mn_major_sw128(b_base + ps.stage * Map::kBBytesPerStage, Map::kBChunkBytes);
