@@ -116,7 +116,7 @@ inline int launch_persistent(const long long* rec, cudaStream_t s) {
   if (c.ranks_here > kMaxLocalRanks) return kTooManyRanks;
   if (c.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;
   if (!Op::prepare(rec, args)) return kBadConfig;
-  const int smem = Engine::kSmemBytes + Op::kCommSmemBytes;
+  const int smem = Engine::kSmemBytes + Op::kCommSmemBytes + claim_bytes<Op>();
   auto kernel = persistent_kernel<Op>;
   // NOTE: the attribute is set once per device (host time per call matters for small calls).
   static bool attribute_set[64] = {};

@@ -278,34 +278,72 @@ struct has_comm_unit_hooks<
             decltype(Op::comm_end(std::declval<const FusedArgs<Op>&>(), std::declval<char*>()))>>
     : std::true_type {};
 
+// One comm task (table row `row`, the unit's i-th): waits, the op's data movement, then raises.
+template <class Op>
+__device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int row, int i,
+                              const Team& team, char* smem) {
+  const FusedCommon& c = a.common;
+  long long* e = team.lane == 0 ? timeline_slot(c, cta, kRoleComm, i) : nullptr;
+  if (e != nullptr) e[0] = (long long)globaltimer_ns();
+  if (team.lane == 0) run_waits(c, kRoleComm, row, cta.rank);
+  team.sync();
+  Op::comm_move(a, cta, c.role[kRoleComm].args + row * kTaskArgs, team, smem);
+  team.sync();  // the team's writes are done before lane 0 fences and raises
+  if (team.lane == 0) {
+    bulk_wait_all();  // lane 0's bulk copies fully landed (not only read)
+    const int* span = c.role[kRoleComm].raise_span + 2 * row;
+    if (span[1] > span[0]) {
+      __threadfence_system();
+      run_raises(c, kRoleComm, row, cta.rank);
+    }
+    if (e != nullptr) e[1] = (long long)globaltimer_ns();
+  }
+}
+
 template <class Op>
 __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,
                          const Team& team, char* smem) {
-  const FusedCommon& c = a.common;
   if constexpr (has_comm_unit_hooks<Op>::value) {
     if (team.lane == 0) Op::comm_begin(a, smem);
   }
-  for (int i = 0; i < tasks.count(); ++i) {
-    const int row = tasks[i];
-    long long* e = team.lane == 0 ? timeline_slot(c, cta, kRoleComm, i) : nullptr;
-    if (e != nullptr) e[0] = (long long)globaltimer_ns();
-    if (team.lane == 0) run_waits(c, kRoleComm, row, cta.rank);
-    team.sync();
-    Op::comm_move(a, cta, c.role[kRoleComm].args + row * kTaskArgs, team, smem);
-    team.sync();  // the team's writes are done before lane 0 fences and raises
-    if (team.lane == 0) {
-      bulk_wait_all();  // lane 0's bulk copies fully landed (not only read)
-      const int* span = c.role[kRoleComm].raise_span + 2 * row;
-      if (span[1] > span[0]) {
-        __threadfence_system();
-        run_raises(c, kRoleComm, row, cta.rank);
-      }
-      if (e != nullptr) e[1] = (long long)globaltimer_ns();
-    }
-  }
+  for (int i = 0; i < tasks.count(); ++i) run_comm_task<Op>(a, cta, tasks[i], i, team, smem);
   if constexpr (has_comm_unit_hooks<Op>::value) {
     if (team.lane == 0) Op::comm_end(a, smem);
   }
+}
+
+// Optional: `static constexpr bool kCommAnyOrder = true`: the op's comm tasks are independent (none
+// needs another's effect, any order and any overlap of them is correct: MoE's combine reduces), so
+// the warps of a CTA claim the unit's tasks one at a time from a counter in shared memory, each
+// warp a team of 32. intra_sm: the spare warp from the start, every other warp but the producer's
+// as it leaves the engine (the reduces that wait for the last tiles then run on the whole SM, not
+// one warp); inter_sm: every warp of a comm CTA. No comm shared memory, no unit hooks.
+template <class Op, class = void>
+struct comm_any_order : std::false_type {};
+template <class Op>
+struct comm_any_order<Op, std::void_t<decltype(Op::kCommAnyOrder)>>
+    : std::bool_constant<Op::kCommAnyOrder> {};
+
+template <class Op>
+__device__ void claim_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,
+                           int* next) {
+  static_assert(Op::kCommSmemBytes == 0 && !has_comm_unit_hooks<Op>::value,
+                "kCommAnyOrder: warps run tasks side by side, no shared comm state");
+  const Team team{(int)threadIdx.x % 32, 32};
+  __syncwarp();
+  for (;;) {
+    int i = 0;
+    if (team.lane == 0) i = atomicAdd(next, 1);
+    i = __shfl_sync(0xffffffffu, i, 0);
+    if (i >= tasks.count()) return;
+    run_comm_task<Op>(a, cta, tasks[i], i, team, nullptr);
+  }
+}
+
+// The shared-memory counter of claim_comm (after the engine's and the op's comm shared memory).
+template <class Op>
+constexpr int claim_bytes() {
+  return comm_any_order<Op>::value ? 16 : 0;
 }
 
 // CTA `slot` of this rank meets CTA `slot` of every peer. See signal.cuh for the flag protocol.
@@ -397,6 +435,11 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   cta.local_rank = blockIdx.x / c.ctas_per_rank;
   cta.slot = blockIdx.x % c.ctas_per_rank;
   cta.rank = c.rank0 + cta.local_rank;
+  constexpr bool kAnyOrder = comm_any_order<Op>::value;
+  int* next = reinterpret_cast<int*>(smem + Engine::kSmemBytes + Op::kCommSmemBytes);
+  if constexpr (kAnyOrder) {
+    if (threadIdx.x == 0) *next = 0;  // the claim counter (the layout's scratch ends before it)
+  }
   if (threadIdx.x == 0) entry_barrier(c, cta);
   __syncwarp();  // converge warp 0 before the CTA barrier
   __syncthreads();
@@ -408,22 +451,34 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   const TaskList compute{cspan[0], cspan[1], cta.slot, c.compute_units};
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
     const TaskList comm{mspan[0], mspan[1], cta.slot - c.compute_units, c.comm_units};
-    // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
-    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
+    if constexpr (kAnyOrder) {
+      claim_comm<Op>(args, cta, comm, next);
+    } else {
+      // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
+      run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
+    }
     return;
   }
   // The intra_sm communicator, on the warp the engine leaves free.
+  const TaskList comm{mspan[0], mspan[1], cta.slot, c.comm_units};
   auto spare = [&] {
     if (c.overlap != kIntraSM) return;
-    const TaskList comm{mspan[0], mspan[1], cta.slot, c.comm_units};
-    run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, smem + Engine::kSmemBytes);
+    if constexpr (kAnyOrder) {
+      claim_comm<Op>(args, cta, comm, next);
+    } else {
+      run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x % 32, 32}, smem + Engine::kSmemBytes);
+    }
   };
   if (compute.count() == 0) {  // CTA-uniform: nothing to compute (e.g. a comm-only op)
-    if ((int)threadIdx.x / 32 == Engine::kSpareWarp) spare();
+    if (kAnyOrder || (int)threadIdx.x / 32 == Engine::kSpareWarp) spare();
     return;
   }
   PlanHooks<Op> hooks{args, cta, compute};
   Engine::run_cta(args.engine[cta.local_rank], smem, hooks, spare);
+  if constexpr (kAnyOrder) {
+    // NOTE: not warp 0: its lane 0 may still be the producer while lanes 1-31 have returned.
+    if (c.overlap == kIntraSM && threadIdx.x / 32 != 0) claim_comm<Op>(args, cta, comm, next);
+  }
 }
 
 }  // namespace mk
