@@ -315,9 +315,9 @@ __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskL
 // Optional: `static constexpr bool kCommAnyOrder = true`: the op's comm tasks are independent (none
 // needs another's effect, any order and any overlap of them is correct: MoE's combine reduces), so
 // the warps of a CTA claim the unit's tasks one at a time from a counter in shared memory, each
-// warp a team of 32. intra_sm: the spare warp from the start, every other warp but the producer's
-// as it leaves the engine (the reduces that wait for the last tiles then run on the whole SM, not
-// one warp); inter_sm: every warp of a comm CTA. No comm shared memory, no unit hooks.
+// warp a team of 32. intra_sm: the spare warp from the start, the consumer warps as they leave the
+// engine (the reduces that wait for the last tiles then run on 9 warps of the SM, not one);
+// inter_sm: every warp of a comm CTA. No comm shared memory, no unit hooks.
 template <class Op, class = void>
 struct comm_any_order : std::false_type {};
 template <class Op>
@@ -476,8 +476,10 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   PlanHooks<Op> hooks{args, cta, compute};
   Engine::run_cta(args.engine[cta.local_rank], smem, hooks, spare);
   if constexpr (kAnyOrder) {
-    // NOTE: not warp 0: its lane 0 may still be the producer while lanes 1-31 have returned.
-    if (c.overlap == kIntraSM && threadIdx.x / 32 != 0) claim_comm<Op>(args, cta, comm, next);
+    // The consumer warps, once the CTA's tiles are done. NOTE: not the producer warpgroup's
+    // idle warps from the start: their waits' polling beside the GEMM made a combine 30x slower
+    // (run 12: 309 ms against 10); nor warp 0, whose lane 0 may still be producing.
+    if (c.overlap == kIntraSM && threadIdx.x >= 128) claim_comm<Op>(args, cta, comm, next);
   }
 }
 
