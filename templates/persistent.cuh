@@ -316,7 +316,7 @@ __device__ void run_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskL
 // needs another's effect, any order and any overlap of them is correct: MoE's combine reduces), so
 // the warps of a CTA claim the unit's tasks one at a time from a counter in shared memory, each
 // warp a team of 32. intra_sm: the spare warp from the start, the consumer warps as they leave the
-// engine (the reduces that wait for the last tiles then run on 9 warps of the SM, not one);
+// engine (the reduces that wait for the last tiles then run on most of the SM, not one warp);
 // inter_sm: every warp of a comm CTA. No comm shared memory, no unit hooks.
 template <class Op, class = void>
 struct comm_any_order : std::false_type {};
