@@ -33,10 +33,9 @@ from .timing import interleaved_ms, save, table
 
 H, INTER = 7168, 2048
 VARIANTS = {  # the fused kernels alone under these schedules
-    "kernel": {},
+    "kernel": {},  # the default: 128-row tiles at these shapes (moe_common.tile_rows)
+    "kernel_64": {"chunk_rows": 64},
     "kernel_inter": {"overlap": "inter_sm"},
-    "kernel_128": {"chunk_rows": 128},
-    "kernel_128_inter": {"chunk_rows": 128, "overlap": "inter_sm"},
 }
 
 

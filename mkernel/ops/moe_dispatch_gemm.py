@@ -1,7 +1,7 @@
 """MoE dispatch fused with the first grouped GEMM (expert parallelism): API, plan, layout and
-data-movement twins, reference. Fused in the CPU interpreter only for now (``SPEC.device = False``:
-no fused kernel yet); in an emulated world on a GPU it runs unfused (moe_gpu.py: device routing,
-grouped GEMM engine). docs/moe.md has the picture and what the fused GPU version needs.
+data-movement twins, reference. One launch on a GPU (kernels/moe_dispatch_gemm.cu, emulated
+worlds: its layout phase makes the same tasks as the twin here), the same protocol in the CPU
+interpreter; a distributed GPU world runs unfused (moe_dist.py). docs/moe.md has the picture.
 
 Unfused meaning, per destination rank d of W (E_local experts per rank, global id d * E_local + e)::
 
@@ -103,7 +103,7 @@ def make_plan(
     """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
     its twin, fills them per call): a plan per shape, cached like every op's. The device cuts each
     of the twin's row tiles into BN-wide column tiles, so the compute room counts those."""
-    W, T, tr = world.size, tokens, tile_rows(schedule)
+    W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
     tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
@@ -187,10 +187,10 @@ def moe_dispatch_gemm(
             or -1 for an unused slot; a token's ids are distinct; 1 <= k <= E.
         w1: bf16, per rank [E_local, H, I]: this rank's experts; I a multiple of 8.
         world: an emulated World (on the CPU the interpreter runs the fused protocol, on a GPU
-            the unfused path, moe_gpu.py) or a distributed one on GPUs (unfused: tokens by
+            the fused kernel) or a distributed one on GPUs (unfused: tokens by
             all_to_all_single, moe_dist.py; the result holds one-element lists, this rank's).
-        schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, default
-            64, seed).
+        schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, at most
+            128 on a GPU; default 128 when T * k >= 128 * E_local, else 64; seed).
 
     Returns:
         MoeDispatch: per rank ``y`` [R, I] bf16, ``src`` [R, 3] int32 (source rank, token, slot),

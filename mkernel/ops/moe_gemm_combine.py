@@ -108,7 +108,7 @@ def make_plan(
 ) -> Plan:
     """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
     its twin, fills them per call). The device cuts each row tile into BN-wide column tiles."""
-    W, T, tr = world.size, tokens, tile_rows(schedule)
+    W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
     mtiles = -(-rows // tr) + experts  # each expert's rows cut into tiles: at most one short each
@@ -216,9 +216,10 @@ def moe_gemm_combine(
         w2: bf16, per rank [E_local, I, H] (emulated world: [W, E_local, I, H]).
         dispatch: the MoeDispatch of ``moe_dispatch_gemm`` in this world.
         topk_weights: fp32, per rank [T, k]: the weight of each slot (unused slots are ignored).
-        world: the dispatch's World (emulated; on a GPU the unfused path, moe_gpu.py; or
+        world: the dispatch's World (emulated: the fused kernel on a GPU, the interpreter on the CPU; or
             distributed on GPUs, moe_dist.py, where h is this rank's tensor [R, I]).
-        schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, seed).
+        schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, as for
+            the dispatch; seed).
 
     Returns:
         bf16, per rank [T, H] (emulated: [W, T, H]). Raises TypeError / ValueError naming the
