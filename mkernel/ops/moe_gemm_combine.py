@@ -216,8 +216,8 @@ def moe_gemm_combine(
         w2: bf16, per rank [E_local, I, H] (emulated world: [W, E_local, I, H]).
         dispatch: the MoeDispatch of ``moe_dispatch_gemm`` in this world.
         topk_weights: fp32, per rank [T, k]: the weight of each slot (unused slots are ignored).
-        world: the dispatch's World (emulated: the fused kernel on a GPU, the interpreter on the CPU; or
-            distributed on GPUs, moe_dist.py, where h is this rank's tensor [R, I]).
+        world: the dispatch's World (emulated: the fused kernel on a GPU, the interpreter on the
+            CPU; or distributed on GPUs, moe_dist.py, where h is this rank's tensor [R, I]).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, as for
             the dispatch; seed).
 
