@@ -176,6 +176,7 @@ struct Layout {
 namespace moe_gemm_combine {
 enum Pad : int { kPadBarrier = 0, kPadTileDone = 1, kPadTileDoneCount = 2 };
 constexpr int kSlotFields = 4;
+constexpr int kCommAnyOrder = 1;
 struct Layout {
   RankPtr<const __nv_bfloat16> h;  // [max_rows, inter] input: rows in dispatch order
   RankPtr<const __nv_bfloat16> w2;  // [w2_rows, hidden] input: [E_local * I, H] experts

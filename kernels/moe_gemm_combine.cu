@@ -31,7 +31,7 @@ struct MoeGemmCombine {
   static constexpr int kCommSmemBytes = 0;
   // The reduces are independent (each writes its own token): the SM's warps share them as they
   // leave the engine (templates/persistent.cuh claim_comm).
-  static constexpr bool kCommAnyOrder = true;
+  static constexpr bool kCommAnyOrder = spec::moe_gemm_combine::kCommAnyOrder != 0;
   static constexpr int kReduce = 2;  // comm task kind (args[0]), as the twin's REDUCE
   static constexpr int kPadDone = spec::moe_gemm_combine::kPadTileDone;
   static constexpr int kPadDoneCount = spec::moe_gemm_combine::kPadTileDoneCount;

@@ -468,3 +468,37 @@ def test_combine_reduce_not_waiting_for_its_rows_is_a_race():
 
     with pytest.raises(RaceError, match="partial"):
         common.run_cpu(world, plan, bufs, tw.moves, tw.outputs, 0, layout)
+
+
+def test_combine_reduces_are_claimed_by_several_agents_in_any_order():
+    # comm_any_order: each comm unit runs as ANY_ORDER_AGENTS agents claiming its tasks (the
+    # device's warps); every reduce runs exactly once, some unit's by several agents, and the
+    # result is the formula's whichever agent ran what
+    from mkernel.interp.program import ANY_ORDER_AGENTS
+
+    assert dict(mgc.SPEC.constants)["comm_any_order"] == 1 and ANY_ORDER_AGENTS > 1
+    W, T, E, k = 2, 24, 2, 2
+    for overlap in ("intra_sm", "inter_sm"):
+        world = mkernel.World.emulated(W)
+        x, w1, w2, weights = operands(W, T, E, 6)
+        ids = routing(W, T, E, k, "uniform", 6)
+        w = weights[..., :k].contiguous()
+        res = dispatch(x, ids, w1, world)
+        extra = {"comm_sms": 1} if overlap == "inter_sm" else {}
+        sched = mkernel.Schedule(overlap=overlap, sms=2, **extra)
+        world, sched, plan, bufs = mgc.prepare(res.y, w2, res, w, world, sched)
+        tw = mgc.twins_of(plan, res)
+        ran: list[tuple[int, int, int]] = []  # (rank, task, agent)
+
+        def comm(ctx, task, inner=tw.moves["comm"], ran=ran):
+            ran.append((ctx.rank, task.id, ctx.agent.id))
+            yield from inner(ctx, task)
+
+        moves = {**tw.moves, "comm": comm}
+        common.run_cpu(world, plan, bufs, moves, tw.outputs, 3, tw.layout, "out")
+        for r in range(W):
+            assert sorted(t for rr, t, _ in ran if rr == r) == list(range(T)), overlap
+        assert len({a for _, _, a in ran}) > W * plan.comm_units, f"{overlap}: one agent per unit"
+        exact, mag = expected_out(res.y, w2, ids, w, E)
+        assert_close_exact(bufs["out"], exact, mag, INTER + k, overlap)
+        assert_pads_zero(world)

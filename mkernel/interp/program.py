@@ -37,6 +37,9 @@ from .rdma import Ring, proxy, rdma_put
 # Descriptor slots of each rank's ring in the interpreter: few, so that wrap-around and
 # back-pressure happen in the tests (the GPU's ring is sized by its ProxyRing).
 RING_CAPACITY = 4
+# Agents that claim one comm unit's tasks of an op whose comm tasks run in any order (its SPEC's
+# constant comm_any_order; the device's warps claim them, templates/persistent.cuh claim_comm).
+ANY_ORDER_AGENTS = 3
 
 Rect = tuple[int, int, int, int]
 
@@ -205,6 +208,20 @@ def entry_barrier(ctx, sig: PlanSignals, slot: int):
         yield from twins.wait_acquire_reset(ctx, flag, 1, peer)
 
 
+class _Claims:
+    """One comm unit's tasks shared by several agents: each next() on the shared iterator claims
+    the next task (the warps of a CTA and its counter in shared memory). Made when the first agent
+    starts iterating, after its prologue (a device-filled role is laid out by then)."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks, self.it = tasks, None
+
+    def __iter__(self):
+        if self.it is None:
+            self.it = iter(self.tasks)
+        return self.it
+
+
 class _LaidOut:
     """The task ids a unit runs in a device-filled role: read when the unit starts iterating,
     i.e. after its prologue has waited for the layout phase (the device reads task_span then)."""
@@ -246,7 +263,10 @@ def run_plan(
     W = world.size
     pad_names = [p.name for p in plan.spec.all_pads()]
     pads = {name: buffers[name].view(W, -1) for name in pad_names}
-    pads["cta_ready"] = torch.zeros(W, MAX_BARRIER_SLOTS, dtype=torch.int32)  # inside a CTA
+    # inside a CTA: its comm agent j may start (the CTA's barrier and layout are done)
+    pads["cta_ready"] = torch.zeros(W, MAX_BARRIER_SLOTS, ANY_ORDER_AGENTS, dtype=torch.int32)
+    any_order = bool(dict(plan.spec.constants).get("comm_any_order", 0))
+    agents = ANY_ORDER_AGENTS if any_order else 1
     data = {k: v for k, v in buffers.items() if k not in pads}
     steps = max(10_000, int(world.timeout_s * 200_000))
     nodes = plan.nodes
@@ -335,19 +355,19 @@ def run_plan(
         run.epilogue = epilogue
         return run
 
-    def cta(slot: int, publish: bool) -> Callable:
+    def cta(slot: int, publish: range) -> Callable:
         def prologue(ctx):
             yield from entry_barrier(ctx, sig, slot)
             if device_roles:
                 yield from layout_phase(ctx, slot)
-            if publish:  # intra_sm: the comm warp starts after its CTA's barrier
-                yield from twins.local_event_set(ctx, SigRef("cta_ready", ctx.rank, (slot,)))
+            for j in publish:  # comm agents of this CTA start after its barrier (and layout)
+                yield from twins.local_event_set(ctx, SigRef("cta_ready", ctx.rank, (slot, j)))
 
         return prologue
 
-    def comm_warp(slot: int) -> Callable:
+    def comm_warp(slot: int, j: int) -> Callable:
         def prologue(ctx):
-            ready = SigRef("cta_ready", ctx.rank, (slot,))
+            ready = SigRef("cta_ready", ctx.rank, (slot, j))
             yield from twins.wait_acquire_reset(ctx, ready, 1, ctx.rank)
 
         return prologue
@@ -370,12 +390,19 @@ def run_plan(
     for call in range(calls):
         for r in range(W):
             for u in range(plan.compute_units):
-                run = program("compute", cta(u, publish=intra), following(call, r, u))
+                pub = range(agents if intra and u < plan.comm_units else 0)
+                run = program("compute", cta(u, publish=pub), following(call, r, u))
                 m.add_agent(r, "compute", u, tasks_of(call, "compute", r, u), run, call=call)
             for u in range(plan.comm_units):
-                pro = comm_warp(u) if intra else cta(plan.compute_units + u, publish=False)
-                run = program("comm", pro)
-                m.add_agent(r, "comm", u, tasks_of(call, "comm", r, u), run, call=call)
+                tasks = tasks_of(call, "comm", r, u)
+                if agents > 1:  # any order: the unit's agents claim its tasks one at a time
+                    tasks = _Claims(tasks)
+                slot = u if intra else plan.compute_units + u
+                for j in range(agents):
+                    # inter_sm: the first agent is the comm CTA (its barrier), the others its warps
+                    first = not intra and j == 0
+                    pro = cta(slot, publish=range(1, agents)) if first else comm_warp(slot, j)
+                    m.add_agent(r, "comm", u, tasks, program("comm", pro), call=call)
             rects = (lambda r=r: outputs(r)) if device_roles else outputs(r)
             m.expect_outputs(call, r, output, rects)
     m.run()

@@ -99,7 +99,10 @@ SPEC = OpSpec(
         ),
     ),
     scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
-    constants=(("slot_fields", SLOT_FIELDS),),
+    # comm_any_order: the reduces are independent, so the warps of a CTA claim them in any
+    # order, side by side (templates/persistent.cuh claim_comm; the interpreter runs each comm
+    # unit as several agents claiming its tasks)
+    constants=(("slot_fields", SLOT_FIELDS), ("comm_any_order", 1)),
 )
 
 
