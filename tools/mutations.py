@@ -33,6 +33,8 @@ AREA_TESTS = {
     "mkernel/ops/common.py": ("tests/test_gemm_ar.py", "tests/test_ag_gemm.py"),
     "mkernel/interp/trace.py": ("tests/test_gemm_rs.py",),
     "mkernel/ops/ring_attention.py": ("tests/test_ring_attention.py",),
+    "mkernel/ops/moe_dispatch_gemm.py": ("tests/test_moe.py",),
+    "mkernel/ops/moe_gemm_combine.py": ("tests/test_moe.py",),
 }
 
 ORDER = DEFAULT_TESTS + tuple(sorted({t for ts in AREA_TESTS.values() for t in ts}))
@@ -56,6 +58,7 @@ class Mutation:
 
 RS, AG, AR, AX = (f"mkernel/ops/{op}.py" for op in ("gemm_rs", "ag_gemm", "gemm_ar", "all_gather"))
 RA = "mkernel/ops/ring_attention.py"
+MD, MC = "mkernel/ops/moe_dispatch_gemm.py", "mkernel/ops/moe_gemm_combine.py"
 COMMON, PROTO, SCHED = "mkernel/ops/common.py", "mkernel/protocol.py", "mkernel/schedule.py"
 PROG, MACH, TWINS, TRACE = (
     f"mkernel/interp/{f}.py" for f in ("program", "machine", "twins", "trace")
@@ -646,5 +649,45 @@ MUTATIONS = [
         "state = torch.zeros(n, D + 2)",
         "ring attention: a q tile's later task starts from a fresh state (the engine's "
         "load_state skipped)",
+    ),
+    # -- MoE ---------------------------------------------------------------------------------------
+    Mutation(
+        "moe_wait_total_not_per_source",
+        MD,
+        "            if (count := sum(1 for row in mine if row[0] == s))",
+        "            if (count := len(mine) if s == 0 else 0)",
+        "MoE dispatch: a tile waits for all of its expert's rows on source 0's flag (the other "
+        "sources raise flags nobody waits for)",
+    ),
+    Mutation(
+        "moe_wait_too_few_consumers",
+        MD,
+        "        consumers = sum(1 for te, _, _ in tiles if te == e)",
+        "        consumers = 1",
+        "MoE dispatch: each tile of an expert resets its flags alone (the other tiles of the "
+        "expert then wait for a flag already back at 0)",
+    ),
+    Mutation(
+        "moe_slot_tile_numbered_per_expert",
+        MC,
+        "        for i, (_, r0, n) in enumerate(gemm_tiles(offs, tr)):",
+        "        for _, r0, n in gemm_tiles(offs, tr):\n            i = r0 // tr",
+        "MoE combine: a slot names its row tile by the row's position, not the tile's index in "
+        "the rank's list (wrong once an expert's rows do not start on a tile boundary)",
+    ),
+    Mutation(
+        "moe_reduce_waits_one_slot",
+        MC,
+        "            for d, _, i, n in slots[t * k : (t + 1) * k]",
+        "            for d, _, i, n in slots[t * k : t * k + 1]",
+        "MoE combine: a token's reduce waits for its first slot's tile only",
+    ),
+    Mutation(
+        "any_order_agents_unshared",
+        PROG,
+        "                    tasks = _Claims(tasks)",
+        "                    tasks = tasks",
+        "interpreter: the agents of an any-order comm unit each run every task (no claims)",
+        tests=("tests/test_moe.py",),
     ),
 ]
