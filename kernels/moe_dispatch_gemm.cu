@@ -168,16 +168,8 @@ struct MoeDispatchGemm {
     // every source that sends some (all of e's tiles are the counted consumers of each flag).
     const int tiles = tile_base[E];
     for (int x = tid; x < tiles; x += nt) {
-      int lo = 0, hi = E;  // tile_base[lo] <= x < tile_base[hi]
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (tile_base[mid] <= x) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
-      const int e = lo, i = x - tile_base[e], m0 = eoff[e] + i / tiles_n * tr;
+      const int e = last_at_most(tile_base, E, x), i = x - tile_base[e];
+      const int m0 = eoff[e] + i / tiles_n * tr;
       const int n0 = i % tiles_n * Engine::BN, w0 = wait_base[e] + i * nz[e];
       compute.put_tile(x, m0, n0, min(tr, eoff[e + 1] - m0), min(Engine::BN, N - n0), e, w0, nz[e],
                        0, 0);

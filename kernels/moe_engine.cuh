@@ -16,6 +16,22 @@ struct GroupedEngine : gemm::Engine<Cfg, /*kGroupedB=*/true, kGather> {
   }
 };
 
+// The largest e < n with base[e] <= x (base non-decreasing, base[0] <= x < base[n]): the expert of
+// row x when base is a rank's expert offsets, of tile x when it is their tile prefix (an expert
+// with none has base[e] == base[e + 1] and is passed over).
+__device__ inline int last_at_most(const int* base, int n, int x) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (base[mid] <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // B of every served rank: its experts' [E, K, N] weights at b.at(r) (a 3D map, box {64, 64, 1}).
 template <class Params>
 inline bool fill_grouped_b(int ranks_here, Params* out, const RankPtr<const __nv_bfloat16>& b,

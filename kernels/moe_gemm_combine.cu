@@ -42,22 +42,6 @@ struct MoeGemmCombine {
     base[0] = 0;
     for (int e = 0; e < E; ++e) base[e + 1] = base[e] + (offs[e + 1] - offs[e] + tr - 1) / tr;
   }
-  // The largest e < E with base[e] <= x (base non-decreasing, base[0] <= x < base[E]): the expert
-  // of row x when base is a rank's offsets, of row tile x when it is their tile prefix (an expert
-  // with none has base[e] == base[e + 1] and is passed over).
-  static __device__ int find(const int* base, int E, int x) {
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (base[mid] <= x) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
-    return lo;
-  }
-
   // Every thread of CTA slot 0: indices from prefix sums, each thread writes its own tasks.
   static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter& compute,
                                 TableWriter& comm, char* smem) {
@@ -81,7 +65,7 @@ struct MoeGemmCombine {
     const int* mybase = base + me * (E + 1);
     const int tasks = mybase[E] * tiles_n;
     for (int x = tid; x < tasks; x += nt) {
-      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN, e = find(mybase, E, tile);
+      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN, e = last_at_most(mybase, E, tile);
       const int m0 = offs[e] + (tile - mybase[e]) * tr;
       compute.put_tile(x, m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e, 0, 0, x,
                        1);
@@ -95,7 +79,7 @@ struct MoeGemmCombine {
       for (int row = tid; row < offs_d[E]; row += nt) {
         if (src[3 * row] != me) continue;
         const int* db = base + d * (E + 1);
-        const int e = find(offs_d, E, row);  // the row's expert
+        const int e = last_at_most(offs_d, E, row);  // the row's expert
         const int i = (row - offs_d[e]) / tr, m0 = offs_d[e] + i * tr;
         int* s = slots + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
         s[0] = d;

@@ -16,6 +16,8 @@
 //              count is the one finish() publishes);
 //   indexed    put_task / put_tile / put_wait / put_raise at positions the op computed (prefix
 //              sums), by any thread, then count(n) on every thread (thread 0's is published).
+// A role's writer uses one of the two: indexed positions count from the region's start, which an
+// append has moved past.
 //
 // Flag and counter are the rank's own barrier[slot 0, rank] and barrier[slot 1, rank] entries, which
 // the entry barrier never uses (it writes barrier[slot, sender] on the peers' pads). Kernels on one
