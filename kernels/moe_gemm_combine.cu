@@ -65,7 +65,8 @@ struct MoeGemmCombine {
     const int* mybase = base + me * (E + 1);
     const int tasks = mybase[E] * tiles_n;
     for (int x = tid; x < tasks; x += nt) {
-      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN, e = last_at_most(mybase, E, tile);
+      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN,
+                e = last_at_most(mybase, E, tile);
       const int m0 = offs[e] + (tile - mybase[e]) * tr;
       compute.put_tile(x, m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e, 0, 0, x,
                        1);
