@@ -220,13 +220,14 @@ def test_a_token_goes_to_each_destination_rank_once():
 def test_each_expert_tile_waits_for_its_own_experts_rows_only():
     ids = routing(3, 8, 2, 2, "uniform", 5)
     plan, r = _plan_and_routing(ids, 2, chunk_rows=2)
+    assert plan.sizes["inter"] <= plan.tile.bn  # one column tile per row tile here
     for d in range(3):
         tiles = mdg.layout_tasks(plan, r, d)["compute"]
         offs = r.offsets[d]
-        assert sum(t.args[3] for t in tiles) == offs[-1]
+        assert sum(t.args[2] for t in tiles) == offs[-1]  # args: expert, first row, rows, column
         for t in tiles:
-            e = t.args[1]
-            n_tiles = sum(1 for u in tiles if u.args[1] == e)
+            e = t.args[0]
+            n_tiles = sum(1 for u in tiles if u.args[0] == e)
             # one wait per source that sends expert e rows: its count of them, and it is the peer
             from_src = [
                 sum(1 for (s, tt, j, ee) in r.rows[d] if ee == e and s == src) for src in range(3)
@@ -236,6 +237,53 @@ def test_each_expert_tile_waits_for_its_own_experts_rows_only():
             assert sum(w.value for w in t.waits) == offs[e + 1] - offs[e]
             # counted: the last tile of the expert resets each flag
             assert all(w.consumers == n_tiles for w in t.waits)
+
+
+def test_wide_rows_are_cut_into_column_tiles_as_on_the_device():
+    # I and H over the engine's BN = 128: every row tile is several tasks (as the device lays them
+    # out), an expert's flags count all of them as consumers, a combine row tile's flag all of its
+    # column tiles; the layer still matches the formulas
+    W, T, E, k = 2, 6, 2, 2
+    world = mkernel.World.emulated(W)
+    g = torch.Generator().manual_seed(11)
+    Hw, Iw = 136, 264  # 2 and 3 column tiles
+    x = torch.randn(W, T, Hw, generator=g).bfloat16()
+    w1 = (torch.randn(W, E, Hw, Iw, generator=g) / 12).bfloat16()
+    w2 = (torch.randn(W, E, Iw, Hw, generator=g) / 16).bfloat16()
+    w = torch.rand(W, T, k, generator=g)
+    ids = routing(W, T, E, k, "uniform", 11)
+    sched = mkernel.Schedule(chunk_rows=4)
+    res = dispatch(x, ids, w1, world, sched)
+    plan = next(p for p in world._plans.values() if p.op == "moe_dispatch_gemm")
+    r = route(ids.tolist(), E)
+    for d in range(W):
+        tiles = mdg.layout_tasks(plan, r, d)["compute"]
+        assert {t.args[3] for t in tiles} == {0, 128, 256}
+        for t in tiles:
+            row_tiles = -(-(r.offsets[d][t.args[0] + 1] - r.offsets[d][t.args[0]]) // 4)
+            assert all(wt.consumers == row_tiles * 3 for wt in t.waits)
+        for row, (s, t, _, e) in enumerate(r.rows[d]):
+            exact = x[s, t].double() @ w1[d, e].double()
+            mag = x[s, t].double().abs() @ w1[d, e].double().abs()
+            assert_close_exact(res.y[d][row : row + 1], exact[None], mag[None], Hw, f"y {d} {row}")
+    out = combine(res.y, w2, res, w, world, sched)
+    plan_c = next(p for p in world._plans.values() if p.op == "moe_gemm_combine")
+    offs = [o.tolist() for o in res.expert_offsets]
+    made = mgc.layout_tasks(
+        plan_c, offs[0], mgc.slot_table(plan_c, offs, [s.tolist() for s in res.src], 0), 0
+    )
+    assert all(x.value == 1 for t in made["compute"] for x in t.raises)  # one per column tile
+    assert all(wt.value == 2 for t in made["comm"] for wt in t.waits)  # H: 2 column tiles
+    exact = torch.zeros(W, T, Hw, dtype=torch.float64)
+    mag = torch.zeros_like(exact)
+    for d, rows in enumerate(expected_rows(ids, E)):
+        for i, (s, t, j, e) in enumerate(rows):
+            exact[s, t] += w[s, t, j].double() * (res.y[d][i].double() @ w2[d, e].double())
+            mag[s, t] += w[s, t, j].double() * (
+                res.y[d][i].double().abs() @ w2[d, e].double().abs()
+            )
+    assert_close_exact(out, exact, mag, Iw + k, "out")
+    assert_pads_zero(world)
 
 
 def test_back_to_back_calls_in_one_run_reuse_the_workspace_safely():

@@ -662,10 +662,10 @@ MUTATIONS = [
     Mutation(
         "moe_wait_too_few_consumers",
         MD,
-        "        consumers = sum(1 for te, _, _ in tiles if te == e)",
-        "        consumers = 1",
-        "MoE dispatch: each tile of an expert resets its flags alone (the other tiles of the "
-        "expert then wait for a flag already back at 0)",
+        "        consumers = sum(1 for t in tasks if t[1] == e)",
+        "        consumers = sum(1 for t in tasks if t[1] == e and t[4] == 0)",
+        "MoE dispatch: an expert's flags count its row tiles, not their column tiles, as "
+        "consumers (a flag is reset while column tiles still wait for it)",
     ),
     Mutation(
         "moe_slot_tile_numbered_per_expert",

@@ -105,9 +105,9 @@ for t in made["comm"][:3]:
     adds = [f"expert_rows[{x.index[0]}, {x.index[1]}] on rank {x.rank}" for x in t.raises]
     print(f"  push token {t.args[1]} -> rank {t.args[2]} recv row {t.args[3]}; +1 on {adds}")
 for t in made["compute"]:
-    rows = f"rows {t.args[2]}..{t.args[2] + t.args[3]}"
+    e, r0, n, c0 = t.args
     waits = ", ".join(f"expert_rows[{w.index[0]}, {w.index[1]}] == {w.value}" for w in t.waits)
-    print(f"  GEMM expert {t.args[1]} {rows}: waits {waits}")
+    print(f"  GEMM expert {e} rows {r0}..{r0 + n} columns {c0}..: waits {waits}")
 
 # %% [markdown]
 # ## 5. Another routing, the same plan

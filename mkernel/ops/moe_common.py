@@ -81,6 +81,20 @@ def gemm_tiles(offsets: list[int], tile_rows: int) -> list[tuple[int, int, int]]
     return out
 
 
+def gemm_tasks(
+    offsets: list[int], tile_rows: int, cols: int, bn: int
+) -> list[tuple[int, int, int, int, int, int]]:
+    """A rank's grouped-GEMM compute tasks as the device lays them out: each row tile of
+    ``gemm_tiles`` (index i) cut into ``bn``-wide column tiles, as (i, expert, first row, rows,
+    first column, columns). Task and output tile ids are positions in this list (i * tiles_n + j,
+    the device's numbering)."""
+    return [
+        (i, e, r0, n, c0, min(bn, cols - c0))
+        for i, (e, r0, n) in enumerate(gemm_tiles(offsets, tile_rows))
+        for c0 in range(0, cols, bn)
+    ]
+
+
 def max_rows(world_size: int, tokens: int, k: int, experts: int) -> int:
     """The most grouped-GEMM rows one rank can receive: every token of every rank, each with up to
     min(k, E_local) of its slots on this rank. Workspaces and capacities are sized by it, so a plan

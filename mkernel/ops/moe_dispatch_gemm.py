@@ -19,7 +19,8 @@ its y row before any data moves. Its tasks, made per call (the comm and compute 
 - comm, on source s: one push per (token, destination rank) -- x_token is copied once to each
   rank it feeds, a copy into that rank's ``recv`` row -- raising ``expert_rows[e, s] += 1`` on
   the destination for each of its experts the token feeds;
-- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows; each waits, for
+- compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows, each cut into
+  BN-wide column tiles (the engine's tile); each waits, for
   every source s that sends e rows, for ``expert_rows[e, s] == rows of e from s`` (so an expert's
   GEMM starts once its own rows have landed, not after a global barrier, and a wait that times
   out names the one source that is late; the tiles of e are its counted consumers, the last
@@ -55,7 +56,7 @@ from .moe_common import (
     check_ids,
     check_tensor,
     dispatch_result,
-    gemm_tiles,
+    gemm_tasks,
     grouped_tile,
     max_rows,
     on_gpu_path,
@@ -64,7 +65,7 @@ from .moe_common import (
 )
 
 PUSH = 0  # comm task kind (args[0]): (PUSH, token, destination, receive row)
-GEMM = 1  # compute task kind: (GEMM, local expert, first row, rows)
+# compute task: (local expert, first row, rows, first column): one BN-wide column tile of a row tile
 SPEC = OpSpec(
     name="moe_dispatch_gemm",
     doc="MoE dispatch + the first grouped GEMM (x_token @ w1[e] per routed (token, slot))",
@@ -101,8 +102,8 @@ def make_plan(
     schedule: Schedule, world: World, tokens: int, hidden: int, inter: int, experts: int, k: int
 ) -> Plan:
     """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
-    its twin, fills them per call): a plan per shape, cached like every op's. The device cuts each
-    of the twin's row tiles into BN-wide column tiles, so the compute room counts those."""
+    its twin, fills them per call): a plan per shape, cached like every op's. A compute task is
+    one BN-wide column tile of a row tile, so the compute room counts those."""
     W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
@@ -265,17 +266,18 @@ def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]
             row = routing.recv_row(d, me, t)
             raises = tuple(Raise("expert_rows", d, (e, me), 1, op="add") for e in feeds)
             comm.append(Task(len(comm), (PUSH, t, d, row), raises=raises))
-    tiles = gemm_tiles(routing.offsets[me], plan.sizes["tile_rows"])
+    N, bn = plan.sizes["inter"], plan.tile.bn
+    tasks = gemm_tasks(routing.offsets[me], plan.sizes["tile_rows"], N, bn)
     compute = []
-    for i, (e, r0, n) in enumerate(tiles):
+    for x, (_, e, r0, n, c0, _) in enumerate(tasks):
         mine = routing.rows[me][routing.offsets[me][e] : routing.offsets[me][e + 1]]
-        consumers = sum(1 for te, _, _ in tiles if te == e)
+        consumers = sum(1 for t in tasks if t[1] == e)  # every column tile of every row tile
         waits = tuple(
             Wait("expert_rows", me, (e, s), count, consumers=consumers, peer=s)
             for s in range(W)
             if (count := sum(1 for row in mine if row[0] == s))
         )
-        compute.append(Task(i, (GEMM, e, r0, n), waits=waits))
+        compute.append(Task(x, (e, r0, n, c0), waits=waits))
     return {"comm": comm, "compute": compute}
 
 
@@ -283,7 +285,7 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
     """The interpreter side of one call. ``routing`` (the host's) gives the rows the kernel end
     reads; the layout twin makes the tasks from the ids it reads, as the device would."""
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
-    E, tr = plan.sizes["experts"], plan.sizes["tile_rows"]
+    E, tr, bn = plan.sizes["experts"], plan.sizes["tile_rows"], plan.tile.bn
     # rank -> the routing its layout phase computed. NOTE: the GEMM tiles' gather reads its row map
     # from here; on the device the layout phase writes that map into a workspace table instead.
     made: dict[int, Routing] = {}
@@ -302,7 +304,8 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
         yield from twins.tile_send_bulk(ctx, "recv", d, (row, 1, 0, H), v)
 
     def compute(ctx, task):  # one grouped-GEMM tile: gather its rows' tokens, times w1[e]
-        _, e, r0, n = task.args[:4]
+        e, r0, n, c0 = task.args[:4]
+        c = min(bn, N - c0)
         r = made[ctx.rank]
         a = []
         for s, t, _, _ in r.rows[ctx.rank][r0 : r0 + n]:
@@ -310,13 +313,13 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
                 ctx, "recv", ctx.rank, (r.recv_row(ctx.rank, s, t), 1, 0, H)
             )
             a.append(row)
-        b = yield from twins.tile_load(ctx, "w1", ctx.rank, (e * H, H, 0, N))
+        b = yield from twins.tile_load(ctx, "w1", ctx.rank, (e * H, H, c0, c))
         out = (torch.cat(a).float() @ b.float()).bfloat16()  # fp32 accumulation, one rounding
-        yield from twins.output_store(ctx, "y", ctx.rank, (r0, n, 0, N), out, task.id)
+        yield from twins.output_store(ctx, "y", ctx.rank, (r0, n, c0, c), out, task.id)
 
     def outputs(rank: int) -> dict[int, tuple[int, int, int, int]]:
-        tiles = gemm_tiles(routing.offsets[rank], tr)
-        return {i: (r0, n, 0, N) for i, (_, r0, n) in enumerate(tiles)}
+        tasks = gemm_tasks(routing.offsets[rank], tr, N, bn)
+        return {x: (r0, n, c0, c) for x, (_, _, r0, n, c0, c) in enumerate(tasks)}
 
     return Twins({"comm": comm, "compute": compute}, layout, outputs)
 

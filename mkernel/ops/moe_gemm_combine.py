@@ -50,6 +50,7 @@ from .moe_common import (
     Twins,
     check_columns,
     check_tensor,
+    gemm_tasks,
     gemm_tiles,
     grouped_tile,
     max_rows,
@@ -58,7 +59,7 @@ from .moe_common import (
     tile_rows,
 )
 
-GEMM = 1  # compute task kind (args[0]): (GEMM, local expert, first row, rows)
+# compute task: (local expert, first row, rows, first column): one BN-wide column tile of a row tile
 REDUCE = 2  # comm task kind: (REDUCE, token)
 SLOT_FIELDS = 4  # slot_rows columns: rank, row, row tile, rows in that tile (rank -1: unused)
 SPEC = OpSpec(
@@ -269,15 +270,15 @@ def slot_table(
 def layout_tasks(
     plan: Plan, offsets: list[int], slots: list[list[int]], me: int
 ) -> dict[str, list[Task]]:
-    """Rank ``me``'s tasks: its experts' row tiles (each adding its column tiles to its
-    ``tile_done`` flag: the twin's one task adds them all at once, the device's column tiles 1
-    each) and a reduce per own token, waiting for the tile of each used slot in slot order."""
+    """Rank ``me``'s tasks: its experts' row tiles cut into column tiles (each adding 1 to its
+    row tile's ``tile_done`` flag) and a reduce per own token, waiting for the row tile of each
+    used slot in slot order (all of its column tiles)."""
     T, k, H = (plan.sizes[n] for n in ("tokens", "k", "hidden"))
     tiles_n = -(-H // plan.tile.bn)
-    tiles = gemm_tiles(offsets, plan.sizes["tile_rows"])
+    tasks = gemm_tasks(offsets, plan.sizes["tile_rows"], H, plan.tile.bn)
     compute = [
-        Task(i, (GEMM, e, r0, n), raises=(Raise("tile_done", me, (i,), tiles_n, op="add"),))
-        for i, (e, r0, n) in enumerate(tiles)
+        Task(x, (e, r0, n, c0), raises=(Raise("tile_done", me, (i,), 1, op="add"),))
+        for x, (i, e, r0, n, c0, _) in enumerate(tasks)
     ]
     comm = []
     for t in range(T):
@@ -308,12 +309,13 @@ def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
         return layout_tasks(plan, offsets[ctx.rank], slots, ctx.rank)
 
     def compute(ctx, task):  # one expert tile: h rows @ w2[e] into this rank's fp32 partial rows
-        _, e, r0, n = task.args[:4]
+        e, r0, n, c0 = task.args[:4]
+        c = min(plan.tile.bn, H - c0)
         a = yield from twins.tile_load(ctx, "h", ctx.rank, (r0, n, 0, N))
-        b = yield from twins.tile_load(ctx, "w2", ctx.rank, (e * N, N, 0, H))
+        b = yield from twins.tile_load(ctx, "w2", ctx.rank, (e * N, N, c0, c))
         # the engine's fp32 epilogue: plain stores into this rank's rows (no output tile: the
         # reduces read them, the kernel end does not)
-        yield from twins.tile_send(ctx, "partial", ctx.rank, (r0, n, 0, H), a.float() @ b.float())
+        yield from twins.tile_send(ctx, "partial", ctx.rank, (r0, n, c0, c), a.float() @ b.float())
 
     def comm(ctx, task):  # the weighted sum of one own token, in slot order, one bf16 store
         t = task.args[1]
