@@ -12,8 +12,8 @@
 //                                                the last of them resets flag and counter
 //
 // Two ways to write, both through a TableWriter (each thread holds its own copy):
-//   appending  task / tile_task / add_wait / add_raise, one thread (thread 0: its copy's row
-//              count is the one finish() publishes);
+//   appending  task / add_wait / add_raise, one thread (thread 0: its copy's row count is the one
+//              finish() publishes);
 //   indexed    put_task / put_tile / put_wait / put_raise at positions the op computed (prefix
 //              sums), by any thread, then count(n) on every thread (thread 0's is published).
 // A role's writer uses one of the two: indexed positions count from the region's start, which an
@@ -48,59 +48,28 @@ struct TableWriter {
     return false;
   }
 
+  // -- appending writes (one thread), on the indexed ones at the region's append cursor --------
+
   // Starts a task with its arguments (args[0] names it in timelines and timeouts, as in host-built
-  // tables; for compute tasks it is the tile id); its waits and raises follow. False if full.
+  // tables); its waits and raises follow. False if full.
   __device__ bool task(int a0, int a1 = 0, int a2 = 0, int a3 = 0) {
-    if (row == row_end) return fail();
-    int* a = args + (long long)row * kTaskArgs;
-    a[0] = a0;
-    a[1] = a1;
-    a[2] = a2;
-    a[3] = a3;
-    wait_span[2 * row] = wait_span[2 * row + 1] = wait;
-    raise_span[2 * row] = raise_span[2 * row + 1] = raise;
+    if (!put_task(row - first, a0, a1, a2, a3, 0, 0, 0, 0)) return false;
     ++row;
     return true;
-  }
-  // A compute task and its tile (m0, n0, rows, cols, tag): the tile goes to the tile table's row of
-  // the same index as the task's table row, which args[0] (the tile id) then names; row ids are
-  // unique across ranks (rank r's region), so no two ranks' tiles share a row.
-  __device__ bool tile_task(int m0, int n0, int rows, int cols, int tag) {
-    if (row == row_end || tiles == nullptr) return fail();
-    int* t = tiles + 5LL * row;
-    t[0] = m0;
-    t[1] = n0;
-    t[2] = rows;
-    t[3] = cols;
-    t[4] = tag;
-    return task(row);
   }
   // A wait of the current task: pad id, the rank whose pad, flat index, value, reset policy
   // (consumers; counter pad id when > 1, else -1), patience (timeout multiplier), peer (raiser).
   __device__ bool add_wait(int pad, int on_rank, int index, int value, int consumers = 1,
                            int counter = -1, int patience = 1, int peer = -1) {
-    if (row == first || wait == wait_end) return fail();
-    int* w = waits + (long long)wait * kWaitFields;
-    w[kWPad] = pad;
-    w[kWRank] = on_rank;
-    w[kWIndex] = index;
-    w[kWValue] = value;
-    w[kWConsumers] = consumers;
-    w[kWCounter] = counter;
-    w[kWPatience] = patience;
-    w[kWPeer] = peer;
+    if (row == first ||
+        !put_wait(0, pad, on_rank, index, value, consumers, counter, patience, peer))
+      return fail();
     wait_span[2 * (row - 1) + 1] = ++wait;
     return true;
   }
   // A raise of the current task: pad id, the rank whose pad, flat index, value, kRaiseSet/Add.
   __device__ bool add_raise(int pad, int on_rank, int index, int value = 1, int op = kRaiseSet) {
-    if (row == first || raise == raise_end) return fail();
-    int* r = raises + (long long)raise * kRaiseFields;
-    r[kRPad] = pad;
-    r[kRRank] = on_rank;
-    r[kRIndex] = index;
-    r[kRValue] = value;
-    r[kROp] = op;
+    if (row == first || !put_raise(0, pad, on_rank, index, value, op)) return fail();
     raise_span[2 * (row - 1) + 1] = ++raise;
     return true;
   }
@@ -122,7 +91,9 @@ struct TableWriter {
     raise_span[2 * at + 1] = raise + r0 + nr;
     return true;
   }
-  // A compute task and its tile (args[0] = its table row, as tile_task).
+  // A compute task and its tile (m0, n0, rows, cols, tag): the tile goes to the tile table's row of
+  // the task's table row, which args[0] (the tile id) then names; row ids are unique across ranks
+  // (rank r's region), so no two ranks' tiles share a row.
   __device__ bool put_tile(int i, int m0, int n0, int rows, int cols, int tag, int w0, int nw,
                            int r0, int nr) {
     if (tiles == nullptr || i < 0 || first + i >= row_end) return fail();
