@@ -66,8 +66,7 @@ struct RoleTables {
 
 struct FusedCommon {
   RoleTables role[2];  // kRoleCompute, kRoleComm
-  int*
-      tiles;  // [T, 5]: m0, n0, rows, cols, tag (a device-filled compute role's layout writes them)
+  int* tiles;          // [T, 5]: m0, n0, rows, cols, tag (device-filled: the layout writes them)
   int compute_units, comm_units, ctas_per_rank, overlap;
   bool compute_signals;               // some compute task raises: the engine completes each tile
   int world_size, rank0, ranks_here;  // emulated: rank0 0, ranks_here W; distributed: own rank, 1
