@@ -100,8 +100,8 @@ class Schedule:
                first). gemm_rs keeps it within two classes: the peers' tiles, then its own (whose
                waits must never block a tile a peer waits for).
     chunk_rows: rows per transfer chunk (ag_gemm; default one tile row), per grouped-GEMM tile
-               (MoE; default 64), per query tile of a compute task (ring attention, forward and
-               backward; default 16).
+               (MoE; at most 128 on a GPU; default 128 when T * k >= 128 * E_local, else 64), per
+               query tile of a compute task (ring attention, forward and backward; default 16).
     faults:    injected faults for tests (Faults).
     seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
     backoff_ns: GPU waits sleep between polls of a flag, doubling from 32 ns up to this (0: spin),

@@ -654,16 +654,21 @@ MUTATIONS = [
     Mutation(
         "moe_wait_total_not_per_source",
         MD,
-        "            if (count := sum(1 for row in mine if row[0] == s))",
-        "            if (count := len(mine) if s == 0 else 0)",
+        '            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, peer=s)\n'
+        "            for s in range(W)\n"
+        "            if from_src[e, s]",
+        '            Wait("expert_rows", me, (e, 0), sum(from_src[e, q] for q in range(W)), '
+        "consumers=n, peer=0)\n"
+        "            for s in range(1)\n"
+        "            if consumers[e]",
         "MoE dispatch: a tile waits for all of its expert's rows on source 0's flag (the other "
         "sources raise flags nobody waits for)",
     ),
     Mutation(
         "moe_wait_too_few_consumers",
         MD,
-        "        consumers = sum(1 for t in tasks if t[1] == e)",
-        "        consumers = sum(1 for t in tasks if t[1] == e and t[4] == 0)",
+        "    consumers = Counter(t[1] for t in tasks)",
+        "    consumers = Counter(t[1] for t in tasks if t[4] == 0)",
         "MoE dispatch: an expert's flags count its row tiles, not their column tiles, as "
         "consumers (a flag is reset while column tiles still wait for it)",
     ),

@@ -105,7 +105,7 @@ def max_rows(world_size: int, tokens: int, k: int, experts: int) -> int:
 def tile_rows(schedule: Any, tokens: int, k: int, experts: int) -> int:
     """Rows per grouped-GEMM tile: ``Schedule.chunk_rows``, else 128 when a local expert gets 128
     rows or more on average (a rank receives T * k rows over its E_local experts under uniform
-    routing: 128-row tiles measured 1.5x faster for the combine, 1.15x for the dispatch, at 512
+    routing: 128-row tiles measured 1.5x faster for the combine, 1.14x for the dispatch, at 512
     rows per expert, benchmarks/results/moe_local_2026-12-01.json), else 64 (less waste in an
     expert's last tile)."""
     if schedule.chunk_rows:

@@ -39,6 +39,7 @@ its y row before any data moves. Its tasks, made per call (the comm and compute 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
@@ -142,17 +143,26 @@ def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
     return {"tokens": T, "hidden": H, "inter": N, "experts": E, "k": k}
 
 
-def prepare(
+def checked(
     x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
-) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
-    """Every check, then what one call runs: the cached plan, the routing (the host knows it in
-    the emulated world: it sizes ``y`` and gives src and expert_offsets) and the buffers by name."""
+) -> tuple[World, Schedule, dict[str, int], torch.Tensor, Plan]:
+    """Every check, before anything runs (both paths), then the shapes, the routing ids as int32
+    and the cached plan."""
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(x, topk_ids, w1, world)
     common.check_faults(schedule, world)
     plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    ids = topk_ids.to(torch.int32).contiguous()
+    return world, schedule, s, topk_ids.to(torch.int32).contiguous(), plan
+
+
+def prepare(
+    x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
+) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
+    """Every check, then what one call runs in the interpreter: the cached plan, the routing (the
+    host knows it in the emulated world: it sizes ``y`` and gives src and expert_offsets) and the
+    buffers by name."""
+    world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
     routing = route(ids.tolist(), s["experts"])
     W, E, H, N = world.size, s["experts"], s["hidden"], s["inter"]
     rows = max(len(r) for r in routing.rows)
@@ -222,15 +232,10 @@ def dispatch_gpu(
     host reads the rows per rank once (a bincount of the ids on the device: the one synchronize of
     the call), to size y / src and to return each rank's rows; the kernel's layout phase computes
     the same counts, the offsets, src and every task on the device."""
-    world = common.check_world_for(SPEC, world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(x, topk_ids, w1, world)
-    common.check_faults(schedule, world)
+    world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
     W, T, E, N = world.size, s["tokens"], s["experts"], s["inter"]
-    ids = topk_ids.to(torch.int32).contiguous()
     if T == 0:  # nothing routed anywhere: no launch
         return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
     used = ids[ids >= 0].long()
     per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
     rows = max(1, max(per_rank))
@@ -268,16 +273,19 @@ def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]
             comm.append(Task(len(comm), (PUSH, t, d, row), raises=raises))
     N, bn = plan.sizes["inter"], plan.tile.bn
     tasks = gemm_tasks(routing.offsets[me], plan.sizes["tile_rows"], N, bn)
-    compute = []
-    for x, (_, e, r0, n, c0, _) in enumerate(tasks):
-        mine = routing.rows[me][routing.offsets[me][e] : routing.offsets[me][e + 1]]
-        consumers = sum(1 for t in tasks if t[1] == e)  # every column tile of every row tile
-        waits = tuple(
-            Wait("expert_rows", me, (e, s), count, consumers=consumers, peer=s)
+    consumers = Counter(t[1] for t in tasks)  # per expert: every column tile of every row tile
+    from_src = Counter((e, s) for (s, _, _, e) in routing.rows[me])  # rows of e from source s
+    waits = {
+        e: tuple(
+            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, peer=s)
             for s in range(W)
-            if (count := sum(1 for row in mine if row[0] == s))
+            if from_src[e, s]
         )
-        compute.append(Task(x, (e, r0, n, c0), waits=waits))
+        for e, n in consumers.items()
+    }
+    compute = [
+        Task(x, (e, r0, n, c0), waits=waits[e]) for x, (_, e, r0, n, c0, _) in enumerate(tasks)
+    ]
     return {"comm": comm, "compute": compute}
 
 
