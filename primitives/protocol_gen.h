@@ -6,7 +6,7 @@ namespace mk {
 constexpr int kMaxLocalRanks = 16;
 constexpr int kMaxBarrierSlots = 256;
 constexpr int kMaxPads = 8;
-constexpr int kMaxSlots = 8;
+constexpr int kMaxSlots = 16;
 constexpr int kMaxScalars = 8;
 constexpr int kTaskArgs = 4;
 constexpr int kBarrierPad = 0;
@@ -105,24 +105,40 @@ enum RecordField : int {
   kRecSlot5 = 53,
   kRecSlot6 = 54,
   kRecSlot7 = 55,
-  kRecStride0 = 56,
-  kRecStride1 = 57,
-  kRecStride2 = 58,
-  kRecStride3 = 59,
-  kRecStride4 = 60,
-  kRecStride5 = 61,
-  kRecStride6 = 62,
-  kRecStride7 = 63,
-  kRecScalar0 = 64,
-  kRecScalar1 = 65,
-  kRecScalar2 = 66,
-  kRecScalar3 = 67,
-  kRecScalar4 = 68,
-  kRecScalar5 = 69,
-  kRecScalar6 = 70,
-  kRecScalar7 = 71,
+  kRecSlot8 = 56,
+  kRecSlot9 = 57,
+  kRecSlot10 = 58,
+  kRecSlot11 = 59,
+  kRecSlot12 = 60,
+  kRecSlot13 = 61,
+  kRecSlot14 = 62,
+  kRecSlot15 = 63,
+  kRecStride0 = 64,
+  kRecStride1 = 65,
+  kRecStride2 = 66,
+  kRecStride3 = 67,
+  kRecStride4 = 68,
+  kRecStride5 = 69,
+  kRecStride6 = 70,
+  kRecStride7 = 71,
+  kRecStride8 = 72,
+  kRecStride9 = 73,
+  kRecStride10 = 74,
+  kRecStride11 = 75,
+  kRecStride12 = 76,
+  kRecStride13 = 77,
+  kRecStride14 = 78,
+  kRecStride15 = 79,
+  kRecScalar0 = 80,
+  kRecScalar1 = 81,
+  kRecScalar2 = 82,
+  kRecScalar3 = 83,
+  kRecScalar4 = 84,
+  kRecScalar5 = 85,
+  kRecScalar6 = 86,
+  kRecScalar7 = 87,
 };
-constexpr int kRecordFields = 72;
+constexpr int kRecordFields = 88;
 
 }  // namespace mk
 
