@@ -129,7 +129,14 @@ struct Layout {
 
 // moe_dispatch_gemm: MoE dispatch + the first grouped GEMM (x_token @ w1[e] per routed (token, slot))
 namespace moe_dispatch_gemm {
-enum Pad : int { kPadBarrier = 0, kPadExpertRows = 1, kPadExpertRowsCount = 2 };
+enum Pad : int {
+  kPadBarrier = 0,
+  kPadLanded = 1,
+  kPadLandedCount = 2,
+  kPadExpertRows = 3,
+  kPadExpertRowsCount = 4,
+};
+constexpr int kExpandRows = 32;
 struct Layout {
   RankPtr<const __nv_bfloat16> x;  // [tokens, hidden] input: this rank's tokens
   RankPtr<const int> topk_ids;  // [tokens, k] input: global expert ids, -1 unused
@@ -141,6 +148,7 @@ struct Layout {
   __nv_bfloat16* recv_local;
   SymPtr<int> row_map;  // [max_rows] symmetric: the device layout's: the receive row of each y row
   int* row_map_local;
+  RankPtr<__nv_bfloat16> expanded;  // [max_rows, hidden] output: each y row's token, copied here from recv (the GEMM's A; a per-call workspace sized by the rows, every rank's at base + rank * stride)
   int tokens;
   int hidden;
   int inter;
@@ -160,6 +168,7 @@ struct Layout {
     l.recv_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
     l.row_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
     l.row_map_local = reinterpret_cast<int*>(rec[kRecStride7]);
+    l.expanded = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot8]), rec[kRecStride8]};
     l.tokens = (int)rec[kRecScalar0];
     l.hidden = (int)rec[kRecScalar1];
     l.inter = (int)rec[kRecScalar2];

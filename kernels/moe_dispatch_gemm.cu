@@ -8,19 +8,25 @@
 //   src, row_map    per y row: (source, token, slot) and the receive row of its token, in the
 //                   order expert, source, token, slot (counts first: no row moves twice)
 //   comm tasks      one push per (own token, destination rank it feeds), nearest rank first,
-//                   adding 1 to expert_rows[e, me] on the destination per expert e it feeds there
+//                   adding 1 to landed[me] on the destination; then the expands of the rows
+//                   received here: per (expert e, source s) pieces of up to kExpandRows rows,
+//                   each waiting landed[s] == tokens of s here, copying its rows' tokens from
+//                   recv into `expanded` (expert-major) and adding its rows to expert_rows[e, s]
 //   compute tasks   per local expert, tiles of tile_rows rows x BN columns, each waiting for
 //                   expert_rows[e, s] == rows of e from s, for every source s that sends e rows
-//                   (its counted consumers: the last tile resets them; a late source is named)
-// A compute tile gathers its rows' tokens from `recv` through row_map (the engine's kGatherA)
-// and stores its bf16 rows of y. Emulated worlds (all ranks in this launch): the layout reads the
-// peers' topk_ids directly; a distributed world would exchange the counts first (not built).
+//                   (its counted consumers: the last tile resets them)
+// A compute tile loads its rows of `expanded` by TMA (the dense engine: a gather by index in the
+// engine measured 2.75x slower, benchmarks/results/moe_local_2026-12-01.json) and stores its bf16
+// rows of y. Emulated worlds (all ranks in this launch): the layout reads the peers' topk_ids
+// directly; a distributed world would exchange the counts first (not built).
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}, token 1 -> {1}; rank 1: token 0 -> {0}
-//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 expert_rows@0[0, 0]) | x0[0] -> recv@1 row 0,
-//                   x0[1] -> recv@1 row 1 (+1 expert_rows@1[0, 0] each)
-//   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 expert_rows@0[0, 1])
-//   rank 0 compute: wait expert_rows@0[0, 0] == 1, [0, 1] == 1 | y0 = [recv0[0], recv0[1]] @ w1_0[0]
+//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 landed@0[0]) | x0[0] -> recv@1 row 0,
+//                   x0[1] -> recv@1 row 1 (+1 landed@1[0] each)
+//                   expand (e 0, s 0): wait landed@0[0] == 1, recv@0[0] -> expanded@0[0],
+//                   +1 expert_rows@0[0, 0] | (e 0, s 1): wait landed@0[1] == 1, recv@0[1] -> row 1
+//   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 landed@0[1]) | (e 0, s 0): wait landed@1[0] == 2 ...
+//   rank 0 compute: wait expert_rows@0[0, 0] == 1, [0, 1] == 1 | y0 = expanded@0[0:2] @ w1_0[0]
 #include "kernels/moe_engine.cuh"
 
 namespace mk {
@@ -31,7 +37,11 @@ struct MoeDispatchGemm {
   using Layout = spec::moe_dispatch_gemm::Layout;
   using Args = FusedArgs<MoeDispatchGemm>;
   static constexpr int kCommSmemBytes = 0;
-  static constexpr int kPush = 0;  // comm task kind (args[0]), as the twin's PUSH
+  static constexpr int kPush = 0;    // comm task kinds (args[0]), as the twin's PUSH
+  static constexpr int kExpand = 1;  // and EXPAND
+  static constexpr int kPieceRows = spec::moe_dispatch_gemm::kExpandRows;
+  static constexpr int kPadLanded = spec::moe_dispatch_gemm::kPadLanded;
+  static constexpr int kPadLandedCount = spec::moe_dispatch_gemm::kPadLandedCount;
   static constexpr int kPadRows = spec::moe_dispatch_gemm::kPadExpertRows;
   static constexpr int kPadRowsCount = spec::moe_dispatch_gemm::kPadExpertRowsCount;
 
@@ -64,19 +74,20 @@ struct MoeDispatchGemm {
     int* src = l.src.at(cta.local_rank);              // [max_rows, 3]
     int* row_map = l.row_map.map(me);                 // [max_rows]: receive row of each y row
     // Scratch (ints): per (expert, source) rows; per (source, destination) tokens; per expert
-    // offsets, tile and wait prefixes, sources; per my-token chunk pushes and raises per rank;
-    // push and raise bases per rank; per token chunk: receive rows, then rows per expert.
+    // offsets, tile and wait prefixes, sources; per (expert, source in my order) the first expand
+    // piece, then per source its pieces; per my-token chunk pushes per rank; push bases per rank;
+    // per token chunk: receive rows, then rows per expert.
     int* es = reinterpret_cast<int*>(smem);  // [E, W]
     int* fed = es + E * W;                   // [W, W]
     int* eoff = fed + W * W;                 // [E + 1]
     int* tile_base = eoff + E + 1;           // [E + 1]
     int* wait_base = tile_base + E + 1;      // [E + 1]
     int* nz = wait_base + E + 1;             // [E]
-    int* pc = nz + E;                        // [nt, W]
-    int* pr = pc + nt * W;                   // [nt, W]
-    int* tb = pr + nt * W;                   // [W + 1]: then the total
-    int* rb = tb + W + 1;                    // [W + 1]
-    int* recv_c = rb + W + 1;                // [C + 1]
+    int* xb = nz + E;                        // [E * W + 1]
+    int* xs = xb + E * W + 1;                // [W]
+    int* pc = xs + W;                        // [nt, W]
+    int* tb = pc + nt * W;                   // [W + 1]: then the total
+    int* recv_c = tb + W + 1;                // [C + 1]
     const int used = (int)(recv_c - es);
     const int C = min(nt, (Engine::kSmemBytes / 4 - used - 1) / (E + 1));
     int* cnt = recv_c + C + 1;  // [C, E]
@@ -141,6 +152,15 @@ struct MoeDispatchGemm {
         wait_base[e + 1] = wait_base[e] + tiles * nz[e];
       }
     }
+    if (tid == nt - 1) {  // expand pieces: expert-major, sources nearest first, kPieceRows rows
+      for (int s = 0; s < W; ++s) xs[s] = 0;
+      xb[0] = 0;
+      for (int p = 0; p < E * W; ++p) {
+        const int s = (me + p % W) % W, n = (es[p / W * W + s] + kPieceRows - 1) / kPieceRows;
+        xb[p + 1] = xb[p] + n;
+        xs[s] += n;
+      }
+    }
     __syncthreads();
     for (int e = tid; e <= E; e += nt) offs[e] = eoff[e];
     // 3. Every row's place (expert, then source, token, slot) and its token's receive row here.
@@ -165,7 +185,8 @@ struct MoeDispatchGemm {
       }
     }
     // 4. GEMM tiles: expert e's rows in tiles of tile_rows x BN, each waiting for e's rows from
-    // every source that sends some (all of e's tiles are the counted consumers of each flag).
+    // every source that sends some to be expanded (all of e's tiles are the counted consumers of
+    // each flag; twice the patience: the expand's wait for a late source times out first).
     const int tiles = tile_base[E];
     for (int x = tid; x < tiles; x += nt) {
       const int e = last_at_most(tile_base, E, x), i = x - tile_base[e];
@@ -177,69 +198,69 @@ struct MoeDispatchGemm {
       for (int s = 0, q = 0; s < W; ++s) {
         const int n = es[e * W + s];
         if (n > 0)
-          compute.put_wait(w0 + q++, kPadRows, me, e * W + s, n, consumers, kPadRowsCount, 1, s);
+          compute.put_wait(w0 + q++, kPadRows, me, e * W + s, n, consumers, kPadRowsCount, 2, s);
       }
     }
     compute.count(tiles);
     // 5. Pushes of my tokens: per (my-token chunk, destination) counts, prefix sums per
-    // destination, destinations nearest first (me, me + 1, ...), then each token's own task.
+    // destination, destinations nearest first (me, me + 1, ...), then each token's own task; it
+    // adds 1 to landed[me] at the destination (its raise has the task's index).
     const int* mine = l.topk_ids.at(cta.local_rank);
     const int Lm = (T + nt - 1) / nt;
-    for (int d = 0; d < W; ++d) pc[tid * W + d] = pr[tid * W + d] = 0;
+    for (int d = 0; d < W; ++d) pc[tid * W + d] = 0;
     for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
       const unsigned mask = fed_ranks(mine + (long long)t * k, k, E, W);
-      for (int d = 0; d < W; ++d) {
-        if (!((mask >> d) & 1)) continue;
-        ++pc[tid * W + d];
-        for (int j = 0; j < k; ++j) pr[tid * W + d] += local_expert(mine[t * k + j], d, E) >= 0;
-      }
+      for (int d = 0; d < W; ++d) pc[tid * W + d] += (mask >> d) & 1;
     }
     __syncthreads();
     for (int d = tid; d < W; d += nt) {
-      int runc = 0, runr = 0;
+      int run = 0;
       for (int c = 0; c < nt; ++c) {
-        const int vc = pc[c * W + d], vr = pr[c * W + d];
-        pc[c * W + d] = runc;
-        pr[c * W + d] = runr;
-        runc += vc;
-        runr += vr;
+        const int v = pc[c * W + d];
+        pc[c * W + d] = run;
+        run += v;
       }
-      tb[d] = runc;  // totals for now
-      rb[d] = runr;
+      tb[d] = run;  // totals for now
     }
     __syncthreads();
     if (tid == 0) {
-      int rows = 0, raises = 0;
+      int rows = 0;
       for (int i = 0; i < W; ++i) {
-        const int d = (me + i) % W, n = tb[d], r = rb[d];
+        const int d = (me + i) % W, n = tb[d];
         tb[d] = rows;
-        rb[d] = raises;
         rows += n;
-        raises += r;
       }
       tb[W] = rows;
     }
     __syncthreads();
     for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
-      const int* ids = mine + (long long)t * k;
-      const unsigned mask = fed_ranks(ids, k, E, W);
+      const unsigned mask = fed_ranks(mine + (long long)t * k, k, E, W);
       for (int d = 0; d < W; ++d) {
         if (!((mask >> d) & 1)) continue;
         int before = 0;  // tokens of ranks < me that feed d: my first receive row there
         for (int q = 0; q < me; ++q) before += fed[q * W + d];
-        const int idx = pc[tid * W + d]++;
-        int nr = 0;
-        for (int j = 0; j < k; ++j) nr += local_expert(ids[j], d, E) >= 0;
-        const int r0 = rb[d] + pr[tid * W + d];
-        pr[tid * W + d] += nr;
-        comm.put_task(tb[d] + idx, kPush, t, d, before + idx, 0, 0, r0, nr);
-        for (int j = 0, q = 0; j < k; ++j) {
-          const int e = local_expert(ids[j], d, E);
-          if (e >= 0) comm.put_raise(r0 + q++, kPadRows, d, e * W + me, 1, kRaiseAdd);
-        }
+        const int idx = tb[d] + pc[tid * W + d]++;
+        comm.put_task(idx, kPush, t, d, before + idx - tb[d], 0, 0, idx, 1);
+        comm.put_raise(idx, kPadLanded, d, me, 1, kRaiseAdd);
       }
     }
-    comm.count(tb[W]);
+    // 6. Expands of the rows I receive, after the pushes: piece j of (expert e, source s) copies
+    // up to kPieceRows of e's rows from s (contiguous y rows) once every token of s has landed,
+    // and adds its rows to expert_rows[e, s] here (the GEMM tiles' flags). All of s's pieces are
+    // the counted consumers of landed[s]. Waits: one per piece; raises after the pushes'.
+    const int pushes = tb[W];
+    for (int p = tid; p < E * W; p += nt) {
+      const int e = p / W, s = (me + p % W) % W, n = es[e * W + s];
+      int r0 = eoff[e];  // e's rows: by source
+      for (int q = 0; q < s; ++q) r0 += es[e * W + q];
+      for (int c = 0; c * kPieceRows < n; ++c) {
+        const int j = xb[p] + c, rows = min(kPieceRows, n - c * kPieceRows);
+        comm.put_task(pushes + j, kExpand, r0 + c * kPieceRows, rows, s, j, 1, pushes + j, 1);
+        comm.put_wait(j, kPadLanded, me, s, fed[s * W + me], xs[s], kPadLandedCount, 1, s);
+        comm.put_raise(pushes + j, kPadRows, me, e * W + s, rows, kRaiseAdd);
+      }
+    }
+    comm.count(pushes + xb[E * W]);
   }
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
@@ -248,36 +269,68 @@ struct MoeDispatchGemm {
                       gemm::kStoreBF16};
   }
 
-  // One token copy: x row t -> row `row` of the destination's receive buffer (16-byte stores).
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char*) {
-    if (args[0] != kPush) return;
     const Layout& l = a.layout;
-    const uint4* from =
-        reinterpret_cast<const uint4*>(l.x.at(cta.local_rank) + (long long)args[1] * l.hidden);
-    uint4* to = reinterpret_cast<uint4*>(l.recv.map(args[2]) + (long long)args[3] * l.hidden);
-    copy_v4_team(to, from, l.hidden / 8, team.lane, team.size);
+    if (args[0] == kPush) {  // x row t -> row `row` of the destination's receive buffer
+      const uint4* from =
+          reinterpret_cast<const uint4*>(l.x.at(cta.local_rank) + (long long)args[1] * l.hidden);
+      uint4* to = reinterpret_cast<uint4*>(l.recv.map(args[2]) + (long long)args[3] * l.hidden);
+      copy_v4_team(to, from, l.hidden / 8, team.lane, team.size);
+    } else if (args[0] == kExpand) {
+      expand(l, cta, args[1], args[2], team);
+    }
+  }
+
+  // y rows [r0, r0 + n) (n <= 32) get their tokens: recv row row_map[r] -> expanded row r, local.
+  // Each warp holds the n receive rows (lane i: row i) and keeps kInFlight 16-byte loads in flight
+  // per lane across rows: one row at a time left a warp waiting a memory latency per 2 KB.
+  static __device__ void expand(const Layout& l, const CtaInfo& cta, int r0, int n,
+                                const Team& team) {
+    constexpr int kInFlight = 8;
+    const int vec = l.hidden / 8, total = n * vec, lane = team.lane % 32;
+    const int mine = lane < n ? __ldcg(l.row_map.map(cta.rank) + r0 + lane) : 0;
+    const uint4* recv = reinterpret_cast<const uint4*>(l.recv.map(cta.rank));
+    uint4* out = reinterpret_cast<uint4*>(l.expanded.at(cta.local_rank) + (long long)r0 * l.hidden);
+    // every lane of a warp runs the same trips (the shuffles need them all)
+    const int warp0 = team.lane - lane, stride = kInFlight * team.size;
+    for (int v0 = warp0; v0 < total; v0 += stride) {
+      uint4 x[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        const int v = v0 + j * team.size + lane, i = min(v / vec, n - 1);
+        const long long row = __shfl_sync(0xffffffffu, mine, i);
+        if (v < total) x[j] = __ldcg(recv + row * vec + (v - i * vec));
+      }
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        const int v = v0 + j * team.size + lane;
+        if (v < total) out[v] = x[j];
+      }
+    }
   }
 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
     const int W = args.common.world_size, here = args.common.ranks_here;
-    if (here != W) return false;  // the layout reads every rank's routing: emulated worlds only
-    const long long recv_rows = (long long)W * l.tokens;
-    if (!fill_grouped_b(here, args.engine, l.w1, l.experts, l.hidden, l.inter, l.max_rows))
+    // The layout reads every rank's routing: emulated worlds only.
+    if (here != W || l.expanded.rank_stride % l.hidden != 0) return false;
+    const long long rows = l.expanded.rank_stride / l.hidden;  // of the stacked [W, rows, H]
+    if (rows < 1 || !fill_grouped_b(here, args.engine, l.w1, l.experts, l.hidden, l.inter,
+                                    (int)rows))
       return false;
     for (int r = 0; r < here; ++r) {
-      args.engine[r].a_src = l.recv_local + r * recv_rows * l.hidden;
-      args.engine[r].a_rows = l.row_map_local + r * (long long)l.max_rows;
-      args.engine[r].lda = l.hidden;
-      args.engine[r].a_src_rows = (int)recv_rows;
+      if (host::make_tensor_map_bf16_2d(&args.engine[r].a, l.expanded.base + r * rows * l.hidden,
+                                        rows, l.hidden, l.hidden, Engine::BM, 64,
+                                        128) != host::kTensorMapOk)
+        return false;
     }
     return true;
   }
 };
 
 int launch_moe_dispatch_gemm(const long long* rec, cudaStream_t s) {
-  return launch_grouped<MoeDispatchGemm, /*kGather=*/true>(rec, s);
+  return launch_grouped<MoeDispatchGemm, /*kGather=*/false>(rec, s);
 }
 
 }  // namespace mk

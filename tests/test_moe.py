@@ -174,7 +174,7 @@ def test_a_late_rank_changes_nothing_and_a_silent_one_times_out(overlap):
     out_late = combine(res.y, w2, res, w, world, mkernel.Schedule(overlap=overlap, faults=late))
     assert torch.equal(out, out_late)
     silent = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=0))
-    with pytest.raises(CommTimeout, match="expert_rows"):
+    with pytest.raises(CommTimeout, match=r"landed\[src=0\]"):
         dispatch(x, ids, w1, world, silent)
     with pytest.raises(CommTimeout, match="tile_done"):
         combine(res.y, w2, res, w, world, silent)
@@ -209,12 +209,28 @@ def test_a_token_goes_to_each_destination_rank_once():
     ids = torch.tensor([[[2, 3, 0], [3, -1, -1]], [[-1, -1, -1], [1, 2, -1]]])
     plan, r = _plan_and_routing(ids, 2)
     comm = mdg.layout_tasks(plan, r, 0)["comm"]
-    pushes = [(t.args[1], t.args[2]) for t in comm]
-    assert pushes == [(0, 0), (0, 1), (1, 1)]  # own rank first, then rank 1; token order
-    raised = [[(x.pad, x.rank, x.index, x.op) for x in t.raises] for t in comm]
-    add = "add"
-    assert raised[1] == [("expert_rows", 1, (0, 0), add), ("expert_rows", 1, (1, 0), add)]
+    pushes = [t for t in comm if t.args[0] == mdg.PUSH]
+    assert [(t.args[1], t.args[2]) for t in pushes] == [(0, 0), (0, 1), (1, 1)]  # own rank first
+    # each push counts one token landed at its destination, from me
+    assert [[(x.pad, x.rank, x.index, x.op) for x in t.raises] for t in pushes] == [
+        [("landed", d, (0,), "add")] for d in (0, 1, 1)
+    ]
     assert r.recv_base[1] == [0, 2]  # rank 1 receives rank 0's 2 tokens, then rank 1's 1
+    # rank 1's expands: its rows by expert, sources nearest first (itself, then rank 0), each
+    # after all of that source's tokens landed, counting the rows it expanded
+    expands = [t for t in mdg.layout_tasks(plan, r, 1)["comm"] if t.args[0] == mdg.EXPAND]
+    # rank 1: expert 0 (global 2) <- (0, 0, 0), (1, 1, 1); expert 1 <- (0, 0, 1), (0, 1, 0)
+    assert [t.args[1:] for t in expands] == [(1, 1, 1), (0, 1, 0), (2, 2, 0)]
+    assert [[(w.pad, w.index, w.value, w.consumers, w.peer) for w in t.waits] for t in expands] == [
+        [("landed", (1,), 1, 1, 1)],
+        [("landed", (0,), 2, 2, 0)],
+        [("landed", (0,), 2, 2, 0)],
+    ]
+    assert [[(x.pad, x.rank, x.index, x.value) for x in t.raises] for t in expands] == [
+        [("expert_rows", 1, (0, 1), 1)],
+        [("expert_rows", 1, (0, 0), 1)],
+        [("expert_rows", 1, (1, 0), 2)],
+    ]
 
 
 def test_each_expert_tile_waits_for_its_own_experts_rows_only():
@@ -455,7 +471,7 @@ def test_expert_gemm_not_waiting_for_its_rows_is_a_race():
         made["compute"] = [dataclasses.replace(t, waits=()) for t in made["compute"]]
         return made
 
-    with pytest.raises(RaceError, match="recv"):
+    with pytest.raises(RaceError, match="expanded"):
         _run_dispatch(no_waits)
 
 
@@ -465,7 +481,8 @@ def test_pushes_that_signal_nothing_time_out_naming_the_flag():
             t.raises = ()
         return made
 
-    with pytest.raises(CommTimeout, match=r"expert_rows\[expert=.*peer 0|peer 0.*expert_rows"):
+    # the peers' expands wait for rank 0's tokens (the GEMM tiles wait on the expands)
+    with pytest.raises(CommTimeout, match=r"landed\[src=0\] from peer 0"):
         _run_dispatch(silent)
 
 

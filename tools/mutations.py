@@ -654,11 +654,12 @@ MUTATIONS = [
     Mutation(
         "moe_wait_total_not_per_source",
         MD,
-        '            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, peer=s)\n'
+        '            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, patience=2, '
+        "peer=s)\n"
         "            for s in range(W)\n"
         "            if from_src[e, s]",
         '            Wait("expert_rows", me, (e, 0), sum(from_src[e, q] for q in range(W)), '
-        "consumers=n, peer=0)\n"
+        "consumers=n, patience=2, peer=0)\n"
         "            for s in range(1)\n"
         "            if consumers[e]",
         "MoE dispatch: a tile waits for all of its expert's rows on source 0's flag (the other "
@@ -671,6 +672,22 @@ MUTATIONS = [
         "    consumers = Counter(t[1] for t in tasks if t[4] == 0)",
         "MoE dispatch: an expert's flags count its row tiles, not their column tiles, as "
         "consumers (a flag is reset while column tiles still wait for it)",
+    ),
+    Mutation(
+        "moe_expand_before_its_source_landed",
+        MD,
+        "        tokens = len(routing.sent[s][me])",
+        "        tokens = len(routing.sent[s][me]) - 1",
+        "MoE dispatch: an expand waits for all but one of its source's tokens (it may copy a "
+        "receive row before the push has written it)",
+    ),
+    Mutation(
+        "moe_landed_one_consumer",
+        MD,
+        "    expands_of = Counter(s for _, s, _, _ in pieces)",
+        "    expands_of = Counter(s for _, s, _, _ in pieces[:1])",
+        "MoE dispatch: landed[s] counts one consumer for most sources (the first expand resets "
+        "it while the source's other pieces still wait)",
     ),
     Mutation(
         "moe_slot_tile_numbered_per_expert",

@@ -68,6 +68,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
         "y": torch.empty(W, R, INTER, device="cuda", dtype=torch.bfloat16),
         "src": torch.empty(W, R, 3, device="cuda", dtype=torch.int32),
         "expert_offsets": torch.empty(W, 1, El + 1, device="cuda", dtype=torch.int32),
+        "expanded": torch.empty(W, R, H, device="cuda", dtype=torch.bfloat16),
     }
     _, _, _, ops_c = mgc.prepare(h, w2, d, weights, world, sched)
 

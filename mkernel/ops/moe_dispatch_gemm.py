@@ -17,23 +17,29 @@ its y row before any data moves. Its tasks, made per call (the comm and compute 
 ``Capacity``: how many tasks a rank runs is routing data):
 
 - comm, on source s: one push per (token, destination rank) -- x_token is copied once to each
-  rank it feeds, a copy into that rank's ``recv`` row -- raising ``expert_rows[e, s] += 1`` on
-  the destination for each of its experts the token feeds;
+  rank it feeds, a copy into that rank's ``recv`` row -- adding 1 to ``landed[s]`` there;
+- comm, on destination d, after its pushes: the expands, per (local expert e, source s) pieces
+  of up to EXPAND_ROWS of e's rows from s, expert by expert: each waits ``landed[s] == tokens of
+  s sent to d`` (all of s's pieces are its counted consumers), copies its rows' tokens from
+  ``recv`` into ``expanded`` (the rows in y's order: the GEMM's A, loaded by TMA on the device)
+  and adds its rows to ``expert_rows[e, s]``;
 - compute, on destination d: per expert e, tiles of ``tile_rows`` of its rows, each cut into
-  BN-wide column tiles (the engine's tile); each waits, for
-  every source s that sends e rows, for ``expert_rows[e, s] == rows of e from s`` (so an expert's
-  GEMM starts once its own rows have landed, not after a global barrier, and a wait that times
-  out names the one source that is late; the tiles of e are its counted consumers, the last
-  resets the flags), gathers its rows' tokens from ``recv`` (the expansion to (token, slot) rows),
-  multiplies by w1[e] with fp32 accumulation and stores its bf16 rows of ``y`` (the kernel end
-  reads them).
+  BN-wide column tiles (the engine's tile); each waits, for every source s that sends e rows,
+  for ``expert_rows[e, s] == rows of e from s`` (so an expert's GEMM starts once its own rows are
+  expanded, not after a global barrier; twice the patience of the expands' waits, so a late
+  source is named by the expand that waits for it; the tiles of e are its counted consumers,
+  the last resets the flags), multiplies its ``expanded`` rows by w1[e] with fp32 accumulation
+  and stores its bf16 rows of ``y`` (the kernel end reads them).
 
     W = 2, E_local = 1; rank 0's token 0 -> experts {0, 1}, token 1 -> {1}; rank 1's token 0 -> {0}
-    rank 0 comm:  push x0[0] -> recv_0[0] (+1 expert_rows_0[0, 0]); x0[0] -> recv_1[0], x0[1] ->
-                  recv_1[1] (+1 expert_rows_1[0, 0] each)
-    rank 1 comm:  push x1[0] -> recv_0[1] (+1 expert_rows_0[0, 1])
-    rank 0 compute: wait expert_rows_0[0, 0] == 1, [0, 1] == 1 -> y_0 = [x0[0], x1[0]] @ w1_0[0]
-    rank 1 compute: wait expert_rows_1[0, 0] == 2 -> y_1 = [x0[0], x0[1]] @ w1_1[0]
+    rank 0 comm:  push x0[0] -> recv_0[0] (+1 landed_0[0]); x0[0] -> recv_1[0], x0[1] ->
+                  recv_1[1] (+1 landed_1[0] each); expand (e 0, s 0): wait landed_0[0] == 1,
+                  recv_0[0] -> expanded_0[0] (+1 expert_rows_0[0, 0]); (e 0, s 1): wait
+                  landed_0[1] == 1, recv_0[1] -> expanded_0[1] (+1 expert_rows_0[0, 1])
+    rank 1 comm:  push x1[0] -> recv_0[1] (+1 landed_0[1]); expand (e 0, s 0): wait
+                  landed_1[0] == 2, recv_1[0:2] -> expanded_1[0:2] (+2 expert_rows_1[0, 0])
+    rank 0 compute: wait expert_rows_0[0, 0] == 1, [0, 1] == 1 -> y_0 = expanded_0[0:2] @ w1_0[0]
+    rank 1 compute: wait expert_rows_1[0, 0] == 2 -> y_1 = expanded_1[0:2] @ w1_1[0]
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from .moe_common import (
 )
 
 PUSH = 0  # comm task kind (args[0]): (PUSH, token, destination, receive row)
+EXPAND = 1  # comm task kind: (EXPAND, first y row, rows, source): their tokens into ``expanded``
+EXPAND_ROWS = 32  # rows per expand task (at most): an expert's rows from one source, in pieces
 # compute task: (local expert, first row, rows, first column): one BN-wide column tile of a row tile
 SPEC = OpSpec(
     name="moe_dispatch_gemm",
@@ -85,17 +93,33 @@ SPEC = OpSpec(
             ("max_rows",),
             "the device layout's: the receive row of each y row",
         ),
+        Buffer(
+            "expanded",
+            "output",
+            torch.bfloat16,
+            ("max_rows", "hidden"),
+            "each y row's token, copied here from recv (the GEMM's A; a per-call workspace "
+            "sized by the rows, every rank's at base + rank * stride)",
+        ),
     ),
     pads=(
+        Pad(
+            "landed",
+            ("src",),
+            ("W",),
+            counted=True,
+            doc="token copies from rank src landed in my recv (added by src, one per token)",
+        ),
         Pad(
             "expert_rows",
             ("expert", "src"),
             ("experts", "W"),
             counted=True,
-            doc="token copies from rank src landed here for local expert e (added by src)",
+            doc="rows of local expert e from rank src expanded here (added by my expand tasks)",
         ),
     ),
     scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
+    constants=(("expand_rows", EXPAND_ROWS),),
 )
 
 
@@ -109,7 +133,9 @@ def make_plan(
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
     tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
-    comm = Capacity(rows=T * min(k, W), waits=0, raises=T * k)
+    pushes = T * min(k, W)
+    expands = -(-rows // EXPAND_ROWS) + experts * W  # at most one short piece per (expert, source)
+    comm = Capacity(rows=pushes + expands, waits=expands, raises=pushes + expands)
     compute = Capacity(rows=tiles, waits=tiles * W, raises=0)  # a wait per source
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
     sizes = {
@@ -171,6 +197,7 @@ def prepare(
         "topk_ids": ids,
         "w1": w1.view(W, E * H, N),
         "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16),  # poisoned
+        "expanded": torch.full((W, rows, H), float("nan"), dtype=torch.bfloat16),
         # the device layout's outputs (the host's routing gives them here)
         "src": torch.full((W, rows, 3), -1, dtype=torch.int32),
         "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32),
@@ -242,6 +269,8 @@ def dispatch_gpu(
     dev = x.device
     out = {
         "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),  # poisoned
+        # workspace, every row written before it is read: not poisoned (a write of every row)
+        "expanded": torch.empty((W, rows, s["hidden"]), dtype=torch.bfloat16, device=dev),
         "src": torch.full((W, rows, 3), -1, dtype=torch.int32, device=dev),
         "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32, device=dev),
     }
@@ -260,24 +289,42 @@ def dispatch_gpu(
 
 
 def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]:
-    """Rank ``me``'s tasks for this routing (what the device layout phase appends to its tables):
-    pushes of its tokens, nearest destination first (itself, then me + 1, ...), and its experts'
-    GEMM tiles, each waiting for its expert's rows from each source that sends some."""
+    """Rank ``me``'s tasks for this routing (what the device layout phase writes into its tables):
+    pushes of its tokens, nearest destination first (itself, then me + 1, ...); then the expands
+    of the rows it receives, expert by expert (so the first experts' GEMMs can start first),
+    sources nearest first; and its experts' GEMM tiles, each waiting for its expert's rows from
+    each source that sends some."""
     W = plan.world_size
     comm = []
     for d in ((me + i) % W for i in range(W)):
         for t in routing.sent[me][d]:
-            feeds = sorted(e for (s, tt, _, e) in routing.rows[d] if s == me and tt == t)
             row = routing.recv_row(d, me, t)
-            raises = tuple(Raise("expert_rows", d, (e, me), 1, op="add") for e in feeds)
-            comm.append(Task(len(comm), (PUSH, t, d, row), raises=raises))
+            landed = Raise("landed", d, (me,), 1, op="add")
+            comm.append(Task(len(comm), (PUSH, t, d, row), raises=(landed,)))
+    from_src = Counter((e, s) for (s, _, _, e) in routing.rows[me])  # rows of e from source s
+    pieces = []  # (expert, source, first y row, rows)
+    for e in range(routing.experts):
+        first = routing.offsets[me][e]  # e's rows: by source, then token
+        starts = [first + sum(from_src[e, q] for q in range(s)) for s in range(W)]
+        for s in ((me + i) % W for i in range(W)):
+            n = from_src[e, s]
+            pieces += [
+                (e, s, starts[s] + c, min(EXPAND_ROWS, n - c)) for c in range(0, n, EXPAND_ROWS)
+            ]
+    expands_of = Counter(s for _, s, _, _ in pieces)  # the counted consumers of landed[s]
+    for e, s, r0, n in pieces:
+        # the expand follows the source's pushes: a late source is named here first (the GEMM
+        # tiles' waits, on the expands, have twice the patience)
+        tokens = len(routing.sent[s][me])
+        landed = Wait("landed", me, (s,), tokens, consumers=expands_of[s], peer=s)
+        rows = Raise("expert_rows", me, (e, s), n, op="add")
+        comm.append(Task(len(comm), (EXPAND, r0, n, s), waits=(landed,), raises=(rows,)))
     N, bn = plan.sizes["inter"], plan.tile.bn
     tasks = gemm_tasks(routing.offsets[me], plan.sizes["tile_rows"], N, bn)
     consumers = Counter(t[1] for t in tasks)  # per expert: every column tile of every row tile
-    from_src = Counter((e, s) for (s, _, _, e) in routing.rows[me])  # rows of e from source s
     waits = {
         e: tuple(
-            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, peer=s)
+            Wait("expert_rows", me, (e, s), from_src[e, s], consumers=n, patience=2, peer=s)
             for s in range(W)
             if from_src[e, s]
         )
@@ -294,8 +341,8 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
     reads; the layout twin makes the tasks from the ids it reads, as the device would."""
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
     E, tr, bn = plan.sizes["experts"], plan.sizes["tile_rows"], plan.tile.bn
-    # rank -> the routing its layout phase computed. NOTE: the GEMM tiles' gather reads its row map
-    # from here; on the device the layout phase writes that map into a workspace table instead.
+    # rank -> the routing its layout phase computed. NOTE: the expands read their rows' receive
+    # rows from here; on the device the layout phase writes that map into a workspace (row_map).
     made: dict[int, Routing] = {}
 
     def layout(ctx):
@@ -306,23 +353,25 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
         made[ctx.rank] = r = route(ids, E)
         return layout_tasks(plan, r, ctx.rank)
 
-    def comm(ctx, task):  # push one token copy into the destination's receive rows
-        _, t, d, row = task.args[:4]
-        v = yield from twins.tile_load(ctx, "x", ctx.rank, (t, 1, 0, H))
-        yield from twins.tile_send_bulk(ctx, "recv", d, (row, 1, 0, H), v)
+    def comm(ctx, task):
+        if task.args[0] == PUSH:  # one token copy into the destination's receive rows
+            _, t, d, row = task.args[:4]
+            v = yield from twins.tile_load(ctx, "x", ctx.rank, (t, 1, 0, H))
+            yield from twins.tile_send_bulk(ctx, "recv", d, (row, 1, 0, H), v)
+            return
+        _, r0, n, _ = task.args[:4]  # EXPAND: each row's token from recv into its y row's place
+        r = made[ctx.rank]
+        for i, (s, t, _, _) in enumerate(r.rows[ctx.rank][r0 : r0 + n]):
+            at = r.recv_row(ctx.rank, s, t)
+            v = yield from twins.tile_load(ctx, "recv", ctx.rank, (at, 1, 0, H))
+            yield from twins.tile_send(ctx, "expanded", ctx.rank, (r0 + i, 1, 0, H), v)
 
-    def compute(ctx, task):  # one grouped-GEMM tile: gather its rows' tokens, times w1[e]
+    def compute(ctx, task):  # one grouped-GEMM tile: its expanded rows times w1[e]
         e, r0, n, c0 = task.args[:4]
         c = min(bn, N - c0)
-        r = made[ctx.rank]
-        a = []
-        for s, t, _, _ in r.rows[ctx.rank][r0 : r0 + n]:
-            row = yield from twins.tile_load(
-                ctx, "recv", ctx.rank, (r.recv_row(ctx.rank, s, t), 1, 0, H)
-            )
-            a.append(row)
+        a = yield from twins.tile_load(ctx, "expanded", ctx.rank, (r0, n, 0, H))
         b = yield from twins.tile_load(ctx, "w1", ctx.rank, (e * H, H, c0, c))
-        out = (torch.cat(a).float() @ b.float()).bfloat16()  # fp32 accumulation, one rounding
+        out = (a.float() @ b.float()).bfloat16()  # fp32 accumulation, one rounding
         yield from twins.output_store(ctx, "y", ctx.rank, (r0, n, c0, c), out, task.id)
 
     def outputs(rank: int) -> dict[int, tuple[int, int, int, int]]:

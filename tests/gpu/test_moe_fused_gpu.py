@@ -154,7 +154,7 @@ def test_silent_rank_times_out_naming_the_flag_and_the_world_recovers(overlap):
     with pytest.raises(CommTimeout) as e:
         world.check()
     assert time.perf_counter() - t0 < 10
-    assert e.value.peer == 1 and "expert_rows" in e.value.signal
+    assert e.value.peer == 1 and "landed" in e.value.signal  # the expand, first
     run(2, 20, 2, 2, "uniform", 1, overlap=overlap, world=world)  # usable after
 
 
@@ -201,8 +201,8 @@ def test_dispatch_kernel_replays_in_a_cuda_graph_with_new_routings():
     """The dispatch kernel on worst-case-sized buffers (no host work per launch: what capture
     needs; the API synchronizes once for the row counts that size its ragged results), captured
     once and replayed with a new routing written into the ids buffer before each replay: every
-    replay's layout phase lays out the routing it finds. NOTE: written after the session's last
-    GPU run (2026-12-01): not yet run."""
+    replay's layout phase lays out the routing it finds."""
+
     from types import SimpleNamespace
 
     from mkernel.ops import common
@@ -218,8 +218,9 @@ def test_dispatch_kernel_replays_in_a_cuda_graph_with_new_routings():
     y = torch.empty(W, R, N, dtype=torch.bfloat16, device="cuda")
     src = torch.empty(W, R, 3, dtype=torch.int32, device="cuda")
     offs = torch.empty(W, 1, E + 1, dtype=torch.int32, device="cuda")
+    rows_in = torch.empty(W, R, H, dtype=torch.bfloat16, device="cuda")  # the expanded tokens
     ops = {"x": xc, "topk_ids": ids, "w1": w1c.view(W, -1, N), "y": y, "src": src}
-    ops["expert_offsets"] = offs
+    ops.update(expert_offsets=offs, expanded=rows_in)
     common.run_gpu(world, plan, ops)  # warm-up: the launch record cached, the extension loaded
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
