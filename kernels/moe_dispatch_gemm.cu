@@ -28,6 +28,7 @@
 //   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 landed@0[1]) | (e 0, s 0): wait landed@1[0] == 2 ...
 //   rank 0 compute: wait expert_rows@0[0, 0] == 1, [0, 1] == 1 | y0 = expanded@0[0:2] @ w1_0[0]
 #include "kernels/moe_engine.cuh"
+#include "primitives/bulk_ring.cuh"
 
 namespace mk {
 
@@ -36,7 +37,17 @@ struct MoeDispatchGemm {
   using Engine = EngineT;
   using Layout = spec::moe_dispatch_gemm::Layout;
   using Args = FusedArgs<MoeDispatchGemm>;
-  static constexpr int kCommSmemBytes = 0;
+  // The comm unit's TMA ring (primitives/bulk_ring.cuh UnitRing, kept across its tasks by the
+  // comm_begin / comm_end hooks): one thread moves rows by bulk copies, many KB in flight. A warp
+  // of register copies (8 loads in flight per lane) expanded ~2x slower than the GEMM consumed
+  // (benchmarks/results/moe_local_2026-12-01_warp_expand_rejected.json). intra_sm: 4 x 8 KB
+  // after the engine's shared memory (its ring one stage shorter, kernels/moe_engine.cuh);
+  // inter_sm: 8 x 16 KB of a comm CTA's.
+  using InterRing = UnitRing<8, 4, 16384>;
+  using IntraRing = UnitRing<4, 2, 8192>;
+  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
+  static_assert(Engine::kSmemBytes + kCommSmemBytes <= gemm::kMaxDynamicSmem, "fits a CTA");
+  static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr int kPush = 0;    // comm task kinds (args[0]), as the twin's PUSH
   static constexpr int kExpand = 1;  // and EXPAND
   static constexpr int kPieceRows = spec::moe_dispatch_gemm::kExpandRows;
@@ -269,45 +280,60 @@ struct MoeDispatchGemm {
                       gemm::kStoreBF16};
   }
 
+  template <class F>
+  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
+    if (a.common.overlap == kInterSM) {
+      f(InterRing{smem});
+    } else {
+      f(IntraRing{smem});
+    }
+  }
+  static __device__ void comm_begin(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.begin(); });
+  }
+  static __device__ void comm_end(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.end(); });
+  }
+
+  // One thread (lane 0) drives the ring; the template waits for the stores to land, then raises.
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
-                                   const Team& team, char*) {
+                                   const Team& team, char* smem) {
+    if (team.lane != 0) return;
     const Layout& l = a.layout;
+    const long long row_bytes = 2LL * l.hidden;
     if (args[0] == kPush) {  // x row t -> row `row` of the destination's receive buffer
-      const uint4* from =
-          reinterpret_cast<const uint4*>(l.x.at(cta.local_rank) + (long long)args[1] * l.hidden);
-      uint4* to = reinterpret_cast<uint4*>(l.recv.map(args[2]) + (long long)args[3] * l.hidden);
-      copy_v4_team(to, from, l.hidden / 8, team.lane, team.size);
+      const char* from = reinterpret_cast<const char*>(l.x.at(cta.local_rank)) + args[1] * row_bytes;
+      char* to = reinterpret_cast<char*>(l.recv.map(args[2])) + args[3] * row_bytes;
+      with_ring(a, smem, [&](const auto& ring) { ring.copy(to, from, row_bytes, Drain::kStore); });
     } else if (args[0] == kExpand) {
-      expand(l, cta, args[1], args[2], team);
+      expand(a, cta, args[1], args[2], smem);
     }
   }
 
-  // y rows [r0, r0 + n) (n <= 32) get their tokens: recv row row_map[r] -> expanded row r, local.
-  // Each warp holds the n receive rows (lane i: row i) and keeps kInFlight 16-byte loads in flight
-  // per lane across rows: one row at a time left a warp waiting a memory latency per 2 KB.
-  static __device__ void expand(const Layout& l, const CtaInfo& cta, int r0, int n,
-                                const Team& team) {
-    constexpr int kInFlight = 8;
-    const int vec = l.hidden / 8, total = n * vec, lane = team.lane % 32;
-    const int mine = lane < n ? __ldcg(l.row_map.map(cta.rank) + r0 + lane) : 0;
-    const uint4* recv = reinterpret_cast<const uint4*>(l.recv.map(cta.rank));
-    uint4* out = reinterpret_cast<uint4*>(l.expanded.at(cta.local_rank) + (long long)r0 * l.hidden);
-    // every lane of a warp runs the same trips (the shuffles need them all)
-    const int warp0 = team.lane - lane, stride = kInFlight * team.size;
-    for (int v0 = warp0; v0 < total; v0 += stride) {
-      uint4 x[kInFlight];
+  // y rows [r0, r0 + n) (n <= kPieceRows) get their tokens: recv row row_map[r] -> row r of
+  // `expanded` (contiguous), as one stream of chunks through the ring (no drain between rows).
+  static __device__ void expand(const Args& a, const CtaInfo& cta, int r0, int n, char* smem) {
+    const Layout& l = a.layout;
+    const long long row_bytes = 2LL * l.hidden;
+    int from[kPieceRows];  // the rows' receive rows, loaded together (one latency, not n)
+    const int* map = l.row_map.map(cta.rank) + r0;
 #pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {
-        const int v = v0 + j * team.size + lane, i = min(v / vec, n - 1);
-        const long long row = __shfl_sync(0xffffffffu, mine, i);
-        if (v < total) x[j] = __ldcg(recv + row * vec + (v - i * vec));
-      }
-#pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {
-        const int v = v0 + j * team.size + lane;
-        if (v < total) out[v] = x[j];
-      }
-    }
+    for (int i = 0; i < kPieceRows; ++i) from[i] = i < n ? __ldcg(map + i) : 0;
+    const char* recv = reinterpret_cast<const char*>(l.recv.map(cta.rank));
+    char* out = reinterpret_cast<char*>(l.expanded.at(cta.local_rank)) + r0 * row_bytes;
+    with_ring(a, smem, [&](const auto& ring) {
+      const long long chunk = ring.kChunk;
+      const long long per_row = (row_bytes + chunk - 1) / chunk;
+      ring.stream(
+          n * per_row,
+          [&](long long c) {
+            const long long i = c / per_row, off = (c - i * per_row) * chunk;
+            const long long rest = row_bytes - off;
+            return BulkChunk{out + i * row_bytes + off, recv + from[i] * row_bytes + off,
+                             (uint32_t)(rest < chunk ? rest : chunk)};
+          },
+          Drain::kStore);
+    });
   }
 
   static bool prepare(const long long*, Args& args) {
@@ -330,7 +356,8 @@ struct MoeDispatchGemm {
 };
 
 int launch_moe_dispatch_gemm(const long long* rec, cudaStream_t s) {
-  return launch_grouped<MoeDispatchGemm, /*kGather=*/false>(rec, s);
+  // one stage less in the engine's ring: room for the intra_sm comm ring
+  return launch_grouped<MoeDispatchGemm, /*kGather=*/false, /*kFewerStages=*/1>(rec, s);
 }
 
 }  // namespace mk

@@ -47,14 +47,20 @@ inline bool fill_grouped_b(int ranks_here, Params* out, const RankPtr<const __nv
   return true;
 }
 
+// A config with kFewer stages less in the engine's TMA ring (room for an op's comm ring beside it).
+template <class Cfg, int kFewer>
+using FewerStages =
+    gemm::TileConfig<Cfg::BM, Cfg::BN, Cfg::STAGES - kFewer, Cfg::kId, Cfg::kProducerRegs,
+                     Cfg::kConsumerRegs, Cfg::EPI_COLS, Cfg::EPI_MODE, Cfg::CLUSTER>;
+
 // The op on the tile configs a grouped tile may use (no clusters: B differs per tile).
-template <template <class> class Op, bool kGather>
+template <template <class> class Op, bool kGather, int kFewerStages = 0>
 inline int launch_grouped(const long long* rec, cudaStream_t s) {
+  using Big = FewerStages<gemm::Tile128x128x64, kFewerStages>;
+  using Small = FewerStages<gemm::Tile64x128x64, kFewerStages>;
   switch ((int)rec[kRecTileConfig]) {
-    case kTile128x128x64:
-      return launch_persistent<Op<GroupedEngine<gemm::Tile128x128x64, kGather>>>(rec, s);
-    case kTile64x128x64:
-      return launch_persistent<Op<GroupedEngine<gemm::Tile64x128x64, kGather>>>(rec, s);
+    case kTile128x128x64: return launch_persistent<Op<GroupedEngine<Big, kGather>>>(rec, s);
+    case kTile64x128x64: return launch_persistent<Op<GroupedEngine<Small, kGather>>>(rec, s);
     default: return kBadConfig;
   }
 }

@@ -20,6 +20,8 @@
 //                        are separate tasks brackets each one: no state survives the task)
 //   ring.copy(dst, src, bytes, drain)   any number of times; returns with every store issued and
 //                        every buffer read (so the ring is free again), not with the data landed
+//   ring.stream(n, at, drain)           the same for n chunks that need not be contiguous: at(c)
+//                        gives chunk c's {dst, src, bytes} (rows gathered by index: MoE expands)
 //   ring.landed()        bulk_wait_all: every byte of every copy is at its destination (before a
 //                        release that tells a peer, signal.cuh)
 // src must not change until copy() returns; dst may be written by nobody else meanwhile (a peer
@@ -37,6 +39,13 @@ namespace mk {
 
 enum class Drain : int { kStore = 0, kReduceAddBf16 = 1, kReduceAddF32 = 2 };
 
+// One chunk of a stream: bytes <= the ring's chunk_bytes, multiples of 16 and 16-byte aligned.
+struct BulkChunk {
+  char* dst;
+  const char* src;
+  uint32_t bytes;
+};
+
 template <int kStages, int kStores>
 struct BulkRing {
   static_assert(kStages >= 2 && kStores >= 1 && kStores < kStages,
@@ -53,19 +62,32 @@ struct BulkRing {
 
   __device__ void copy(char* dst, const char* src, long long bytes, Drain drain) {
     const long long chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
+    stream(
+        chunks,
+        [&](long long c) {
+          const long long rest = bytes - c * chunk_bytes;
+          const uint32_t n = (uint32_t)(rest < chunk_bytes ? rest : chunk_bytes);
+          return BulkChunk{dst + c * chunk_bytes, src + c * chunk_bytes, n};
+        },
+        drain);
+  }
+
+  // Chunks at(0) .. at(chunks - 1) through the ring (at(c) is asked twice: load and drain).
+  template <class At>
+  __device__ void stream(long long chunks, At at, Drain drain) {
     const long long first = chunks < kStages ? chunks : kStages;
-    for (long long c = 0; c < first; ++c) load(src, bytes, c);
+    for (long long c = 0; c < first; ++c) load(at(c), c);
     for (long long c = 0; c < chunks; ++c) {
       const unsigned long long g = used + c;
       const int s = (int)(g % kStages);
       gemm::mbar_wait(&full[s], (uint32_t)((g / kStages) & 1));
-      const long long off = c * chunk_bytes;
-      drain_one(dst + off, buffers + s * chunk_bytes, size_of(bytes, c), drain);
+      const BulkChunk k = at(c);
+      drain_one(k.dst, buffers + s * chunk_bytes, k.bytes, drain);
       bulk_commit();
       const long long r = c - (kStores - 1);  // oldest store that may still read its buffer
       if (r >= 0 && r + kStages < chunks) {
         bulk_wait_read_n<kStores - 1>();  // chunk r's buffer is read: refill it
-        load(src, bytes, r + kStages);
+        load(at(r + kStages), r + kStages);
       }
     }
     bulk_wait_read();  // every buffer free for the next copy
@@ -81,16 +103,10 @@ struct BulkRing {
   }
 
  private:
-  __device__ uint32_t size_of(long long bytes, long long c) const {
-    const long long rest = bytes - c * chunk_bytes;
-    return (uint32_t)(rest < chunk_bytes ? rest : chunk_bytes);
-  }
-
-  __device__ void load(const char* src, long long bytes, long long c) {
+  __device__ void load(const BulkChunk& k, long long c) {
     const int s = (int)((used + c) % kStages);
-    const uint32_t n = size_of(bytes, c);
-    gemm::mbar_arrive_expect_tx(&full[s], n);
-    bulk_load(buffers + s * chunk_bytes, src + c * chunk_bytes, n, &full[s]);
+    gemm::mbar_arrive_expect_tx(&full[s], k.bytes);
+    bulk_load(buffers + s * chunk_bytes, k.src, k.bytes, &full[s]);
   }
 
   __device__ static void drain_one(char* dst, const char* buf, uint32_t n, Drain drain) {
@@ -116,6 +132,7 @@ struct BulkRing {
 // buffers' reuse is ordered by the barriers' phases, which it does follow.
 template <int kStages, int kStores, int kChunkBytes>
 struct UnitRing {
+  static constexpr int kChunk = kChunkBytes;
   static constexpr int kSmemBytes = kStages * kChunkBytes + 8 * kStages + 8;
   char* smem;
   __device__ BulkRing<kStages, kStores> ring() const {
@@ -136,6 +153,12 @@ struct UnitRing {
   __device__ void copy(char* dst, const char* src, long long bytes, Drain drain) const {
     auto r = ring();
     r.copy(dst, src, bytes, drain);
+    used() = r.used;
+  }
+  template <class At>
+  __device__ void stream(long long chunks, At at, Drain drain) const {
+    auto r = ring();
+    r.stream(chunks, at, drain);
     used() = r.used;
   }
   __device__ void end() const { ring().inval(); }

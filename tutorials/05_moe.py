@@ -99,11 +99,18 @@ print(f"out matches the dense MoE: max relative error {err:.2e} (bf16 rounding);
 plan = mdg.make_plan(sched, world, T, H, INTER, E_LOCAL, K)
 print("plan roles:", {role: t.capacity for role, t in plan.roles.items()})
 made = mdg.layout_tasks(plan, route(topk_ids.tolist(), E_LOCAL), 0)
-n_push, n_gemm = len(made["comm"]), len(made["compute"])
-print(f"the layout phase on rank 0 made {n_push} pushes and {n_gemm} GEMM tiles")
-for t in made["comm"][:3]:
-    adds = [f"expert_rows[{x.index[0]}, {x.index[1]}] on rank {x.rank}" for x in t.raises]
-    print(f"  push token {t.args[1]} -> rank {t.args[2]} recv row {t.args[3]}; +1 on {adds}")
+pushes = [t for t in made["comm"] if t.args[0] == mdg.PUSH]
+expands = [t for t in made["comm"] if t.args[0] == mdg.EXPAND]
+n_push, n_exp, n_gemm = len(pushes), len(expands), len(made["compute"])
+print(f"the layout phase on rank 0 made {n_push} pushes, {n_exp} expands, {n_gemm} GEMM tiles")
+for t in pushes[:3]:
+    print(f"  push token {t.args[1]} -> rank {t.args[2]} recv row {t.args[3]}; +1 landed there")
+for t in expands[:3]:
+    (w,), (add,) = t.waits, t.raises
+    print(
+        f"  expand rows {t.args[1]}..{t.args[1] + t.args[2]} from rank {t.args[3]}: waits "
+        f"landed[{w.index[0]}] == {w.value}, then +{add.value} expert_rows{list(add.index)}"
+    )
 for t in made["compute"]:
     e, r0, n, c0 = t.args
     waits = ", ".join(f"expert_rows[{w.index[0]}, {w.index[1]}] == {w.value}" for w in t.waits)
