@@ -136,7 +136,7 @@ enum Pad : int {
   kPadExpertRows = 3,
   kPadExpertRowsCount = 4,
 };
-constexpr int kExpandRows = 32;
+constexpr int kPieceRows = 32;
 struct Layout {
   RankPtr<const __nv_bfloat16> x;  // [tokens, hidden] input: this rank's tokens
   RankPtr<const int> topk_ids;  // [tokens, k] input: global expert ids, -1 unused
@@ -148,6 +148,8 @@ struct Layout {
   __nv_bfloat16* recv_local;
   SymPtr<int> row_map;  // [max_rows] symmetric: the device layout's: the receive row of each y row
   int* row_map_local;
+  SymPtr<int> send_map;  // [W, tokens] symmetric: the device layout's: per destination d, my tokens that feed d (token order)
+  int* send_map_local;
   RankPtr<__nv_bfloat16> expanded;  // [max_rows, hidden] output: each y row's token, copied here from recv (the GEMM's A; a per-call workspace sized by the rows, every rank's at base + rank * stride)
   int tokens;
   int hidden;
@@ -168,7 +170,9 @@ struct Layout {
     l.recv_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
     l.row_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
     l.row_map_local = reinterpret_cast<int*>(rec[kRecStride7]);
-    l.expanded = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot8]), rec[kRecStride8]};
+    l.send_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot8])};
+    l.send_map_local = reinterpret_cast<int*>(rec[kRecStride8]);
+    l.expanded = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot9]), rec[kRecStride9]};
     l.tokens = (int)rec[kRecScalar0];
     l.hidden = (int)rec[kRecScalar1];
     l.inter = (int)rec[kRecScalar2];

@@ -7,9 +7,12 @@
 //   expert_offsets  counts of rows per local expert, prefix-summed (an output)
 //   src, row_map    per y row: (source, token, slot) and the receive row of its token, in the
 //                   order expert, source, token, slot (counts first: no row moves twice)
-//   comm tasks      one push per (own token, destination rank it feeds), nearest rank first,
-//                   adding 1 to landed[me] on the destination; then the expands of the rows
-//                   received here: per (expert e, source s) pieces of up to kExpandRows rows,
+//   send_map        per destination d: my tokens that feed d, in token order
+//   comm tasks      pushes of runs of up to kPieceRows of my tokens to a destination (each token
+//                   once per rank it feeds; source s's receive rows on d start at s * T),
+//                   nearest rank first, adding the run's tokens to landed[me] there; then the
+//                   expands of the rows received here: per (expert e, source s) pieces of up to
+//                   kPieceRows rows,
 //                   each waiting landed[s] == tokens of s here, copying its rows' tokens from
 //                   recv into `expanded` (expert-major) and adding its rows to expert_rows[e, s]
 //   compute tasks   per local expert, tiles of tile_rows rows x BN columns, each waiting for
@@ -21,11 +24,11 @@
 // directly; a distributed world would exchange the counts first (not built).
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}, token 1 -> {1}; rank 1: token 0 -> {0}
-//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 landed@0[0]) | x0[0] -> recv@1 row 0,
-//                   x0[1] -> recv@1 row 1 (+1 landed@1[0] each)
+//   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 landed@0[0]) | x0[0:2] -> recv@1 rows 0, 1
+//                   (+2 landed@1[0])
 //                   expand (e 0, s 0): wait landed@0[0] == 1, recv@0[0] -> expanded@0[0],
-//                   +1 expert_rows@0[0, 0] | (e 0, s 1): wait landed@0[1] == 1, recv@0[1] -> row 1
-//   rank 1 comm:    x1[0] -> recv@0 row 1 (+1 landed@0[1]) | (e 0, s 0): wait landed@1[0] == 2 ...
+//                   +1 expert_rows@0[0, 0] | (e 0, s 1): wait landed@0[1] == 1, recv@0[T] -> row 1
+//   rank 1 comm:    x1[0] -> recv@0 row T (+1 landed@0[1]) | (e 0, s 0): wait landed@1[0] == 2 ...
 //   rank 0 compute: wait expert_rows@0[0, 0] == 1, [0, 1] == 1 | y0 = expanded@0[0:2] @ w1_0[0]
 #include "kernels/moe_engine.cuh"
 #include "primitives/bulk_ring.cuh"
@@ -50,7 +53,7 @@ struct MoeDispatchGemm {
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr int kPush = 0;    // comm task kinds (args[0]), as the twin's PUSH
   static constexpr int kExpand = 1;  // and EXPAND
-  static constexpr int kPieceRows = spec::moe_dispatch_gemm::kExpandRows;
+  static constexpr int kPieceRows = spec::moe_dispatch_gemm::kPieceRows;
   static constexpr int kPadLanded = spec::moe_dispatch_gemm::kPadLanded;
   static constexpr int kPadLandedCount = spec::moe_dispatch_gemm::kPadLandedCount;
   static constexpr int kPadRows = spec::moe_dispatch_gemm::kPadExpertRows;
@@ -96,9 +99,11 @@ struct MoeDispatchGemm {
     int* nz = wait_base + E + 1;             // [E]
     int* xb = nz + E;                        // [E * W + 1]
     int* xs = xb + E * W + 1;                // [W]
-    int* pc = xs + W;                        // [nt, W]
-    int* tb = pc + nt * W;                   // [W + 1]: then the total
-    int* recv_c = tb + W + 1;                // [C + 1]
+    int* rbase = xs + W;                     // [W]
+    int* pc = rbase + W;                     // [nt, W]
+    int* tb = pc + nt * W;                   // [W]: my tokens per destination
+    int* pb = tb + W;                        // [W + 1]: push pieces before each destination
+    int* recv_c = pb + W + 1;                // [C + 1]
     const int used = (int)(recv_c - es);
     const int C = min(nt, (Engine::kSmemBytes / 4 - used - 1) / (E + 1));
     int* cnt = recv_c + C + 1;  // [C, E]
@@ -164,6 +169,12 @@ struct MoeDispatchGemm {
       }
     }
     if (tid == nt - 1) {  // expand pieces: expert-major, sources nearest first, kPieceRows rows
+      // source s's receive rows here start at s * T: rbase[s] takes a count over all sources
+      // (the chunks' prefix) to s's own rows
+      for (int s = 0, run = 0; s < W; ++s) {
+        rbase[s] = s * T - run;
+        run += fed[s * W + me];
+      }
       for (int s = 0; s < W; ++s) xs[s] = 0;
       xb[0] = 0;
       for (int p = 0; p < E * W; ++p) {
@@ -189,7 +200,7 @@ struct MoeDispatchGemm {
           src[3 * r] = s;
           src[3 * r + 1] = t;
           src[3 * r + 2] = j;
-          row_map[r] = recv;
+          row_map[r] = recv + rbase[s];
           fedme = true;
         }
         recv += fedme;
@@ -213,10 +224,12 @@ struct MoeDispatchGemm {
       }
     }
     compute.count(tiles);
-    // 5. Pushes of my tokens: per (my-token chunk, destination) counts, prefix sums per
-    // destination, destinations nearest first (me, me + 1, ...), then each token's own task; it
-    // adds 1 to landed[me] at the destination (its raise has the task's index).
+    // 5. Pushes of my tokens: per (my-token chunk, destination) counts and prefix sums give each
+    // token its position among mine that feed d (send_map[d], token order; its receive row there
+    // is me * T + position); then pieces of up to kPieceRows positions, destinations nearest
+    // first (me, me + 1, ...), each adding its tokens to landed[me] at d (raise index = task's).
     const int* mine = l.topk_ids.at(cta.local_rank);
+    int* send_map = l.send_map.map(me);  // [W, T]
     const int Lm = (T + nt - 1) / nt;
     for (int d = 0; d < W; ++d) pc[tid * W + d] = 0;
     for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
@@ -231,35 +244,37 @@ struct MoeDispatchGemm {
         pc[c * W + d] = run;
         run += v;
       }
-      tb[d] = run;  // totals for now
+      tb[d] = run;
     }
     __syncthreads();
     if (tid == 0) {
-      int rows = 0;
-      for (int i = 0; i < W; ++i) {
-        const int d = (me + i) % W, n = tb[d];
-        tb[d] = rows;
-        rows += n;
+      pb[0] = 0;
+      for (int i = 0, run = 0; i < W; ++i) {
+        const int d = (me + i) % W;
+        pb[d] = run;
+        run += (tb[d] + kPieceRows - 1) / kPieceRows;
+        pb[W] = run;
       }
-      tb[W] = rows;
     }
     __syncthreads();
     for (int t = tid * Lm; t < min((tid + 1) * Lm, T); ++t) {
       const unsigned mask = fed_ranks(mine + (long long)t * k, k, E, W);
       for (int d = 0; d < W; ++d) {
-        if (!((mask >> d) & 1)) continue;
-        int before = 0;  // tokens of ranks < me that feed d: my first receive row there
-        for (int q = 0; q < me; ++q) before += fed[q * W + d];
-        const int idx = tb[d] + pc[tid * W + d]++;
-        comm.put_task(idx, kPush, t, d, before + idx - tb[d], 0, 0, idx, 1);
-        comm.put_raise(idx, kPadLanded, d, me, 1, kRaiseAdd);
+        if ((mask >> d) & 1) send_map[d * T + pc[tid * W + d]++] = t;
+      }
+    }
+    for (int d = 0; d < W; ++d) {
+      for (int j = tid; j * kPieceRows < tb[d]; j += nt) {
+        const int i = pb[d] + j, n = min(kPieceRows, tb[d] - j * kPieceRows);
+        comm.put_task(i, kPush, d, j * kPieceRows, n, 0, 0, i, 1);
+        comm.put_raise(i, kPadLanded, d, me, n, kRaiseAdd);
       }
     }
     // 6. Expands of the rows I receive, after the pushes: piece j of (expert e, source s) copies
     // up to kPieceRows of e's rows from s (contiguous y rows) once every token of s has landed,
     // and adds its rows to expert_rows[e, s] here (the GEMM tiles' flags). All of s's pieces are
     // the counted consumers of landed[s]. Waits: one per piece; raises after the pushes'.
-    const int pushes = tb[W];
+    const int pushes = pb[W];
     for (int p = tid; p < E * W; p += nt) {
       const int e = p / W, s = (me + p % W) % W, n = es[e * W + s];
       int r0 = eoff[e];  // e's rows: by source
@@ -301,35 +316,36 @@ struct MoeDispatchGemm {
     if (team.lane != 0) return;
     const Layout& l = a.layout;
     const long long row_bytes = 2LL * l.hidden;
-    if (args[0] == kPush) {  // x row t -> row `row` of the destination's receive buffer
-      const char* from = reinterpret_cast<const char*>(l.x.at(cta.local_rank)) + args[1] * row_bytes;
-      char* to = reinterpret_cast<char*>(l.recv.map(args[2])) + args[3] * row_bytes;
-      with_ring(a, smem, [&](const auto& ring) { ring.copy(to, from, row_bytes, Drain::kStore); });
-    } else if (args[0] == kExpand) {
-      expand(a, cta, args[1], args[2], smem);
+    if (args[0] == kPush) {  // my tokens at send_map[d][i0 ..] -> d's receive rows me * T + i0 ..
+      const int d = args[1], i0 = args[2];
+      char* to = reinterpret_cast<char*>(l.recv.map(d)) +
+                 ((long long)cta.rank * l.tokens + i0) * row_bytes;
+      move_rows(a, smem, to, l.x.at(cta.local_rank), l.send_map.map(cta.rank) + d * l.tokens + i0,
+                args[3]);
+    } else if (args[0] == kExpand) {  // y rows r0 ..: recv rows row_map[r] -> expanded rows r
+      const int r0 = args[1];
+      char* to = reinterpret_cast<char*>(l.expanded.at(cta.local_rank)) + r0 * row_bytes;
+      move_rows(a, smem, to, l.recv.map(cta.rank), l.row_map.map(cta.rank) + r0, args[2]);
     }
   }
 
-  // y rows [r0, r0 + n) (n <= kPieceRows) get their tokens: recv row row_map[r] -> row r of
-  // `expanded` (contiguous), as one stream of chunks through the ring (no drain between rows).
-  static __device__ void expand(const Args& a, const CtaInfo& cta, int r0, int n, char* smem) {
-    const Layout& l = a.layout;
-    const long long row_bytes = 2LL * l.hidden;
-    int from[kPieceRows];  // the rows' receive rows, loaded together (one latency, not n)
-    const int* map = l.row_map.map(cta.rank) + r0;
+  // n <= kPieceRows rows gathered by index: row index[i] of `from` -> row i of `to` (consecutive
+  // rows), as one stream of chunks through the ring (no drain between rows).
+  static __device__ void move_rows(const Args& a, char* smem, char* to, const __nv_bfloat16* from,
+                                   const int* index, int n) {
+    const long long row_bytes = 2LL * a.layout.hidden;
+    int rows[kPieceRows];  // loaded together: one latency, not n
 #pragma unroll
-    for (int i = 0; i < kPieceRows; ++i) from[i] = i < n ? __ldcg(map + i) : 0;
-    const char* recv = reinterpret_cast<const char*>(l.recv.map(cta.rank));
-    char* out = reinterpret_cast<char*>(l.expanded.at(cta.local_rank)) + r0 * row_bytes;
+    for (int i = 0; i < kPieceRows; ++i) rows[i] = i < n ? __ldcg(index + i) : 0;
+    const char* src = reinterpret_cast<const char*>(from);
     with_ring(a, smem, [&](const auto& ring) {
-      const long long chunk = ring.kChunk;
-      const long long per_row = (row_bytes + chunk - 1) / chunk;
+      const long long chunk = ring.kChunk, per_row = (row_bytes + chunk - 1) / chunk;
       ring.stream(
           n * per_row,
           [&](long long c) {
             const long long i = c / per_row, off = (c - i * per_row) * chunk;
             const long long rest = row_bytes - off;
-            return BulkChunk{out + i * row_bytes + off, recv + from[i] * row_bytes + off,
+            return BulkChunk{to + i * row_bytes + off, src + rows[i] * row_bytes + off,
                              (uint32_t)(rest < chunk ? rest : chunk)};
           },
           Drain::kStore);
@@ -342,8 +358,8 @@ struct MoeDispatchGemm {
     // The layout reads every rank's routing: emulated worlds only.
     if (here != W || l.expanded.rank_stride % l.hidden != 0) return false;
     const long long rows = l.expanded.rank_stride / l.hidden;  // of the stacked [W, rows, H]
-    if (rows < 1 || !fill_grouped_b(here, args.engine, l.w1, l.experts, l.hidden, l.inter,
-                                    (int)rows))
+    if (rows < 1 ||
+        !fill_grouped_b(here, args.engine, l.w1, l.experts, l.hidden, l.inter, (int)rows))
       return false;
     for (int r = 0; r < here; ++r) {
       if (host::make_tensor_map_bf16_2d(&args.engine[r].a, l.expanded.base + r * rows * l.hidden,

@@ -210,12 +210,15 @@ def test_a_token_goes_to_each_destination_rank_once():
     plan, r = _plan_and_routing(ids, 2)
     comm = mdg.layout_tasks(plan, r, 0)["comm"]
     pushes = [t for t in comm if t.args[0] == mdg.PUSH]
-    assert [(t.args[1], t.args[2]) for t in pushes] == [(0, 0), (0, 1), (1, 1)]  # own rank first
-    # each push counts one token landed at its destination, from me
-    assert [[(x.pad, x.rank, x.index, x.op) for x in t.raises] for t in pushes] == [
-        [("landed", d, (0,), "add")] for d in (0, 1, 1)
+    # (destination, first position, tokens): own rank first; one run of both tokens to rank 1
+    assert [t.args[1:] for t in pushes] == [(0, 0, 1), (1, 0, 2)]
+    assert r.sent[0] == [[0], [0, 1]]  # the tokens of each run, in token order
+    # each push counts its tokens landed at its destination, from me
+    assert [[(x.pad, x.rank, x.index, x.value, x.op) for x in t.raises] for t in pushes] == [
+        [("landed", 0, (0,), 1, "add")],
+        [("landed", 1, (0,), 2, "add")],
     ]
-    assert r.recv_base[1] == [0, 2]  # rank 1 receives rank 0's 2 tokens, then rank 1's 1
+    assert r.recv_base[1] == [0, 2]  # each source owns T = 2 receive rows on rank 1
     # rank 1's expands: its rows by expert, sources nearest first (itself, then rank 0), each
     # after all of that source's tokens landed, counting the rows it expanded
     expands = [t for t in mdg.layout_tasks(plan, r, 1)["comm"] if t.args[0] == mdg.EXPAND]
@@ -231,6 +234,26 @@ def test_a_token_goes_to_each_destination_rank_once():
         [("expert_rows", 1, (0, 0), 1)],
         [("expert_rows", 1, (1, 0), 2)],
     ]
+
+
+def test_long_runs_are_cut_into_pieces_and_counted_whole():
+    # 70 tokens of rank 0 all feed rank 1 (expert 2) and 40 of them rank 0 too: pushes and expands
+    # of at most PIECE_ROWS rows, whose counts add up to what the waits expect
+    T, P = 70, mdg.PIECE_ROWS
+    ids = torch.full((2, T, 2), -1)
+    ids[0, :, 0] = 2
+    ids[0, :40, 1] = 0
+    plan, r = _plan_and_routing(ids, 2)
+    comm = mdg.layout_tasks(plan, r, 0)["comm"]
+    pushes = [t.args[1:] for t in comm if t.args[0] == mdg.PUSH]
+    assert pushes == [(0, 0, P), (0, P, 40 - P), (1, 0, P), (1, P, P), (1, 2 * P, T - 2 * P)]
+    for d in (0, 1):
+        mine = [t for t in comm if t.args[0] == mdg.PUSH and t.args[1] == d]
+        assert sum(x.value for t in mine for x in t.raises) == len(r.sent[0][d])
+        expands = [t for t in mdg.layout_tasks(plan, r, d)["comm"] if t.args[0] == mdg.EXPAND]
+        assert [t.args[2] for t in expands] == ([P, 40 - P] if d == 0 else [P, P, T - 2 * P])
+        assert all(t.waits[0].value == len(r.sent[0][d]) for t in expands)
+        assert all(t.waits[0].consumers == len(expands) for t in expands)
 
 
 def test_each_expert_tile_waits_for_its_own_experts_rows_only():

@@ -7,7 +7,9 @@ global id of local expert e on rank d is d * E_local + e):
 
 - ``sent[s][d]``: the tokens of source s that feed at least one expert of rank d, in token order.
   Each goes to d once (one copy of x_token per destination rank), into d's receive buffer at
-  ``recv_base[d][s] + position``: the receive rows of d are ordered by source, then token.
+  ``recv_base[d][s] + position`` with ``recv_base[d][s] = s * T``: each source owns T receive
+  rows on d (a source knows where its tokens go without the other sources' counts; a push of a
+  run of its tokens lands in consecutive rows).
 - ``rows[d]``: the (source, token, slot, local expert) of each row of d's grouped GEMM: by expert,
   then source, then token (a token names an expert at most once, so the slot follows). Counts per
   (source, expert) and their prefix sums give each row its final place before any data moves, so
@@ -51,7 +53,8 @@ def route(ids: list[list[list[int]]], experts: int) -> Routing:
     sent = [
         [[t for t, ranks in enumerate(fed[s]) if d in ranks] for d in range(W)] for s in range(W)
     ]
-    recv_base = [[sum(len(sent[q][d]) for q in range(s)) for s in range(W)] for d in range(W)]
+    T = len(ids[0]) if W else 0
+    recv_base = [[s * T for s in range(W)] for _ in range(W)]
     rows, offsets = [], []
     for d in range(W):
         mine: list[tuple[int, int, int, int]] = []

@@ -16,10 +16,12 @@ Routing (moe_common.py): prefix sums give each token copy its receive row and ea
 its y row before any data moves. Its tasks, made per call (the comm and compute roles are
 ``Capacity``: how many tasks a rank runs is routing data):
 
-- comm, on source s: one push per (token, destination rank) -- x_token is copied once to each
-  rank it feeds, a copy into that rank's ``recv`` row -- adding 1 to ``landed[s]`` there;
+- comm, on source s: pushes of its tokens, destinations nearest first: x_token is copied once to
+  each rank it feeds, into that rank's ``recv`` row s * T + (its position among s's tokens that
+  feed it); a push moves a run of up to PIECE_ROWS such tokens (rows gathered by index, one bulk
+  stream) and adds their number to ``landed[s]`` there;
 - comm, on destination d, after its pushes: the expands, per (local expert e, source s) pieces
-  of up to EXPAND_ROWS of e's rows from s, expert by expert: each waits ``landed[s] == tokens of
+  of up to PIECE_ROWS of e's rows from s, expert by expert: each waits ``landed[s] == tokens of
   s sent to d`` (all of s's pieces are its counted consumers), copies its rows' tokens from
   ``recv`` into ``expanded`` (the rows in y's order: the GEMM's A, loaded by TMA on the device)
   and adds its rows to ``expert_rows[e, s]``;
@@ -32,11 +34,11 @@ its y row before any data moves. Its tasks, made per call (the comm and compute 
   and stores its bf16 rows of ``y`` (the kernel end reads them).
 
     W = 2, E_local = 1; rank 0's token 0 -> experts {0, 1}, token 1 -> {1}; rank 1's token 0 -> {0}
-    rank 0 comm:  push x0[0] -> recv_0[0] (+1 landed_0[0]); x0[0] -> recv_1[0], x0[1] ->
-                  recv_1[1] (+1 landed_1[0] each); expand (e 0, s 0): wait landed_0[0] == 1,
+    rank 0 comm:  push x0[0] -> recv_0[0] (+1 landed_0[0]); x0[0:2] -> recv_1[0:2]
+                  (+2 landed_1[0]); expand (e 0, s 0): wait landed_0[0] == 1,
                   recv_0[0] -> expanded_0[0] (+1 expert_rows_0[0, 0]); (e 0, s 1): wait
-                  landed_0[1] == 1, recv_0[1] -> expanded_0[1] (+1 expert_rows_0[0, 1])
-    rank 1 comm:  push x1[0] -> recv_0[1] (+1 landed_0[1]); expand (e 0, s 0): wait
+                  landed_0[1] == 1, recv_0[T] -> expanded_0[1] (+1 expert_rows_0[0, 1])
+    rank 1 comm:  push x1[0] -> recv_0[T] (+1 landed_0[1]); expand (e 0, s 0): wait
                   landed_1[0] == 2, recv_1[0:2] -> expanded_1[0:2] (+2 expert_rows_1[0, 0])
     rank 0 compute: wait expert_rows_0[0, 0] == 1, [0, 1] == 1 -> y_0 = expanded_0[0:2] @ w1_0[0]
     rank 1 compute: wait expert_rows_1[0, 0] == 2 -> y_1 = expanded_1[0:2] @ w1_1[0]
@@ -71,9 +73,9 @@ from .moe_common import (
     tile_rows,
 )
 
-PUSH = 0  # comm task kind (args[0]): (PUSH, token, destination, receive row)
+PUSH = 0  # comm task kind (args[0]): (PUSH, destination, first position in send_map, tokens)
 EXPAND = 1  # comm task kind: (EXPAND, first y row, rows, source): their tokens into ``expanded``
-EXPAND_ROWS = 32  # rows per expand task (at most): an expert's rows from one source, in pieces
+PIECE_ROWS = 32  # rows per push or expand task (at most): runs of rows, one bulk stream each
 # compute task: (local expert, first row, rows, first column): one BN-wide column tile of a row tile
 SPEC = OpSpec(
     name="moe_dispatch_gemm",
@@ -92,6 +94,13 @@ SPEC = OpSpec(
             torch.int32,
             ("max_rows",),
             "the device layout's: the receive row of each y row",
+        ),
+        Buffer(
+            "send_map",
+            "symmetric",
+            torch.int32,
+            ("W", "tokens"),
+            "the device layout's: per destination d, my tokens that feed d (token order)",
         ),
         Buffer(
             "expanded",
@@ -119,7 +128,7 @@ SPEC = OpSpec(
         ),
     ),
     scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
-    constants=(("expand_rows", EXPAND_ROWS),),
+    constants=(("piece_rows", PIECE_ROWS),),
 )
 
 
@@ -133,8 +142,8 @@ def make_plan(
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
     tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
-    pushes = T * min(k, W)
-    expands = -(-rows // EXPAND_ROWS) + experts * W  # at most one short piece per (expert, source)
+    pushes = -(-T * min(k, W) // PIECE_ROWS) + W  # at most one short piece per destination
+    expands = -(-rows // PIECE_ROWS) + experts * W  # at most one short piece per (expert, source)
     comm = Capacity(rows=pushes + expands, waits=expands, raises=pushes + expands)
     compute = Capacity(rows=tiles, waits=tiles * W, raises=0)  # a wait per source
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
@@ -297,10 +306,11 @@ def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]
     W = plan.world_size
     comm = []
     for d in ((me + i) % W for i in range(W)):
-        for t in routing.sent[me][d]:
-            row = routing.recv_row(d, me, t)
-            landed = Raise("landed", d, (me,), 1, op="add")
-            comm.append(Task(len(comm), (PUSH, t, d, row), raises=(landed,)))
+        tokens = len(routing.sent[me][d])
+        for i0 in range(0, tokens, PIECE_ROWS):
+            n = min(PIECE_ROWS, tokens - i0)
+            landed = Raise("landed", d, (me,), n, op="add")
+            comm.append(Task(len(comm), (PUSH, d, i0, n), raises=(landed,)))
     from_src = Counter((e, s) for (s, _, _, e) in routing.rows[me])  # rows of e from source s
     pieces = []  # (expert, source, first y row, rows)
     for e in range(routing.experts):
@@ -309,7 +319,7 @@ def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]
         for s in ((me + i) % W for i in range(W)):
             n = from_src[e, s]
             pieces += [
-                (e, s, starts[s] + c, min(EXPAND_ROWS, n - c)) for c in range(0, n, EXPAND_ROWS)
+                (e, s, starts[s] + c, min(PIECE_ROWS, n - c)) for c in range(0, n, PIECE_ROWS)
             ]
     expands_of = Counter(s for _, s, _, _ in pieces)  # the counted consumers of landed[s]
     for e, s, r0, n in pieces:
@@ -354,13 +364,17 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
         return layout_tasks(plan, r, ctx.rank)
 
     def comm(ctx, task):
-        if task.args[0] == PUSH:  # one token copy into the destination's receive rows
-            _, t, d, row = task.args[:4]
-            v = yield from twins.tile_load(ctx, "x", ctx.rank, (t, 1, 0, H))
-            yield from twins.tile_send_bulk(ctx, "recv", d, (row, 1, 0, H), v)
+        r = made[ctx.rank]
+        if task.args[0] == PUSH:  # a run of my tokens for d into my receive rows there
+            _, d, i0, n = task.args[:4]
+            rows = []
+            for t in r.sent[ctx.rank][d][i0 : i0 + n]:
+                v = yield from twins.tile_load(ctx, "x", ctx.rank, (t, 1, 0, H))
+                rows.append(v)
+            at = r.recv_base[d][ctx.rank] + i0
+            yield from twins.tile_send_bulk(ctx, "recv", d, (at, n, 0, H), torch.cat(rows))
             return
         _, r0, n, _ = task.args[:4]  # EXPAND: each row's token from recv into its y row's place
-        r = made[ctx.rank]
         for i, (s, t, _, _) in enumerate(r.rows[ctx.rank][r0 : r0 + n]):
             at = r.recv_row(ctx.rank, s, t)
             v = yield from twins.tile_load(ctx, "recv", ctx.rank, (at, 1, 0, H))
