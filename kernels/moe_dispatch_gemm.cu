@@ -123,6 +123,9 @@ struct MoeDispatchGemm {
         const int s = u / T;
         const int* ids = l.topk_ids.at(s) + (long long)(u - s * T) * k;
         for (int j = 0; j < k; ++j) {
+          // an id outside [-1, W * E) feeds nobody (every layout ignores it); rank 0's reports it
+          if ((ids[j] < -1 || ids[j] >= W * E) && me == 0)
+            record_bad_input(a.common.wait, s, u - s * T, j, ids[j]);
           const int e = local_expert(ids[j], me, E);
           if (e < 0) continue;
           ++mine[e];

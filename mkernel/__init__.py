@@ -10,7 +10,14 @@ far), their unfused references
 """
 
 from . import reference
-from .errors import CommTimeout, DeadlockError, PlanError, RaceError, TileWriteError
+from .errors import (
+    CommTimeout,
+    DeadlockError,
+    DeviceInputError,
+    PlanError,
+    RaceError,
+    TileWriteError,
+)
 from .ops.ag_gemm import ag_gemm
 from .ops.all_gather import all_gather
 from .ops.gemm_ar import gemm_ar
@@ -45,6 +52,7 @@ __all__ = [
     "reference",
     "CommTimeout",
     "DeadlockError",
+    "DeviceInputError",
     "PlanError",
     "RaceError",
     "TileWriteError",

@@ -32,6 +32,21 @@ class CommTimeout(RuntimeError):
         super().__init__(msg + (f": {detail}" if detail else ""))
 
 
+class DeviceInputError(ValueError):
+    """A kernel found an input value it cannot use (checks on the host run before a launch; this
+    one is found on the device, e.g. a routing id written into a buffer a CUDA graph replays). The
+    kernel ignored the value (wrote nothing for it) and completed; raised like a timeout: by the
+    next call on the world, ``world.check()`` or the watchdog.
+
+    Attributes: ``op``, ``rank`` (whose input), ``task`` and ``index`` (where in it: for MoE
+    routing ids, the token and the slot), ``value`` (what was found).
+    """
+
+    def __init__(self, op: str, rank: int, task: int, index: int, value: int, detail: str) -> None:
+        self.op, self.rank, self.task, self.index, self.value = op, rank, task, index, value
+        super().__init__(f"{op}: {detail} (found on the device; ignored, nothing written for it)")
+
+
 class DeadlockError(CommTimeout):
     """The interpreter found no runnable agent: every unfinished agent waits on a signal.
 

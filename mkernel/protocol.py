@@ -42,7 +42,22 @@ TASK_ARGS = 4  # int32 arguments per task
 ROLES = ("compute", "comm", "barrier")  # WaitSite::role ids
 OVERLAPS = ("intra_sm", "inter_sm")
 TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1, "64x128x64": 2}
-STATUS_FIELDS = ("error", "rank", "peer", "task", "role", "pad", "index", "abort", "launch")
+STATUS_FIELDS = (
+    "error",  # STATUS_ERRORS: what the first error of the world's launches was
+    "rank",
+    "peer",
+    "task",
+    "role",
+    "pad",
+    "index",
+    "abort",
+    "launch",
+    "value",  # bad_input: the value found (an expert id)
+)
+# timeout: rank waited for pad[index] from peer in task of role; bad_input: a layout phase found
+# an input value it cannot use (MoE: expert id `value` at rank `rank`, token `task`, slot `index`),
+# ignored it (nothing written for it) and carried on
+STATUS_ERRORS = ("none", "timeout", "bad_input")
 WAIT_FIELDS = ("pad", "rank", "index", "value", "consumers", "counter", "patience", "peer")
 RAISE_FIELDS = ("pad", "rank", "index", "value", "op")
 RAISE_OPS = ("set", "add")  # st.release.sys / red.release.sys.add

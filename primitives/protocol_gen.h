@@ -30,7 +30,9 @@ struct CommStatus {
   int index;
   int abort;
   int launch;
+  int value;
 };
+enum StatusError : int { kErrorNone = 0, kErrorTimeout = 1, kErrorBadInput = 2 };
 
 // Wait rows: pad, rank, index, value, consumers, counter, patience, peer.
 enum WaitField : int {

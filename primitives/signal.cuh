@@ -88,7 +88,7 @@ __device__ __forceinline__ bool aborting(const WaitPolicy& w) {
 // Records the first timeout of the launch; later ones only see `abort`.
 __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
   if (w.status == nullptr) return;
-  if (atomicCAS(&w.status->error, 0, 1) == 0) {
+  if (atomicCAS(&w.status->error, kErrorNone, kErrorTimeout) == kErrorNone) {
     w.status->rank = s.rank;
     w.status->peer = s.peer;
     w.status->task = s.task;
@@ -99,6 +99,22 @@ __device__ inline void record_timeout(const WaitPolicy& w, const WaitSite& s) {
     __threadfence_system();
   }
   st_release_sys(&w.status->abort, 1);
+}
+
+// Records an input value a layout phase cannot use (the first error of the launch wins; no abort:
+// the caller ignores the value and the launch completes). The host raises it as it does a timeout.
+__device__ inline void record_bad_input(const WaitPolicy& w, int rank, int task, int index,
+                                        int value) {
+  if (w.status == nullptr) return;
+  if (atomicCAS(&w.status->error, kErrorNone, kErrorBadInput) == kErrorNone) {
+    w.status->rank = rank;
+    w.status->peer = -1;
+    w.status->task = task;
+    w.status->index = index;
+    w.status->value = value;
+    w.status->launch = w.launch;
+    __threadfence_system();
+  }
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() {

@@ -590,3 +590,17 @@ def test_combine_reduces_are_claimed_by_several_agents_in_any_order():
         exact, mag = expected_out(res.y, w2, ids, w, E)
         assert_close_exact(bufs["out"], exact, mag, INTER + k, overlap)
         assert_pads_zero(world)
+
+
+def test_a_bad_id_found_on_the_device_is_named_from_the_status_record():
+    # the kernel's layout records (rank, token, slot, id) in the status block; the host names them
+    from mkernel.ops.gpu import bad_input
+    from mkernel.protocol import STATUS_ERRORS, STATUS_FIELDS
+
+    plan = mdg.make_plan(mkernel.Schedule(), mkernel.World.emulated(2), 8, H, INTER, 3, 2)
+    v = dict.fromkeys(STATUS_FIELDS, 0)
+    v.update(error=STATUS_ERRORS.index("bad_input"), rank=1, task=5, index=1, value=77)
+    e = bad_input(plan, v)
+    assert isinstance(e, mkernel.DeviceInputError) and isinstance(e, ValueError)
+    assert (e.op, e.rank, e.task, e.index, e.value) == ("moe_dispatch_gemm", 1, 5, 1, 77)
+    assert "expert id 77 of rank 1, token 5 (slot 1) is outside [-1, E=6)" in str(e)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CommTimeout
+from ..errors import CommTimeout, DeviceInputError
 from ..protocol import (
     CAPACITY_FIELDS,
     MAX_LOCAL_RANKS,
@@ -33,6 +33,7 @@ from ..protocol import (
     RECORD,
     RECORD_FIELDS,
     ROLES,
+    STATUS_ERRORS,
     STATUS_FIELDS,
     TILE_CONFIG_IDS,
     signal_name,
@@ -79,17 +80,33 @@ class StatusBlock:
     def error(self) -> bool:
         return self._error.value != 0
 
-    def timeout(self) -> CommTimeout:
-        """The recorded timeout, as the exception both backends raise (names the flag by the
-        op's SPEC, as the interpreter does)."""
+    def timeout(self) -> CommTimeout | DeviceInputError:
+        """The recorded error: a timeout, as the exception both backends raise (names the flag by
+        the op's SPEC, as the interpreter does), or an input value a kernel found unusable."""
         v = dict(zip(STATUS_FIELDS, self.t.tolist(), strict=True))
         plan = self.plans.get(v["launch"])
+        if STATUS_ERRORS[v["error"]] == "bad_input":
+            return bad_input(plan, v)
         if plan is not None:
             name = signal_name(plan.spec, v["pad"], v["index"], plan.sizes)
         else:
             name = f"pad{v['pad']}[{v['index']}]"
         role = ROLES[v["role"]] if 0 <= v["role"] < len(ROLES) else "?"
         return CommTimeout(v["rank"], v["peer"], name, v["task"], role)
+
+
+def bad_input(plan: Plan | None, v: dict[str, int]) -> DeviceInputError:
+    """The DeviceInputError of a status block's bad_input record (``v``: its fields by name)."""
+    op = plan.spec.name if plan is not None else "a kernel"
+    if plan is not None and "experts" in plan.sizes:  # the MoE layouts' routing ids
+        E = plan.world_size * plan.sizes["experts"]
+        what = (
+            f"topk_ids: expert id {v['value']} of rank {v['rank']}, token {v['task']} "
+            f"(slot {v['index']}) is outside [-1, E={E})"
+        )
+    else:
+        what = f"input value {v['value']} of rank {v['rank']} at ({v['task']}, {v['index']})"
+    return DeviceInputError(op, v["rank"], v["task"], v["index"], v["value"], what)
 
 
 def status_block(world: World) -> StatusBlock:

@@ -197,30 +197,50 @@ def test_combine_silent_rank_times_out_naming_tile_done(overlap):
     run(W, T, E, k, "uniform", 2, overlap=overlap, world=world)
 
 
-def test_dispatch_kernel_replays_in_a_cuda_graph_with_new_routings():
-    """The dispatch kernel on worst-case-sized buffers (no host work per launch: what capture
-    needs; the API synchronizes once for the row counts that size its ragged results), captured
-    once and replayed with a new routing written into the ids buffer before each replay: every
-    replay's layout phase lays out the routing it finds."""
-
-    from types import SimpleNamespace
-
+def _prepared(W, T, E, k, H, N, seed):
+    """The dispatch kernel's plan and buffers sized for the worst case (no host work per launch:
+    what a CUDA graph needs; the API synchronizes once for the row counts of its results)."""
     from mkernel.ops import common
     from mkernel.ops import moe_dispatch_gemm as mdg
 
-    W, T, E, k, H, N = 2, 40, 2, 2, 64, 128
     world = mkernel.World.emulated(W, device="cuda")
-    x, w1 = _operands(W, T, E, H, N, 3)
+    x, w1 = _operands(W, T, E, H, N, seed)
     xc, w1c = x.cuda(), w1.cuda()
-    ids = routing(W, T, E, k, "uniform", 0).to(torch.int32).cuda()
+    ids = routing(W, T, E, k, "uniform", seed).to(torch.int32).cuda()
     plan = common.cached_plan(mdg, mkernel.Schedule(), world, **mdg.shapes(xc, ids, w1c, world))
     R = plan.sizes["max_rows"]
-    y = torch.empty(W, R, N, dtype=torch.bfloat16, device="cuda")
-    src = torch.empty(W, R, 3, dtype=torch.int32, device="cuda")
-    offs = torch.empty(W, 1, E + 1, dtype=torch.int32, device="cuda")
-    rows_in = torch.empty(W, R, H, dtype=torch.bfloat16, device="cuda")  # the expanded tokens
-    ops = {"x": xc, "topk_ids": ids, "w1": w1c.view(W, -1, N), "y": y, "src": src}
-    ops.update(expert_offsets=offs, expanded=rows_in)
+    ops = {
+        "x": xc,
+        "topk_ids": ids,
+        "w1": w1c.view(W, -1, N),
+        "y": torch.full((W, R, N), float("nan"), dtype=torch.bfloat16, device="cuda"),
+        "src": torch.empty(W, R, 3, dtype=torch.int32, device="cuda"),
+        "expert_offsets": torch.empty(W, 1, E + 1, dtype=torch.int32, device="cuda"),
+        "expanded": torch.empty(W, R, H, dtype=torch.bfloat16, device="cuda"),
+    }
+    return world, x, w1, plan, ops
+
+
+def _results(ops, W):
+    from types import SimpleNamespace
+
+    offs = ops["expert_offsets"]
+    rows = [int(offs[d, 0, -1]) for d in range(W)]
+    return SimpleNamespace(
+        y=[ops["y"][d, :n] for d, n in enumerate(rows)],
+        src=[ops["src"][d, :n] for d, n in enumerate(rows)],
+        expert_offsets=[offs[d, 0] for d in range(W)],
+    )
+
+
+def test_dispatch_kernel_replays_in_a_cuda_graph_with_new_routings():
+    """The dispatch kernel on worst-case-sized buffers, captured once and replayed with a new
+    routing written into the ids buffer before each replay: every replay's layout phase lays out
+    the routing it finds."""
+    from mkernel.ops import common
+
+    W, T, E, k = 2, 40, 2, 2
+    world, x, w1, plan, ops = _prepared(W, T, E, k, 64, 128, 0)
     common.run_gpu(world, plan, ops)  # warm-up: the launch record cached, the extension loaded
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -228,15 +248,33 @@ def test_dispatch_kernel_replays_in_a_cuda_graph_with_new_routings():
         common.run_gpu(world, plan, ops)
     for seed in (1, 2, 3):
         new = routing(W, T, E, k, "uniform", seed)
-        ids.copy_(new.to(torch.int32))
-        y.fill_(float("nan"))  # poisoned: a row the replay does not write fails the check
+        ops["topk_ids"].copy_(new.to(torch.int32))
+        ops["y"].fill_(float("nan"))  # poisoned: a row the replay does not write fails the check
         graph.replay()
         torch.cuda.synchronize()
-        rows = [int(offs[d, 0, -1]) for d in range(W)]
-        res = SimpleNamespace(
-            y=[y[d, :n] for d, n in enumerate(rows)],
-            src=[src[d, :n] for d, n in enumerate(rows)],
-            expert_offsets=[offs[d, 0] for d in range(W)],
-        )
-        check(res, x, new, w1, f"replay {seed}")
+        check(_results(ops, W), x, new, w1, f"replay {seed}")
     assert_pads_zero(world)
+
+
+@pytest.mark.parametrize("bad", [99, -2, 4])
+def test_an_expert_id_out_of_range_found_on_the_device_names_rank_and_token(bad):
+    """The host rejects such ids before a launch; written into the ids buffer afterwards (as a
+    graph replay would find it), the layout phase finds it: the launch completes, the slot counts
+    as unused (nothing written for it, every other row right), and the world reports it as it does
+    a timeout, naming rank, token, slot and the id."""
+    from mkernel.ops import common
+
+    W, T, E, k = 2, 40, 2, 2  # E = 4 experts in all: 4 is the first id out of range
+    world, x, w1, plan, ops = _prepared(W, T, E, k, 64, 128, 5)
+    ids = ops["topk_ids"]
+    ids[1, 7, 1] = bad
+    common.run_gpu(world, plan, ops)
+    with pytest.raises(mkernel.DeviceInputError, match=rf"expert id {bad} of rank 1, token 7 "):
+        world.check()
+    ids[1, 7, 1] = -1
+    check(_results(ops, W), x, ids.cpu(), w1, f"id {bad} ignored")
+    assert_pads_zero(world)
+    world.check()  # reported once; the world runs on
+    common.run_gpu(world, plan, ops)
+    world.check()
+    check(_results(ops, W), x, ids.cpu(), w1, "the next launch")
