@@ -149,6 +149,47 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
     return out
 
 
+def trace(
+    W: int = 2, T: int = 2048, E: int = 64, k: int = 8, overlap: str = "intra_sm"
+) -> list[dict]:
+    """Where the fused dispatch's time goes: one traced call (Schedule(trace=True): every task's
+    start and end on the GPU), per rank and kind of task, from the launch's first task start, us:
+    first start, last end, the sum of the spans and how many there are."""
+    world = World.emulated(W, device="cuda")
+    x = torch.randn(W, T, H, device="cuda").bfloat16()
+    w1 = (torch.randn(W, E // W, H, INTER, device="cuda") / H**0.5).bfloat16()
+    ids = _routing(W, T, E, k, 0)
+    for _ in range(3):  # warm: the plan, the extension, the clocks
+        moe_dispatch_gemm(x, ids, w1, world, Schedule(overlap=overlap))
+    moe_dispatch_gemm(x, ids, w1, world, Schedule(overlap=overlap, trace=True))
+    tl = world.last_timeline
+    t0 = min(s.start for s in tl.spans)
+    rows = []
+    for r in range(W):
+        mine = [s for s in tl.spans if s.rank == r]
+        comm = [s for s in mine if s.unit.startswith("comm")]
+        kinds = {
+            "gemm tile": [s for s in mine if s.unit.startswith("compute")],
+            "push": [s for s in comm if s.task == mdg.PUSH],
+            "expand": [s for s in comm if s.task == mdg.EXPAND],
+        }
+        for kind, spans in kinds.items():
+            if spans:
+                rows.append(
+                    {
+                        "rank": r,
+                        "tasks": kind,
+                        "n": len(spans),
+                        "first_us": (min(s.start for s in spans) - t0) / 1e3,
+                        "last_us": (max(s.end for s in spans) - t0) / 1e3,
+                        "busy_us": sum(s.end - s.start for s in spans) / 1e3,
+                    }
+                )
+    print(overlap)
+    print(table(rows, ["rank", "tasks", "n", "first_us", "last_us", "busy_us"]))
+    return rows
+
+
 def run(save_json: bool = True) -> list[dict]:
     rows = []
     for W, T in ((2, 2048),):
@@ -160,4 +201,8 @@ def run(save_json: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
-    run()
+    if "--trace" in sys.argv:
+        trace(overlap="intra_sm")
+        trace(overlap="inter_sm")
+    else:
+        run()

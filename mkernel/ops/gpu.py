@@ -35,6 +35,7 @@ from ..protocol import (
     ROLES,
     STATUS_ERRORS,
     STATUS_FIELDS,
+    TASK_ARGS,
     TILE_CONFIG_IDS,
     signal_name,
 )
@@ -294,6 +295,14 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
             world.last_timeline = gpu_timeline(world, *trace)
 
 
+def filled_task_ids(plan: Plan, world: World, role: str, rank: int) -> list[int]:
+    """The task ids (args[0], as the device names them) a device-filled role's layout phase wrote
+    for ``rank`` in the last launch, in table order."""
+    t = plan.device_tables(world.device)
+    first, end = t[f"{role}_task_span"].view(-1, 2)[rank].tolist()
+    return t[f"{role}_args"].view(-1, TASK_ARGS)[first:end, 0].tolist()
+
+
 def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
     """The timeline the kernel recorded (Schedule(trace=True)): ns since the first task began."""
     from ..interp.trace import Timeline
@@ -314,7 +323,11 @@ def gpu_timeline(world: World, plan: Plan, buf: torch.Tensor):
                     unit = slot - plan.compute_units if slot >= plan.compute_units else None
                 if unit is None:
                     continue
-                for i, task in enumerate(plan.tasks_of(role, rank, unit)[: ev.shape[3]]):
+                tasks = plan.tasks_of(role, rank, unit)
+                if plan.roles[role].capacity is not None:  # device-filled: its tables say
+                    n = plan.compute_units if role == "compute" else plan.comm_units
+                    tasks = filled_task_ids(plan, world, role, rank)[unit::n]
+                for i, task in enumerate(tasks[: ev.shape[3]]):
                     start, end = (int(x) for x in ev[lr, slot, role_id, i])
                     if start > 0 and end >= start:
                         tl.add(rank, f"{role}{unit}", task, start - t0, end - t0)
