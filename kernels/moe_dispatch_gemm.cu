@@ -59,6 +59,17 @@ struct MoeDispatchGemm {
   static constexpr int kPadRows = spec::moe_dispatch_gemm::kPadExpertRows;
   static constexpr int kPadRowsCount = spec::moe_dispatch_gemm::kPadExpertRowsCount;
 
+  // Slot j's expert id, or -1: unused, outside [0, W * E), or named by an earlier slot of the
+  // token too (then it feeds nobody: no rank gets more than min(k, E) rows of one token, the
+  // bound the plan's buffers have; the host refuses both before a launch, the layout reports them).
+  static __device__ int slot_id(const int* ids, int j, int all) {
+    const int g = ids[j];
+    if (g < 0 || g >= all) return -1;
+    for (int i = 0; i < j; ++i) {
+      if (ids[i] == g) return -1;
+    }
+    return g;
+  }
   // The local expert (0 .. E - 1) of id g on rank d, or -1 (another rank's, unused, or invalid).
   static __device__ int local_expert(int g, int d, int experts) {
     const int e = g - d * experts;
@@ -123,10 +134,12 @@ struct MoeDispatchGemm {
         const int s = u / T;
         const int* ids = l.topk_ids.at(s) + (long long)(u - s * T) * k;
         for (int j = 0; j < k; ++j) {
-          // an id outside [-1, W * E) feeds nobody (every layout ignores it); rank 0's reports it
-          if ((ids[j] < -1 || ids[j] >= W * E) && me == 0)
+          // an id outside [-1, W * E) or a repeated one feeds nobody (every layout ignores it);
+          // rank 0's layout reports it
+          const int g = slot_id(ids, j, W * E);
+          if (g < 0 && ids[j] != -1 && me == 0)
             record_bad_input(a.common.wait, s, u - s * T, j, ids[j]);
-          const int e = local_expert(ids[j], me, E);
+          const int e = local_expert(g, me, E);
           if (e < 0) continue;
           ++mine[e];
           atomicAdd(&es[e * W + s], 1);
@@ -197,7 +210,7 @@ struct MoeDispatchGemm {
         const int* ids = l.topk_ids.at(s) + (long long)t * k;
         bool fedme = false;
         for (int j = 0; j < k; ++j) {
-          const int e = local_expert(ids[j], me, E);
+          const int e = local_expert(slot_id(ids, j, W * E), me, E);
           if (e < 0) continue;
           const int r = eoff[e] + next[e]++;
           src[3 * r] = s;

@@ -101,9 +101,10 @@ def bad_input(plan: Plan | None, v: dict[str, int]) -> DeviceInputError:
     op = plan.spec.name if plan is not None else "a kernel"
     if plan is not None and "experts" in plan.sizes:  # the MoE layouts' routing ids
         E = plan.world_size * plan.sizes["experts"]
+        why = "names an expert an earlier slot of the token names" if 0 <= v["value"] < E else ""
         what = (
             f"topk_ids: expert id {v['value']} of rank {v['rank']}, token {v['task']} "
-            f"(slot {v['index']}) is outside [-1, E={E})"
+            f"(slot {v['index']}) {why or f'is outside [-1, E={E})'}"
         )
     else:
         what = f"input value {v['value']} of rank {v['rank']} at ({v['task']}, {v['index']})"

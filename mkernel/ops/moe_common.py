@@ -146,7 +146,9 @@ class MoeDispatch:
     - ``expert_offsets`` [E_local + 1] int32: rows of local expert e are
       ``expert_offsets[e] : expert_offsets[e + 1]``; within an expert, by source, token, slot.
 
-    It also holds what ``moe_gemm_combine`` needs: the world, the routing ids and the shapes."""
+    It also holds what ``moe_gemm_combine`` needs: the world, the routing ids and the shapes.
+    Made under CUDA-graph capture (``captured``), ``y`` and ``src`` hold the worst case's rows,
+    each replay's the first ``expert_offsets[-1]``."""
 
     y: list[torch.Tensor]
     src: list[torch.Tensor]
@@ -154,10 +156,20 @@ class MoeDispatch:
     world: World
     topk_ids: torch.Tensor  # [W, T, k] int32, a copy of the routing the dispatch ran
     hidden: int  # H
+    # made under CUDA-graph capture: y and src hold the worst case's rows (the plan's max_rows),
+    # the first expert_offsets[-1] of them this replay's (no host read of the counts)
+    captured: bool = False
 
     @property
     def rows(self) -> list[int]:
+        """Routed rows per rank (reads the offsets: a device -> host copy)."""
         return [int(o[-1]) for o in self.expert_offsets]
+
+    @property
+    def buffer_rows(self) -> list[int]:
+        """Rows of each rank's ``y`` (and of the ``h`` the combine takes): the routed rows, or
+        the worst case when captured. Known on the host without reading the device."""
+        return [int(y.shape[0]) for y in self.y]
 
     @property
     def experts(self) -> int:
@@ -227,6 +239,11 @@ def check_tensor(
     return tuple(t.shape[1:])
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream (no host reads of device data)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_columns(name: str, value: int) -> None:
     """Row lengths the device's TMA copies will need (16-byte rows)."""
     from .common import ALIGN, check_divides
@@ -235,9 +252,12 @@ def check_columns(name: str, value: int) -> None:
 
 
 def check_ids(ids: torch.Tensor, experts_total: int) -> None:
-    """topk_ids [W, T, k]: every id in [-1, E) (an id outside names its rank and token; on the
-    device the layout phase reports it, as a timeout is, and writes nothing), no expert twice in a
-    token."""
+    """topk_ids [W, T, k]: every id in [-1, E) (an id outside names its rank and token), no expert
+    twice in a token. Reads the ids, so not under CUDA-graph capture: there (and for ids written
+    after a call's checks) the device layout finds such an id, ignores it (nothing written for it)
+    and reports it as it does a timeout (DeviceInputError)."""
+    if capturing(ids):
+        return
     W, T, k = ids.shape
     bad = (ids < -1) | (ids >= experts_total)
     if bool(bad.any()):

@@ -61,6 +61,7 @@ from .moe_common import (
     MoeDispatch,
     Routing,
     Twins,
+    capturing,
     check_columns,
     check_ids,
     check_tensor,
@@ -241,9 +242,15 @@ def moe_dispatch_gemm(
 
     Returns:
         MoeDispatch: per rank ``y`` [R, I] bf16, ``src`` [R, 3] int32 (source rank, token, slot),
-        ``expert_offsets`` [E_local + 1] int32, and what ``moe_gemm_combine`` needs. Raises
-        TypeError / ValueError naming the argument before anything runs, CommTimeout if a wait
-        passes the world's deadline.
+        ``expert_offsets`` [E_local + 1] int32, and what ``moe_gemm_combine`` needs. Under
+        CUDA-graph capture (an emulated GPU world) nothing is read back to size the results: ``y``
+        and ``src`` hold the worst case's rows (W * T * min(k, E_local)), of which each replay's
+        are the first ``expert_offsets[-1]`` (``MoeDispatch.captured``); the combine takes such a
+        result as it is. Raises TypeError / ValueError naming the argument before anything runs
+        (under capture the ids are checked on the device instead: DeviceInputError, as below),
+        CommTimeout if a wait passes the world's deadline, DeviceInputError (a ValueError, raised
+        like a timeout: by the next call, ``world.check()`` or the watchdog) if the kernel found
+        an expert id outside [-1, E) or repeated within a token (it ignored that slot).
     """
     if isinstance(world, World) and world.on_gpu and not world.emulated_world:
         from . import moe_dist  # all-to-all between processes, the engine per rank
@@ -272,8 +279,12 @@ def dispatch_gpu(
     W, T, E, N = world.size, s["tokens"], s["experts"], s["inter"]
     if T == 0:  # nothing routed anywhere: no launch
         return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
-    used = ids[ids >= 0].long()
-    per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
+    captured = capturing(ids)
+    if captured:  # no host read: the results hold the worst case's rows (MoeDispatch.captured)
+        per_rank = [plan.sizes["max_rows"]] * W
+    else:
+        used = ids[ids >= 0].long()
+        per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
     rows = max(1, max(per_rank))
     dev = x.device
     out = {
@@ -291,6 +302,7 @@ def dispatch_gpu(
         world,
         ids.clone(),
         s["hidden"],
+        captured,
     )
 
 

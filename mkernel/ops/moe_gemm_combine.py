@@ -146,7 +146,7 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
         got = f"{len(h)} entries" if isinstance(h, (list, tuple)) else type(h).__name__
         raise TypeError(f"h must be a list of W={W} bf16 tensors [R, I] (one per rank), got {got}")
     inter = None
-    for d, (hd, rows) in enumerate(zip(h, dispatch.rows, strict=True)):
+    for d, (hd, rows) in enumerate(zip(h, dispatch.buffer_rows, strict=True)):
         if not isinstance(hd, torch.Tensor) or hd.dtype != torch.bfloat16:
             what = hd.dtype if isinstance(hd, torch.Tensor) else type(hd).__name__
             raise TypeError(f"h[{d}] must be a torch.bfloat16 tensor [R, I], got {what}")
@@ -183,7 +183,7 @@ def prepare(
     common.check_faults(schedule, world)
     plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
     W, E, N, H = world.size, s["experts"], s["inter"], s["hidden"]
-    rows = max(1, *dispatch.rows)
+    rows = max(1, *dispatch.buffer_rows)
     dev = world.device
     buffers = {
         "h": stacked(list(h), rows),

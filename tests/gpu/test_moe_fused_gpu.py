@@ -278,3 +278,71 @@ def test_an_expert_id_out_of_range_found_on_the_device_names_rank_and_token(bad)
     common.run_gpu(world, plan, ops)
     world.check()
     check(_results(ops, W), x, ids.cpu(), w1, "the next launch")
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_the_layer_is_captured_in_a_cuda_graph_and_replayed_with_new_routings(ids_dtype):
+    """dispatch -> relu -> combine through the API, captured once (fixed T) and replayed with a
+    new routing written into the ids tensor before each replay: no host read of the counts under
+    capture (the results hold the worst case's rows, ``MoeDispatch.captured``; the first
+    ``expert_offsets[-1]`` are each replay's), out and the rows right for every replay's routing."""
+    from types import SimpleNamespace
+
+    W, T, E, k, H, N = 2, 40, 2, 2, 64, 128
+    world = mkernel.World.emulated(W, device="cuda")
+    x, w1 = _operands(W, T, E, H, N, 7)
+    g = torch.Generator().manual_seed(8)
+    w2 = (torch.randn(W, E, N, H, generator=g) / N**0.5).bfloat16()
+    weights = torch.rand(W, T, k, generator=g)
+    xc, w1c, w2c, wc = x.cuda(), w1.cuda(), w2.cuda(), weights.cuda()
+    ids = routing(W, T, E, k, "uniform", 0).to(ids_dtype).cuda()
+
+    def layer():
+        d = mkernel.moe_dispatch_gemm(xc, ids, w1c, world)
+        h = [torch.relu(y) for y in d.y]
+        return d, h, mkernel.moe_gemm_combine(h, w2c, d, wc, world)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()  # warm-up outside the capture: the extension, the plans
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d, h, out = layer()
+    assert d.captured and d.buffer_rows == [W * T * min(k, E)] * W
+    for seed in (1, 2, 3):
+        new = routing(W, T, E, k, "uniform", seed)
+        ids.copy_(new.to(ids_dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = d.rows
+        res = SimpleNamespace(
+            y=[y[:n] for y, n in zip(d.y, rows, strict=True)],
+            src=[s[:n] for s, n in zip(d.src, rows, strict=True)],
+            expert_offsets=d.expert_offsets,
+        )
+        check(res, x, new, w1, f"replay {seed}")
+        hs = [hh[:n] for hh, n in zip(h, rows, strict=True)]
+        check_combine(out, hs, w2, new, weights, f"replay {seed}")
+    world.check()
+    assert_pads_zero(world)
+
+
+def test_a_repeated_expert_id_found_on_the_device_is_reported_and_ignored():
+    """A token naming an expert twice (refused by the host; here written after the checks) would
+    give a rank more rows of it than the plan's buffers hold: the layout ignores the later slot
+    and reports it, naming rank, token and slot."""
+    from mkernel.ops import common
+
+    W, T, E, k = 2, 40, 2, 2
+    world, x, w1, plan, ops = _prepared(W, T, E, k, 64, 128, 9)
+    ids = ops["topk_ids"]
+    ids[0, 3, 0], ids[0, 3, 1] = 1, 1
+    common.run_gpu(world, plan, ops)
+    with pytest.raises(mkernel.DeviceInputError, match=r"rank 0, token 3 \(slot 1\) names an"):
+        world.check()
+    ids[0, 3, 1] = -1
+    check(_results(ops, W), x, ids.cpu(), w1, "repeated id ignored")
+    assert_pads_zero(world)
