@@ -28,6 +28,7 @@ IMPLICIT = {
     "cas_acq_rel_sys",
     "aborting",
     "record_timeout",
+    "record_bad_input",  # status-block writers: the interpreter raises its errors directly
     "spin_until",
     "delay_ns",
 }
