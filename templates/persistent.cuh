@@ -412,11 +412,7 @@ __device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta, char
     }
   } else if (threadIdx.x == 0) {
     const WaitSite site{cta.rank, cta.rank, -1, kRoleBarrier, kBarrierPad, cta.rank};
-    // Twice the patience: a layout that waits for its peers (the MoE dispatch's routing
-    // exchange) names the late peer first, not its own rank's layout flag.
-    const WaitPolicy patient{c.wait.status, 2 * c.wait.timeout_ns, c.wait.backoff_ns,
-                             c.wait.launch};
-    wait_acquire(flag, 1, patient, site);
+    wait_acquire(flag, 1, c.wait, site);
     // Counted consumers: the last reader resets flag and counter for the next launch.
     if (atomicAdd(count, 1) + 1 == readers) {
       st_relaxed_sys(flag, 0);
