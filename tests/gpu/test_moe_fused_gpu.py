@@ -154,7 +154,7 @@ def test_silent_rank_times_out_naming_the_flag_and_the_world_recovers(overlap):
     with pytest.raises(CommTimeout) as e:
         world.check()
     assert time.perf_counter() - t0 < 10
-    assert e.value.peer == 1 and "ids_landed" in e.value.signal  # the layout waits first
+    assert e.value.peer == 1 and "landed" in e.value.signal  # the expand, first
     run(2, 20, 2, 2, "uniform", 1, overlap=overlap, world=world)  # usable after
 
 
