@@ -141,7 +141,14 @@ SPEC = OpSpec(
         ),
     ),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
-    constants=(("tag_key", fwd.TAG_KEY),),
+    constants=(
+        ("tag_key", fwd.TAG_KEY),
+        ("grad", GRAD),
+        ("finish", FINISH),
+        ("prep", PREP),
+        ("dq", DQ),
+        ("row_tile", ROW_TILE),
+    ),
 )
 
 
@@ -211,7 +218,8 @@ def make_plan(
     tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
     parts = max(1, min(fwd.MAX_PARTS, comm_units, B * S))
-    preps = min(parts, B * C * H)  # prep parts: over (q chunk, head) pairs
+    # prep, grad, dq and finish parts: one per comm unit (their kind is args[1], not a part)
+    preps, tails = min(comm_units, B * C * H), max(1, min(comm_units, B * S))
 
     # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
     tiles: list[Tile] = []
@@ -290,7 +298,7 @@ def make_plan(
         # consumers of computed[s]: the grad parts of s (or, s = 0 not sent, the finish parts)
         # and the dq parts
         grads = [s for s in range(W) if holds[r][s] and (s > 0 or home[r])]
-        n_comp = [parts * ((s in grads) + (s == 0 and not home[r]) + 1) for s in range(W)]
+        n_comp = [tails * ((s in grads) + (s == 0 and not home[r]) + 1) for s in range(W)]
         tasks: list[Task] = []
         tid = W * parts  # after the K/V sends' ids
         for p0, n in split(B * C * H, preps):
@@ -302,12 +310,12 @@ def make_plan(
             for p in range(parts):
                 args = (s, p, bounds[p], bounds[p + 1] - bounds[p])
                 tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
-        rows_split = split(B * S, parts)
+        rows_split = split(B * S, tails)
         for s in grads:
             on = s in sends[r]
             waits = computed(s, n_comp[s])
             if s:
-                waits += (Wait("dlanded", r, (s,), value=parts, consumers=parts),)
+                waits += (Wait("dlanded", r, (s,), value=tails, consumers=tails),)
             dest = Raise("dlanded", nxt, (s + 1,), op="add") if on else None
             dest = dest or Raise("dlanded", (r - s) % W, (0,), op="add")
             for r0, n in rows_split:
@@ -317,7 +325,7 @@ def make_plan(
         for r0, n in rows_split:
             tasks.append(Task(tid, (0, DQ, r0, n), every, ()))
             tid += 1
-        back = (Wait("dlanded", r, (0,), value=parts, consumers=parts),)
+        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails),)
         for r0, n in rows_split:
             tasks.append(Task(tid, (0, FINISH, r0, n), back if home[r] else computed(0, n_comp[0])))
             tid += 1
@@ -338,7 +346,8 @@ def make_plan(
         "acc_rows": W * B * S,
         "acc_cols": 2 * Hkv * D,
     } | shapes
-    extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "sends": sends}
+    extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "tails": tails}
+    extra["sends"] = sends
     extra |= {"holds": holds, "readers": readers, "row_tiles": qt}
     tile = TILE_CONFIGS["64x128x64"]  # unused: the backward engine has one tile shape
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
@@ -613,7 +622,7 @@ def grads(scores, lse, do, q, k, v, delta, scale):
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
     """Per output buffer, the tiles the kernel end reads: the row ranges of the dq and finish
     parts (numbered by first row: dq r0, dk B * S + r0, dv 2 * B * S + r0)."""
-    z, parts = plan.shapes, plan.extra["parts"]
+    z, parts = plan.shapes, plan.extra["tails"]
     BS = z["batch"] * z["seq"]
     QC, KC = z["heads"] * z["head_dim"], z["kv_heads"] * z["head_dim"]
     bounds = [p * BS // parts for p in range(parts + 1)]
