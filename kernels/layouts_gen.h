@@ -283,6 +283,7 @@ constexpr int kGrad = 16;
 constexpr int kFinish = 17;
 constexpr int kPrep = 18;
 constexpr int kDq = 19;
+constexpr int kHome = 20;
 constexpr int kRowTile = 64;
 struct Layout {
   RankPtr<const __nv_bfloat16> dout;  // [rows, q_cols] input: [B * S, Hq * D]

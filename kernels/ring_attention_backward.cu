@@ -177,7 +177,7 @@ struct RingAttentionBwd {
       store_dq(a, cta, args[2], args[3], team);
     } else if (kind == rab::kFinish) {
       finish(a, cta, args[2], args[3], team);
-    } else {
+    } else {  // kGrad, kHome
       send_grad(a, cta, args, team, smem);
     }
   }
@@ -232,8 +232,8 @@ struct RingAttentionBwd {
     for (long long e = team.lane; e < n / 4; e += team.size) q[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 
-  // (q chunk, head) pairs [first, first + n): per row, lse * log2 e and delta (+inf, 0 past the
-  // chunk: those rows of a tile see nothing), one thread per row.
+  // 64-row tiles [first, first + n) of `delta` (tile t: rows of (q chunk, head) pair t / qt): per
+  // row, lse * log2 e and delta (+inf, 0 past the chunk: those rows see nothing), a thread a row.
   static __device__ void prep(const Args& a, const CtaInfo& cta, int first, int n,
                               const Team& team) {
     const Layout& l = a.layout;
@@ -246,13 +246,13 @@ struct RingAttentionBwd {
     const float* lse = l.lse.at(lr);
     const float* dlse = l.dlse.at(lr);
     float* packed = l.delta.map(cta.rank);
-    const long long per = (long long)qt * T, total = per * n;
-    for (long long e = team.lane; e < total; e += team.size) {
-      const int pair = first + (int)(e / per), i = (int)(e % per);
-      float* tile = packed + ((long long)pair * qt + i / T) * 2 * T;
+    for (long long e = team.lane; e < (long long)n * T; e += team.size) {
+      const int t = first + (int)(e / T), j = (int)(e % T);
+      const int pair = t / qt, i = (t - pair * qt) * T + j;
+      float* tile = packed + (long long)t * 2 * T;
       if (i >= Sc) {
-        tile[i % T] = INFINITY;
-        tile[T + i % T] = 0.f;
+        tile[j] = INFINITY;
+        tile[T + j] = 0.f;
         continue;
       }
       const int outer = pair / H, h = pair - outer * H, b = outer / C, cq = outer - b * C;
@@ -273,8 +273,8 @@ struct RingAttentionBwd {
       }
       const long long at = ((long long)b * H + h) * S + (long long)cq * Sc + i;
       const float lv = lse[at];
-      tile[i % T] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-      tile[T + i % T] = acc - dlse[at];
+      tile[j] = lv == -INFINITY ? INFINITY : lv * kLog2e;
+      tile[T + j] = acc - dlse[at];
     }
   }
 

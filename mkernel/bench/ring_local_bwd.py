@@ -53,8 +53,7 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
         ranks = [torch.stack([torch.cat([x[:, r], x[:, 3 - r]], 1) for r in (0, 1)]) for x in parts]
     else:
         ranks = [
-            x.view(B, 2, S // 2, *x.shape[2:]).transpose(0, 1).contiguous()
-            for x in (q, k, v, dout)
+            x.view(B, 2, S // 2, *x.shape[2:]).transpose(0, 1).contiguous() for x in (q, k, v, dout)
         ]
     rq, rk, rv, rdo = ranks
     rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)

@@ -75,8 +75,9 @@ from ..world import World
 from . import common
 from . import ring_attention as fwd
 
-# comm args[1] beyond a K/V send's part: a grad send, the finish, the prep, the dq store
-GRAD, FINISH, PREP, DQ = fwd.MAX_PARTS, fwd.MAX_PARTS + 1, fwd.MAX_PARTS + 2, fwd.MAX_PARTS + 3
+# comm args[1] beyond a K/V send's part: a grad send on (to the next holder) or home (to the
+# block's owner), the finish, the prep, the dq store
+GRAD, FINISH, PREP, DQ, HOME = (fwd.MAX_PARTS + i for i in range(5))
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -147,6 +148,7 @@ SPEC = OpSpec(
         ("finish", FINISH),
         ("prep", PREP),
         ("dq", DQ),
+        ("home", HOME),
         ("row_tile", ROW_TILE),
     ),
 )
@@ -186,13 +188,13 @@ def make_plan(
     and the comm tasks around them, each in ``parts`` row ranges (one per comm unit):
 
     - prep (the rank's first comm tasks): delta = rowsum(dO * O) - dlse and lse * log2 e into the
-      ``delta`` workspace, per (q chunk, head); each adds 1 to its own ``landed[0]``, which the
-      first compute task of every unit waits for;
+      ``delta`` workspace, a range of its 64-row tiles each; each adds 1 to its own ``landed[0]``,
+      which the first compute task of every unit waits for;
     - compute (step s, K/V tile, q chunk): waits ``landed[s]`` (s > 0); reduce-adds its dQ into
       ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s; adds 1 to ``computed[s]``;
     - grad (step s, rows): waits ``computed[s]`` and, s > 0, ``dlanded[s]``; reduce-adds the
-      slot's rows into slot s + 1 of rank r + 1 (``dlanded[s + 1]``) or slot 0 of the block's
-      owner (``dlanded[0]``), zeroes them;
+      slot's rows into slot s + 1 of rank r + 1 (``dlanded[s + 1]``; args[1] GRAD) or slot 0 of
+      the block's owner (``dlanded[0]``; HOME), zeroes them;
     - dq (rows): waits ``computed[s]`` of every step; dq = bf16(dq_acc rows), zeroes them;
     - finish (rows): waits ``dlanded[0]`` (or, when nobody else uses my block, ``computed[0]``);
       dk, dv = bf16(slot 0 rows), zeroes them.
@@ -218,8 +220,10 @@ def make_plan(
     tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
     parts = max(1, min(fwd.MAX_PARTS, comm_units, B * S))
-    # prep, grad, dq and finish parts: one per comm unit (their kind is args[1], not a part)
-    preps, tails = min(comm_units, B * C * H), max(1, min(comm_units, B * S))
+    # prep, grad, dq and finish parts: one per comm unit (their kind is args[1], not a part);
+    # a prep part is a range of 64-row tiles of the (q chunk, head) pairs' rows
+    qt = -(-Sc // ROW_TILE)
+    preps, tails = min(comm_units, B * C * H * qt), max(1, min(comm_units, B * S))
 
     # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
     tiles: list[Tile] = []
@@ -301,7 +305,7 @@ def make_plan(
         n_comp = [tails * ((s in grads) + (s == 0 and not home[r]) + 1) for s in range(W)]
         tasks: list[Task] = []
         tid = W * parts  # after the K/V sends' ids
-        for p0, n in split(B * C * H, preps):
+        for p0, n in split(B * C * H * qt, preps):
             tasks.append(Task(tid, (0, PREP, p0, n), (), (Raise("landed", r, (0,), op="add"),)))
             tid += 1
         bounds = [p * B * S // parts for p in range(parts + 1)]
@@ -319,7 +323,7 @@ def make_plan(
             dest = Raise("dlanded", nxt, (s + 1,), op="add") if on else None
             dest = dest or Raise("dlanded", (r - s) % W, (0,), op="add")
             for r0, n in rows_split:
-                tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
+                tasks.append(Task(tid, (s, GRAD if on else HOME, r0, n), waits, (dest,)))
                 tid += 1
         every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
         for r0, n in rows_split:
@@ -331,7 +335,6 @@ def make_plan(
             tid += 1
         comm.append(tasks)
 
-    qt = -(-Sc // ROW_TILE)
     shapes = dict(batch=B, seq=S, heads=H, kv_heads=Hkv, head_dim=D, causal=causal, zigzag=zigzag)
     shapes["scale_bits"] = scale_bits
     sizes = {
@@ -557,22 +560,24 @@ def twins_of(plan: Plan, scale: float | None = None):
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, hk * D, D), dk)
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, KC + hk * D, D), dv)
 
-    def prep(ctx, first: int, n: int):  # (q chunk, head) pairs [first, first + n)
-        for i in range(first, first + n):
-            outer, h = divmod(i, H)
+    def prep(ctx, first: int, n: int):  # tiles [first, first + n) of ``delta``
+        for t in range(first, first + n):
+            pair, i0 = divmod(t, qt)
+            outer, h = divmod(pair, H)
             b, cq = divmod(outer, C)
-            q_rect = (b * S + cq * Sc, Sc, h * D, D)
+            i0 *= T
+            m = min(T, Sc - i0)  # the tile's rows within the chunk
+            q_rect = (b * S + cq * Sc + i0, m, h * D, D)
             do = (yield from twins.tile_load(ctx, "dout", ctx.rank, q_rect)).float()
             o = (yield from twins.tile_load(ctx, "out", ctx.rank, q_rect)).float()
-            lse_rect = (b * H + h, 1, cq * Sc, Sc)
+            lse_rect = (b * H + h, 1, cq * Sc + i0, m)
             lse = (yield from twins.tile_load(ctx, "lse", ctx.rank, lse_rect))[0]
             dlse = (yield from twins.tile_load(ctx, "dlse", ctx.rank, lse_rect))[0]
-            packed = torch.zeros(qt * T, 2)
-            packed[:, 0] = math.inf  # rows past the chunk see nothing
-            packed[:Sc, 0] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
-            packed[:Sc, 1] = (do * o).sum(dim=1) - dlse
-            value = packed.reshape(qt, T, 2).transpose(1, 2).reshape(qt, 2 * T)
-            yield from twins.tile_send(ctx, "delta", ctx.rank, (i * qt, qt, 0, 2 * T), value)
+            value = torch.zeros(1, 2 * T)
+            value[0, :T] = math.inf  # rows past the chunk see nothing
+            value[0, :m] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+            value[0, T : T + m] = (do * o).sum(dim=1) - dlse
+            yield from twins.tile_send(ctx, "delta", ctx.rank, (t, 1, 0, 2 * T), value)
 
     def comm(ctx, task):
         s, kind, r0, n = task.args
@@ -595,8 +600,8 @@ def twins_of(plan: Plan, scale: float | None = None):
         rows = (s * BS + r0, n, 0, 2 * KC)
         part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, rows)
         yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rows, torch.zeros_like(part))
-        if kind == GRAD:  # on to the next holder, or home to the block's owner (slot 0)
-            on = s in sends[ctx.rank]
+        if kind in (GRAD, HOME):  # on to the next holder, or home to the block's owner (slot 0)
+            on = kind == GRAD
             dst, row = ((ctx.rank + 1) % W, (s + 1) * BS) if on else ((ctx.rank - s) % W, 0)
             yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row + r0, n, 0, 2 * KC), part)
             return
