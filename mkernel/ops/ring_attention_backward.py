@@ -523,7 +523,6 @@ def twins_of(plan: Plan, scale: float | None = None):
     C, qt = plan.extra["chunks"], plan.extra["row_tiles"]
     Sc, group, T = S // C, H // Hkv, ROW_TILE
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    sends = plan.extra["sends"]
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
     log2e = 1.0 / math.log(2.0)
 
