@@ -293,7 +293,10 @@ def make_plan(
 
         def computed(s: int, n_consumers: int, r: int = r) -> tuple[Wait, ...]:
             n = readers[r][s]
-            return (Wait("computed", r, (s,), value=n, consumers=n_consumers),) if n else ()
+            # NOTE: patience 2 (3 for dlanded): these follow other waits (the compute tasks'
+            # landed, the previous holder's computed), which report a silent peer first
+            wait = Wait("computed", r, (s,), value=n, consumers=n_consumers, patience=2)
+            return (wait,) if n else ()
 
         def split(n: int, k: int) -> list[tuple[int, int]]:
             bounds = [p * n // k for p in range(k + 1)]
@@ -319,7 +322,7 @@ def make_plan(
             on = s in sends[r]
             waits = computed(s, n_comp[s])
             if s:
-                waits += (Wait("dlanded", r, (s,), value=tails, consumers=tails),)
+                waits += (Wait("dlanded", r, (s,), value=tails, consumers=tails, patience=3),)
             dest = Raise("dlanded", nxt, (s + 1,), op="add") if on else None
             dest = dest or Raise("dlanded", (r - s) % W, (0,), op="add")
             for r0, n in rows_split:
@@ -329,7 +332,7 @@ def make_plan(
         for r0, n in rows_split:
             tasks.append(Task(tid, (0, DQ, r0, n), every, ()))
             tid += 1
-        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails),)
+        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
         for r0, n in rows_split:
             tasks.append(Task(tid, (0, FINISH, r0, n), back if home[r] else computed(0, n_comp[0])))
             tid += 1
