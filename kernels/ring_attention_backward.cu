@@ -117,7 +117,7 @@ struct RingBwdEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0, tile.rows, tile.n0, (tag >> 3) & kBwdStepMask, tag >> rab::kTagKey,
+    return Task{tile.m0,       tile.rows, tile.n0, (tag >> 3) & kBwdStepMask, tag >> rab::kTagKey,
                 (tag & 1) != 0};
   }
   template <class Hooks, class Spare>

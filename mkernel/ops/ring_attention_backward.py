@@ -1,8 +1,8 @@
 """Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
-Function that makes ``ring_attention`` differentiable. Fused in the CPU interpreter only
-(``SPEC.device`` is False), on the forward's plan shape (mkernel/ops/ring_attention.py,
-``ring_tasks``); in an emulated world on a GPU it runs unfused on the backward engine
-(ring_attention_gpu.backward).
+Function that makes ``ring_attention`` differentiable. The same plan runs in the CPU interpreter
+and, in emulated GPU worlds, as one launch of the fused kernel (kernels/ring_attention_backward.cu:
+the backward engine, primitives/attention/bwd_engine.cuh, on the persistent template); distributed
+GPU worlds run the unfused ring of ring_attention_dist.py.
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -10,45 +10,25 @@ Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, 
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = scale dS K;  dK = scale dS^T Q
     dq_r, dk_r, dv_r = those rows of rank r (GQA: dK, dV summed over the q heads of a K/V head)
 
-Per (q tile, K/V chunk), FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T -
-lse)), delta = rowsum(dO * O) - dlse once per q tile, all in fp32.
+FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T - lse)), delta = rowsum(dO *
+O) - dlse once per q row (the prep), all in fp32.
 
-Protocol (docs/ring_attention.md, "Backward"): the forward's plan, unchanged: the K/V blocks travel
-the ring into W - 1 slots per rank (``landed`` counted, ``parts`` comm tasks per step, no
-``free``); a compute task is one (q tile, K/V chunk of one step) pair that waits ``landed[s]`` (s
-> 0); a unit runs its q tiles' tasks step-major, all of one q tile's tasks on that unit, which
-keeps the tile's fp32 dQ accumulator and delta in the ``state`` workspace between them (program
-order: no signal); the tile's first task computes delta, its last stores dq once in bf16. What is
-new is the way back of dK / dV:
+Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the forward's K/V ring
+(W - 1 slots per rank, ``landed`` counted, ``parts`` sends per step); a compute task is one K/V
+tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
+dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
+``dkv_acc`` slot s and adding 1 to ``computed[s]``; comm tasks in row ranges: the prep (delta
+rows, ``landed[0]``), the K/V sends, the grad sends (slot s on to slot s + 1 of rank r + 1, or
+home to slot 0 of the block's owner, ``dlanded``), dq (bf16 once) and the finish (dk, dv bf16
+once), each zeroing what it read.
 
-- compute (q tile, step s, K/V chunk) reduce-adds its fp32 dK, dV contributions into ``dkv_acc``
-  slot s on its own rank (adds commute: no order among them) and adds 1 to ``computed[s]``;
-- grad (step s) on rank r waits ``computed[s]`` (all of r's contributions to the block it holds)
-  and, s > 0, ``dlanded[s]`` (the partial of the previous holders, reduce-added into the same
-  slot by rank r-1); it reads the slot, zeroes it (workspace back to zero for the next call) and
-  reduce-adds it by a bulk copy into slot s+1 of rank r+1 (``dlanded[s+1]``) when the block goes
-  on, else into slot 0 of the block's owner (``dlanded[0]``: the gradient is home);
-- finish on each rank waits ``dlanded[0]`` (or, when no other rank uses its block, its own
-  ``computed[0]``), reads slot 0, zeroes it and stores dk, dv once in bf16.
-
-A comm task's args: a K/V send's are the forward's (s, part, row0, rows), part < ``GRAD``; a grad
-send's (s, GRAD), the finish's (0, FINISH). A rank's comm tasks: its K/V sends (the forward's, in
-the same rows), then its grad sends by step, then its finish. One ``dkv_acc`` slot per step (W
-slots): a slot is used once per call, so the partials need no ``free`` signal; the next call's
-adds are ordered after this call's zeroing by the entry barrier.
-
-    W = 3, contiguous, causal (rank r holds B0..Br); g = the grad send of a partial; +in: the
-    previous holders' partial, added into the same slot
-    step:     0                         1                            2
-    rank 0:   q0.B0; g B0 -> r1 slot 1  -                            finish: dlanded[0]
-    rank 1:   q1.B1; g B1 -> r2 slot 1  q1.B0 (+in); g -> r2 slot 2  finish: dlanded[0]
-    rank 2:   q2.B2 (own; finish:       q2.B1 (+in); g -> r1 slot 0  q2.B0 (+in); g -> r0 slot 0
+    W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
+    previous holders' partial, added into the same slot)
+    step:     0                          1                             2
+    rank 0:   B0 tiles; g -> r1 slot 1   -                             finish: dlanded[0]
+    rank 1:   B1 tiles; g -> r2 slot 1   B0 tiles (+in); g -> r2 s 2   finish: dlanded[0]
+    rank 2:   B2 tiles (finish:          B1 tiles (+in); g -> r1 s 0   B0 tiles (+in); g -> r0 s 0
               computed[0])
-
-GPU mapping (not built): as the forward's kernel runs its plan, a unit's q tile keeps dQ and
-delta in registers within a step's run and in ``state`` between steps; its dK / dV contributions
-go out with red.global.add (or a per-CTA reduction first); the comm role's grad send is
-cp.reduce.async.bulk .add into the peer's slot.
 """
 
 from __future__ import annotations
@@ -434,9 +414,10 @@ def ring_attention_backward(
     Returns:
         (dq, dk, dv): bf16, dq like q, dk and dv like k and v (GQA: summed over the q heads that
         share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
-        before anything runs. On GPUs it runs unfused: the backward engine per block with fp32
-        sums, in an emulated world (ring_attention_gpu.py) or a distributed one, where K/V and
-        the dK / dV accumulators travel by torch.distributed sends (ring_attention_dist.py).
+        before anything runs; CommTimeout if a wait passes the world's deadline (asynchronous on
+        GPUs: raised by the next call or ``world.check()``). In an emulated GPU world: one launch
+        of the fused kernel (kernels/ring_attention_backward.cu). In a distributed one: unfused,
+        K/V and the dK / dV accumulators by torch.distributed sends (ring_attention_dist.py).
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 

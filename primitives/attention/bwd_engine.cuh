@@ -298,7 +298,7 @@ struct AttnBwdEngine {
     uint32_t kv_phase = 0;
     Work w;
     while (work.next(w)) {
-      work.begin(w);  // the item's waits
+      work.begin(w);                            // the item's waits
       mbar_wait(bars.kv_empty, kv_phase ^ 1u);  // the previous item's K, V are read
       kv_phase ^= 1u;
       load_item(p, w, smem, bars, st);
@@ -347,7 +347,7 @@ struct AttnBwdEngine {
     const int lt = threadIdx.x % 128;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;  // this thread's half-0 row within the 64
-    const int kv_row0 = w.kv_row0 + 64 * wg;  // first kv row of this warpgroup
+    const int kv_row0 = w.kv_row0 + 64 * wg;       // first kv row of this warpgroup
     const uint32_t k_base = smem_u32(smem + Map::kKOffset);
     const uint32_t v_base = smem_u32(smem + Map::kVOffset);
     const uint32_t k_wg = k_base + wg * 64 * 128, v_wg = v_base + wg * 64 * 128;
@@ -370,7 +370,7 @@ struct AttnBwdEngine {
     uint64_t* rows_full = bars.rows_full + 2 * (threadIdx.x / 32 - 4);  // next step (TMA_ROWS:
     // NOTE: after the item's kv_full: the producer has run its waits (a ring item's rows were
     // written by another CTA's prep; proxy fence: they are read by a bulk copy).  this warp's
-    mbar_wait(bars.kv_full, kv_phase);                                  // barriers)
+    mbar_wait(bars.kv_full, kv_phase);  // barriers)
     kv_phase ^= 1u;
     if (w.q_begin < p.q_tiles) {
       if constexpr (Cfg::TMA_ROWS) {
@@ -505,7 +505,7 @@ struct AttnBwdEngine {
       }
     }
     if (lane == 0) gemm::mbar_arrive(bars.kv_empty);  // K, V read (every wgmma waited)
-    if (lt == 0) bulk_wait_all();  // the item's dQ reduce-adds have landed
+    if (lt == 0) bulk_wait_all();                     // the item's dQ reduce-adds have landed
     store_kv(p, w, 64 * wg + row_wg, q4, dk, w.dk);
     store_kv(p, w, 64 * wg + row_wg, q4, dv, w.dv);
   }
