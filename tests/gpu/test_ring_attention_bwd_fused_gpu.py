@@ -4,8 +4,8 @@ on one GPU, against the fp64 autograd formula of tests/test_ring_attention_backw
 tolerance, with P and dS rounded to bf16 as the engine's wgmma operands are). Both overlaps, W 1..4
 (and 8 at one small shape), both layouts, causal or not, GQA, D 64 and 128, S_local off the
 128-row K/V tile and the 64-row q tile; outputs are NaN-poisoned by the op, so an unwritten tile
-fails; a silent rank times out naming the signal; a loop of calls with changing inputs (equal to
-the first call on the same inputs up to the last bf16 bit: fp32 atomics); pads and
+fails; a silent rank times out naming the signal; a loop of 200 calls with changing inputs, each
+within the formula's tolerance (the same inputs need not give the same bits: fp32 atomics); pads and
 the accumulators (dq_acc, dkv_acc) back to zero after every call."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import mkernel
-from tests.helpers import assert_pads_zero
-from tests.test_ring_attention_backward import _assert_grads, _inputs
+from tests.helpers import assert_pads_zero, assert_within
+from tests.test_ring_attention_backward import _assert_grads, _exact, _inputs
 
 pytestmark = pytest.mark.gpu
 OVERLAPS = ("intra_sm", "inter_sm")
@@ -105,35 +105,33 @@ def test_silent_rank_times_out_naming_the_signal_and_gpu_stays_usable(overlap):
     _run(W, 1, 200, (2, 1), 64, True, "contiguous", overlap, seed=9, world=world)
 
 
-def _same_up_to_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal but for the last bf16 bit: dK, dV and dQ are sums of fp32 red.add / TMA reduce-adds,
-    whose order (and so the fp32 rounding) differs between calls; bf16 rounds those away but for
-    the rare sum next to a rounding boundary."""
-    a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= 2**-8 * torch.maximum(a.abs(), b.abs()) + 1e-30).all())
-
-
 def test_loop_of_calls_with_changing_inputs_is_stable():
+    """200 calls, the inputs changing every call (4 sets in turn): every call's results within the
+    fp64 formula's tolerance. dK, dV and dQ are sums of fp32 red.add / TMA reduce-adds whose order
+    differs between calls, so the same inputs need not give the same bits: the test prints how many
+    calls did, and the largest difference to the first call on the same inputs."""
     W, S, layout = 2, 160, "zigzag"
     world = mkernel.World.emulated(W, device="cuda")
-    inputs = []
+    inputs, exact = [], []
     for seed in range(4):
-        q, k, v, dout = (x.cuda() for x in _inputs(W, 1, S, 2, 2, seed=30 + seed))
-        out, lse = mkernel.ring_attention(q, k, v, world, True, None, layout)
-        inputs.append((dout, q, k, v, out, lse))
-    first = [mkernel.ring_attention_backward(*x, world, True, None, layout) for x in inputs]
-    results = []
-    for i in range(200):  # the inputs change every call; the same inputs give the same bits
-        results.append(mkernel.ring_attention_backward(*inputs[i % 4], world, True, None, layout))
+        q, k, v, dout = _inputs(W, 1, S, 2, 2, seed=30 + seed)
+        qg, kg, vg, dg = (x.cuda() for x in (q, k, v, dout))
+        out, lse = mkernel.ring_attention(qg, kg, vg, world, True, None, layout)
+        inputs.append((dg, qg, kg, vg, out, lse))
+        exact.append(_exact(q, k, v, dout, out.cpu(), lse.cpu(), True, 1 / 8, layout, p_bf16=True))
+    results = [mkernel.ring_attention_backward(*inputs[i % 4], world, True, None, layout)
+               for i in range(200)]  # fmt: skip
     torch.cuda.synchronize()
     world.check()
-    exact = 0
+    same, worst = 0, 0.0
     for i, got in enumerate(results):
-        want = first[i % 4]
-        assert all(_same_up_to_one_ulp(a, b) for a, b in zip(got, want, strict=True)), f"call {i}"
-        exact += all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    print(f"{exact} of {len(results)} calls gave the same bits as the first with their inputs")
-    dout, q, k, v, out, lse = (x.cpu() for x in inputs[3])
-    got = [g.cpu() for g in results[-1]]
-    _assert_grads(got, q, k, v, dout, out, lse, True, 1 / 8, layout, "loop", p_bf16=True)
+        for name, g, (x, tol) in zip("dq dk dv".split(), got, exact[i % 4], strict=True):
+            assert_within(g.cpu(), x, tol, f"call {i}: {name}")
+        first = results[i % 4]
+        same += all(torch.equal(a, b) for a, b in zip(got, first, strict=True))
+        worst = max(
+            worst, *((a.float() - b.float()).abs().max().item() for a, b in zip(got, first, strict=True))
+        )
+    print(f"{same} of {len(results)} calls gave the bits of the first call on their inputs; "
+          f"largest difference {worst:.3g}")  # fmt: skip
     _assert_workspace_zero(world)
