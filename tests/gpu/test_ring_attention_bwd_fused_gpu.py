@@ -130,7 +130,8 @@ def test_loop_of_calls_with_changing_inputs_is_stable():
         first = results[i % 4]
         same += all(torch.equal(a, b) for a, b in zip(got, first, strict=True))
         worst = max(
-            worst, *((a.float() - b.float()).abs().max().item() for a, b in zip(got, first, strict=True))
+            worst,
+            *((a.float() - b.float()).abs().max().item() for a, b in zip(got, first, strict=True)),
         )
     print(f"{same} of {len(results)} calls gave the bits of the first call on their inputs; "
           f"largest difference {worst:.3g}")  # fmt: skip
