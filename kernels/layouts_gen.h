@@ -280,4 +280,86 @@ struct Layout {
 };
 }  // namespace ring_attention
 
+// ring_attention_backward: ring attention backward: K/V travel the ring, fp32 dK/dV partials travel with them
+namespace ring_attention_backward {
+enum Pad : int {
+  kPadBarrier = 0,
+  kPadLanded = 1,
+  kPadLandedCount = 2,
+  kPadComputed = 3,
+  kPadComputedCount = 4,
+  kPadDlanded = 5,
+  kPadDlandedCount = 6,
+};
+constexpr int kTagKey = 11;
+constexpr int kGrad = 16;
+constexpr int kFinish = 17;
+constexpr int kPrep = 18;
+constexpr int kDq = 19;
+constexpr int kHome = 20;
+constexpr int kRowTile = 64;
+struct Layout {
+  RankPtr<const __nv_bfloat16> dout;  // [rows, q_cols] input: [B * S, Hq * D]
+  RankPtr<const __nv_bfloat16> q;  // [rows, q_cols] input: [B * S, Hq * D]
+  RankPtr<const __nv_bfloat16> k;  // [rows, kv_cols] input: [B * S, Hkv * D]
+  RankPtr<const __nv_bfloat16> v;  // [rows, kv_cols] input: [B * S, Hkv * D]
+  RankPtr<const __nv_bfloat16> out;  // [rows, q_cols] input: [B * S, Hq * D]
+  RankPtr<const float> lse;  // [lse_rows, seq] input: [B * Hq, S]
+  RankPtr<const float> dlse;  // [lse_rows, seq] input: grad of lse (zeros: none)
+  RankPtr<__nv_bfloat16> dq;  // [rows, q_cols] output: [B * S, Hq * D]
+  RankPtr<__nv_bfloat16> dk;  // [rows, kv_cols] output: [B * S, Hkv * D]
+  RankPtr<__nv_bfloat16> dv;  // [rows, kv_cols] output: [B * S, Hkv * D]
+  SymPtr<__nv_bfloat16> k_ring;  // [ring_rows, kv_cols] symmetric: W - 1 K slots: the block of step s >= 1 at rows (s - 1) * B * S
+  __nv_bfloat16* k_ring_local;
+  SymPtr<__nv_bfloat16> v_ring;  // [ring_rows, kv_cols] symmetric: V slots
+  __nv_bfloat16* v_ring_local;
+  SymPtr<float> delta;  // [delta_rows, delta_cols] symmetric: per (q chunk, head, q tile of 64 rows): lse * log2 e [64] | delta [64]; rows past the chunk +inf | 0
+  float* delta_local;
+  SymPtr<float> dq_acc;  // [rows, q_cols] symmetric: dQ of every compute task, reduce-added, fp32 (zero between calls)
+  float* dq_acc_local;
+  SymPtr<float> dkv_acc;  // [acc_rows, acc_cols] symmetric: per step: the held block's dK | dV partial, fp32 (zero between calls)
+  float* dkv_acc_local;
+  int batch;
+  int seq;
+  int heads;
+  int kv_heads;
+  int head_dim;
+  int causal;
+  int zigzag;
+  int scale_bits;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.dout = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.q = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.k = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.v = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot3]), rec[kRecStride3]};
+    l.out = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot4]), rec[kRecStride4]};
+    l.lse = {reinterpret_cast<const float*>(rec[kRecSlot5]), rec[kRecStride5]};
+    l.dlse = {reinterpret_cast<const float*>(rec[kRecSlot6]), rec[kRecStride6]};
+    l.dq = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot7]), rec[kRecStride7]};
+    l.dk = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot8]), rec[kRecStride8]};
+    l.dv = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot9]), rec[kRecStride9]};
+    l.k_ring = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot10])};
+    l.k_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride10]);
+    l.v_ring = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot11])};
+    l.v_ring_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride11]);
+    l.delta = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot12])};
+    l.delta_local = reinterpret_cast<float*>(rec[kRecStride12]);
+    l.dq_acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot13])};
+    l.dq_acc_local = reinterpret_cast<float*>(rec[kRecStride13]);
+    l.dkv_acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot14])};
+    l.dkv_acc_local = reinterpret_cast<float*>(rec[kRecStride14]);
+    l.batch = (int)rec[kRecScalar0];
+    l.seq = (int)rec[kRecScalar1];
+    l.heads = (int)rec[kRecScalar2];
+    l.kv_heads = (int)rec[kRecScalar3];
+    l.head_dim = (int)rec[kRecScalar4];
+    l.causal = (int)rec[kRecScalar5];
+    l.zigzag = (int)rec[kRecScalar6];
+    l.scale_bits = (int)rec[kRecScalar7];
+    return l;
+  }
+};
+}  // namespace ring_attention_backward
+
 }  // namespace mk::spec

@@ -2,9 +2,9 @@
 the layout's global positions (computed here, never from mkernel.reference), with a tolerance from
 the bf16 rounding of the results and of the out / lse inputs and fp32 sums; NaN-poisoned outputs;
 pads and the dK/dV workspace back to zero; two calls in a row; autograd through ring_attention
-(out and lse); the reference; the plan is the forward's plus the dK / dV way back; bad input named
-before anything runs; planted protocol mistakes (races on the K/V slots and on dkv_acc, a q tile
-split across units, a dk tile never stored)."""
+(out and lse); the reference; the plan is the forward's K/V ring plus K/V-tile compute tasks and
+the dK / dV way back; bad input named before anything runs; planted protocol mistakes (races on the
+K/V slots, on delta and dkv_acc, a dk tile never stored)."""
 
 from __future__ import annotations
 
@@ -269,23 +269,26 @@ def _plan(W: int, S: int, causal: bool, layout: str, **sched):
     return mkernel.Schedule(**sched).plan("ring_attention_backward", world, **s)
 
 
-def _comm(plan, r: int, kind: int):
-    return [t for t in plan.roles["comm"].tasks[r] if t.args[1] == kind]
+def _comm(plan, r: int, *kinds: int):
+    return [t for t in plan.roles["comm"].tasks[r] if t.args[1] in kinds]
 
 
 def test_contiguous_causal_partials_go_down_the_ring_and_home():
     W = 4
     plan = _plan(W, 20, True, "contiguous")
     for r in range(W):  # rank r holds blocks r, r-1, .., 0 at steps 0..r
-        grads = _comm(plan, r, rb.GRAD)
-        dests = {t.args[0]: (t.raises[0].rank, t.raises[0].index) for t in grads}
-        want = {s: (r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
+        grads = _comm(plan, r, rb.GRAD, rb.HOME)
+        dests = {(t.args[0], t.args[1], t.raises[0].rank, t.raises[0].index) for t in grads}
+        want = {(s, rb.GRAD, r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
         if r == W - 1:  # the last rank returns each block's gradient to its owner (slot 0)
-            want = {s: (r - s, (0,)) for s in range(1, r + 1)}
+            want = {(s, rb.HOME, r - s, (0,)) for s in range(1, r + 1)}
         assert dests == want, f"rank {r}"
-        (finish,) = _comm(plan, r, rb.FINISH)
+        assert len(grads) == len(want) * plan.extra["tails"], "one grad send per part"
+        finishes = _comm(plan, r, rb.FINISH)
+        assert len(finishes) == plan.extra["tails"]
         pad = "computed" if r == W - 1 else "dlanded"  # the last rank's block stays at home
-        assert [(w.pad, w.index) for w in finish.waits] == [(pad, (0,))]
+        for finish in finishes:
+            assert [(w.pad, w.index) for w in finish.waits] == [(pad, (0,))]
 
 
 def _step(plan, task) -> int | None:
@@ -299,7 +302,7 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
     plan = _plan(W, 20, False, "zigzag")
     for r in range(W):
         computes = plan.roles["compute"].tasks[r]
-        for t in _comm(plan, r, rb.GRAD):
+        for t in _comm(plan, r, rb.GRAD, rb.HOME):
             s = t.args[0]
             n = sum(_step(plan, c) == s for c in computes)
             (w,) = [w for w in t.waits if w.pad == "computed"]
@@ -315,26 +318,59 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
         (1, 5, True, "contiguous", dict()),
     ],
 )
-def test_the_plan_is_the_forwards_plus_the_way_back(W, S, causal, layout, sched):
-    """The forward's compute rows (a q tile's tasks on one unit, step-major: its laws are
-    tests/test_ring_attention.py's), each adding 1 to computed[its step]; the forward's K/V sends,
-    then the grad sends by step, then the finish (the order that cannot deadlock, make_plan)."""
+def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, sched):
+    """Compute tasks: every K/V tile of every (q chunk, K/V chunk) pair a rank sees once, each
+    adding 1 to computed[its step], a unit step-major, its first task waiting for the prep
+    (landed[0]); comm tasks: the preps, the forward's K/V sends (the same rows, destinations and
+    signals; only the consumer counts of landed differ), the grad sends by step, then dq and the
+    finish (the order that cannot deadlock, make_plan)."""
     back = _plan(W, S, causal, layout, **sched)
     world = mkernel.World.emulated(W)
-    fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes, scale_bits=0)
-    assert back.tiles == fwd.tiles and back.extra["out_tiles"] == fwd.extra["out_tiles"]
-    assert (back.compute_units, back.comm_units) == (fwd.compute_units, fwd.comm_units)
+    fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes)
+    C, tk, units = back.extra["chunks"], back.extra["kv_tile"], back.compute_units
     for r in range(W):
-        for b, f in zip(back.roles["compute"].tasks[r], fwd.roles["compute"].tasks[r], strict=True):
-            s = _step(back, b)
-            computed = () if s is None else (("computed", r, (s,), 1, "add"),)
-            assert (b.id, b.args, b.waits) == (f.id, f.args, f.waits)
-            assert [(x.pad, x.rank, x.index, x.value, x.op) for x in b.raises] == list(computed)
-        comm, sends = back.roles["comm"].tasks[r], fwd.roles["comm"].tasks[r]
-        assert comm[: len(sends)] == sends, f"rank {r}: the K/V sends are not the forward's"
-        steps = [t.args[0] for t in comm[len(sends) : -1]]
-        assert all(t.args[1] == rb.GRAD for t in comm[len(sends) : -1]) and steps == sorted(steps)
-        assert comm[-1].args == (0, rb.FINISH)
+        rows = back.roles["compute"].tasks[r]
+        seen = []
+        for u in range(units):
+            mine = [t for t in rows[u::units] if back.tiles[t.args[0]].rows]
+            steps = [_step(back, t) for t in mine]
+            assert steps == sorted(steps), f"rank {r} unit {u}: not step-major"
+            for i, t in enumerate(mine):
+                tile, s = back.tiles[t.args[0]], _step(back, t)
+                assert [(x.pad, x.rank, x.index, x.op) for x in t.raises] == [
+                    ("computed", r, (s,), "add")
+                ]
+                waits = {(w.pad, w.index) for w in t.waits}
+                want = ({("landed", (0,))} if i == 0 else set()) | (
+                    {("landed", (s,))} if s else set()
+                )
+                assert waits == want, f"rank {r} unit {u} task {i}"
+                key = ra.unpack_tag(tile.tag)[0]
+                seen.append((s, rb.unpack_key(key, C, back.shapes["kv_heads"]), tile.m0))
+        # every K/V tile of every pair the forward computes on this rank, once
+        want, pairs = [], set()  # the (step, q chunk, K/V chunk) pairs the forward computes
+        for t in fwd.roles["compute"].tasks[r]:
+            ft = fwd.tiles[t.args[0]]
+            if ft.rows:
+                v = ra.task_view(fwd, ft)
+                pairs.add((v.step, v.b, v.hk, v.q0 // (S // C), v.k0 // (S // C)))
+        Sc = S // C
+        for s, b, hk, cq, ck in sorted(pairs):
+            for m0 in range(0, Sc, tk):
+                want.append((s, (b, hk, cq, ck), m0))
+        assert sorted(seen) == sorted(want), f"rank {r}: K/V tiles"
+        comm = back.roles["comm"].tasks[r]
+        kinds = [t.args[1] for t in comm]
+        sends = [t for t in comm if t.args[1] < rb.GRAD]
+        strip = lambda t: (t.id, t.args, t.raises, [(w.pad, w.index, w.value) for w in t.waits])  # noqa: E731
+        assert [strip(t) for t in sends] == [strip(t) for t in fwd.roles["comm"].tasks[r]]
+        order = [0 if k == rb.PREP else 1 if k < rb.GRAD else 2 if k in (rb.GRAD, rb.HOME) else 3
+                 for k in kinds]  # fmt: skip
+        assert order == sorted(order), f"rank {r}: comm order"
+        grad_steps = [t.args[0] for t in comm if t.args[1] in (rb.GRAD, rb.HOME)]
+        assert grad_steps == sorted(grad_steps)
+        assert kinds.count(rb.DQ) == kinds.count(rb.FINISH) == back.extra["tails"]
+        assert kinds.count(rb.PREP) == back.extra["preps"]
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -424,22 +460,12 @@ def test_a_compute_task_without_its_landed_wait_is_a_race_on_the_slot(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_a_q_tile_split_across_units_loses_its_dq(seed):
-    # unit 0 runs a task of a q tile unit 1 began (and the other way round): the tile's dQ state
-    # is where unit 1 left it, unordered with unit 0's read
-    def later(plan, rows: list, unit: int) -> int:  # the row of unit's first non-first task
-        for i in range(unit, len(rows), plan.compute_units):
-            tile = plan.tiles[rows[i].args[0]]
-            if tile.rows and not ra.unpack_tag(tile.tag)[3]:
-                return i
-        raise AssertionError(f"unit {unit} continues no q tile")
-
+def test_compute_tasks_that_do_not_wait_for_the_prep_race_on_delta(seed):
     def edit(plan, tasks):
-        rows = tasks["compute"][0]
-        i, j = later(plan, rows, 0), later(plan, rows, 1)
-        rows[i], rows[j] = rows[j], rows[i]
+        for t in tasks["compute"][1]:
+            t.waits = tuple(w for w in t.waits if w.index != (0,))
 
-    with pytest.raises(AssertionError, match="continues a q tile"):
+    with pytest.raises(RaceError, match="delta"):
         _run(3, 20, "contiguous", False, edit=edit, seed=seed)
 
 

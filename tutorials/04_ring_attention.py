@@ -155,6 +155,7 @@ for name, leaf, want in zip("qkv", leaves, ref, strict=True):
 pads = sum(int(p.abs().sum()) for p in world.signal_pads().values())
 shapes = rb.shapes(dout, q, k, v, out, lse, world, True, "contiguous")
 plan = mkernel.Schedule().plan("ring_attention_backward", world, **shapes)
-sends = [[t.args[0] for t in ts if t.args[1] == rb.GRAD] for ts in plan.roles["comm"].tasks]
+grad = (rb.GRAD, rb.HOME)  # on to the next holder, or home to the block's owner (in row parts)
+sends = [sorted({t.args[0] for t in ts if t.args[1] in grad}) for ts in plan.roles["comm"].tasks]
 print(f"backward: d{{q,k,v}} match the reference (autograd, fp32); pads {pads}")
 print(f"  causal contiguous plan: grad sends per rank (steps) {sends}")

@@ -1,8 +1,8 @@
 """Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
-Function that makes ``ring_attention`` differentiable. Fused in the CPU interpreter only
-(``SPEC.device`` is False), on the forward's plan shape (mkernel/ops/ring_attention.py,
-``ring_tasks``); in an emulated world on a GPU it runs unfused on the backward engine
-(ring_attention_gpu.backward).
+Function that makes ``ring_attention`` differentiable. The same plan runs in the CPU interpreter
+and, in emulated GPU worlds, as one launch of the fused kernel (kernels/ring_attention_backward.cu:
+the backward engine, primitives/attention/bwd_engine.cuh, on the persistent template); distributed
+GPU worlds run the unfused ring of ring_attention_dist.py.
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -10,45 +10,25 @@ Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, 
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = scale dS K;  dK = scale dS^T Q
     dq_r, dk_r, dv_r = those rows of rank r (GQA: dK, dV summed over the q heads of a K/V head)
 
-Per (q tile, K/V chunk), FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T -
-lse)), delta = rowsum(dO * O) - dlse once per q tile, all in fp32.
+FlashAttention-style: P is recomputed from lse (P = exp(scale q k^T - lse)), delta = rowsum(dO *
+O) - dlse once per q row (the prep), all in fp32.
 
-Protocol (docs/ring_attention.md, "Backward"): the forward's plan, unchanged: the K/V blocks travel
-the ring into W - 1 slots per rank (``landed`` counted, ``parts`` comm tasks per step, no
-``free``); a compute task is one (q tile, K/V chunk of one step) pair that waits ``landed[s]`` (s
-> 0); a unit runs its q tiles' tasks step-major, all of one q tile's tasks on that unit, which
-keeps the tile's fp32 dQ accumulator and delta in the ``state`` workspace between them (program
-order: no signal); the tile's first task computes delta, its last stores dq once in bf16. What is
-new is the way back of dK / dV:
+Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the forward's K/V ring
+(W - 1 slots per rank, ``landed`` counted, ``parts`` sends per step); a compute task is one K/V
+tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
+dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
+``dkv_acc`` slot s and adding 1 to ``computed[s]``; comm tasks in row ranges: the prep (delta
+rows, ``landed[0]``), the K/V sends, the grad sends (slot s on to slot s + 1 of rank r + 1, or
+home to slot 0 of the block's owner, ``dlanded``), dq (bf16 once) and the finish (dk, dv bf16
+once), each zeroing what it read.
 
-- compute (q tile, step s, K/V chunk) reduce-adds its fp32 dK, dV contributions into ``dkv_acc``
-  slot s on its own rank (adds commute: no order among them) and adds 1 to ``computed[s]``;
-- grad (step s) on rank r waits ``computed[s]`` (all of r's contributions to the block it holds)
-  and, s > 0, ``dlanded[s]`` (the partial of the previous holders, reduce-added into the same
-  slot by rank r-1); it reads the slot, zeroes it (workspace back to zero for the next call) and
-  reduce-adds it by a bulk copy into slot s+1 of rank r+1 (``dlanded[s+1]``) when the block goes
-  on, else into slot 0 of the block's owner (``dlanded[0]``: the gradient is home);
-- finish on each rank waits ``dlanded[0]`` (or, when no other rank uses its block, its own
-  ``computed[0]``), reads slot 0, zeroes it and stores dk, dv once in bf16.
-
-A comm task's args: a K/V send's are the forward's (s, part, row0, rows), part < ``GRAD``; a grad
-send's (s, GRAD), the finish's (0, FINISH). A rank's comm tasks: its K/V sends (the forward's, in
-the same rows), then its grad sends by step, then its finish. One ``dkv_acc`` slot per step (W
-slots): a slot is used once per call, so the partials need no ``free`` signal; the next call's
-adds are ordered after this call's zeroing by the entry barrier.
-
-    W = 3, contiguous, causal (rank r holds B0..Br); g = the grad send of a partial; +in: the
-    previous holders' partial, added into the same slot
-    step:     0                         1                            2
-    rank 0:   q0.B0; g B0 -> r1 slot 1  -                            finish: dlanded[0]
-    rank 1:   q1.B1; g B1 -> r2 slot 1  q1.B0 (+in); g -> r2 slot 2  finish: dlanded[0]
-    rank 2:   q2.B2 (own; finish:       q2.B1 (+in); g -> r1 slot 0  q2.B0 (+in); g -> r0 slot 0
+    W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
+    previous holders' partial, added into the same slot)
+    step:     0                          1                             2
+    rank 0:   B0 tiles; g -> r1 slot 1   -                             finish: dlanded[0]
+    rank 1:   B1 tiles; g -> r2 slot 1   B0 tiles (+in); g -> r2 s 2   finish: dlanded[0]
+    rank 2:   B2 tiles (finish:          B1 tiles (+in); g -> r1 s 0   B0 tiles (+in); g -> r0 s 0
               computed[0])
-
-GPU mapping (not built): as the forward's kernel runs its plan, a unit's q tile keeps dQ and
-delta in registers within a step's run and in ``state`` between steps; its dK / dV contributions
-go out with red.global.add (or a per-CTA reduction first); the comm role's grad send is
-cp.reduce.async.bulk .add into the peer's slot.
 """
 
 from __future__ import annotations
@@ -61,13 +41,33 @@ import torch
 
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
-from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
+from ..schedule import (
+    TILE_CONFIGS,
+    Plan,
+    Schedule,
+    Tile,
+    build_plan,
+    is_resolved,
+    resolve,
+    split_units,
+)
 from ..world import World
 from . import common
 from . import ring_attention as fwd
 
-# comm args[1] beyond a K/V send's part: a grad send, the finish
-GRAD, FINISH = fwd.MAX_PARTS, fwd.MAX_PARTS + 1
+# comm args[1] beyond a K/V send's part: a grad send on (to the next holder) or home (to the
+# block's owner), the finish, the prep, the dq store
+GRAD, FINISH, PREP, DQ, HOME = (fwd.MAX_PARTS + i for i in range(5))
+KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
+ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
+ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
+LANDED = Pad(
+    "landed",
+    ("step",),
+    ("W",),
+    counted=True,
+    doc="step s > 0: the K/V block of step s is in my slot; step 0: my delta rows are prepared",
+)
 SPEC = OpSpec(
     name="ring_attention_backward",
     doc="ring attention backward: K/V travel the ring, fp32 dK/dV partials travel with them",
@@ -82,11 +82,19 @@ SPEC = OpSpec(
         Buffer("dv", "output", torch.bfloat16, ("rows", "kv_cols"), "[B * S, Hkv * D]"),
         *fwd.KV_RING,
         Buffer(
-            "state",
+            "delta",
             "symmetric",
             torch.float32,
-            ("state_rows", "state_cols"),
-            "per q row between a tile's tasks: dQ acc [D] (fp32), delta",
+            ("delta_rows", "delta_cols"),
+            "per (q chunk, head, q tile of 64 rows): lse * log2 e [64] | delta [64]; rows past "
+            "the chunk +inf | 0",
+        ),
+        Buffer(
+            "dq_acc",
+            "symmetric",
+            torch.float32,
+            ("rows", "q_cols"),
+            "dQ of every compute task, reduce-added, fp32 (zero between calls)",
         ),
         Buffer(
             "dkv_acc",
@@ -97,21 +105,49 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
-        fwd.LANDED,
-        Pad("computed", ("step",), ("W",), doc="my compute tasks of step added their dK, dV"),
+        LANDED,
+        Pad(
+            "computed",
+            ("step",),
+            ("W",),
+            counted=True,
+            doc="my compute tasks of step added their dK, dV, dQ",
+        ),
         Pad(
             "dlanded",
             ("step",),
             ("W",),
+            counted=True,
             doc="the previous holders' partial is in my slot (0: home)",
         ),
     ),
-    scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag"),
-    device=False,
+    scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
+    constants=(
+        ("tag_key", fwd.TAG_KEY),
+        ("grad", GRAD),
+        ("finish", FINISH),
+        ("prep", PREP),
+        ("dq", DQ),
+        ("home", HOME),
+        ("row_tile", ROW_TILE),
+    ),
 )
 
 
 # -- the plan -------------------------------------------------------------------------------------
+
+
+def pack_key(b: int, hk: int, cq: int, ck: int, chunks: int, kv_heads: int) -> int:
+    """A compute task's key (its tag above TAG_KEY): batch, K/V head, q chunk, K/V chunk."""
+    return ((b * kv_heads + hk) * chunks + cq) * chunks + ck
+
+
+def unpack_key(key: int, chunks: int, kv_heads: int) -> tuple[int, int, int, int]:
+    """(b, hk, cq, ck) of a compute task's key."""
+    rest, ck = divmod(key, chunks)
+    bh, cq = divmod(rest, chunks)
+    b, hk = divmod(bh, kv_heads)
+    return b, hk, cq, ck
 
 
 def make_plan(
@@ -124,62 +160,183 @@ def make_plan(
     head_dim: int,
     causal: int,
     zigzag: int,
+    scale_bits: int = 0,
 ) -> Plan:
-    """The forward's plan (``ring_tasks``: its K/V ring, its compute tasks, a q tile's on one unit),
-    each compute task also raising ``computed``, plus the grad sends and a finish per rank.
+    """The backward's plan: the forward's K/V ring (its sends, ``landed`` counted), compute tasks
+    that each own one K/V tile of a held block (the backward engine's shape: dK, dV of the tile
+    in registers over a walk of every q row of one q chunk, all q heads of the tile's K/V head),
+    and the comm tasks around them, each in ``parts`` row ranges (one per comm unit):
 
-    NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a K/V send of step s
-    (0, s), a compute task of step s (1, s), a grad send of step s (2, s), the finish (3, 0). Each
-    wait is for tasks of a smaller key: a K/V send of step s waits ``landed[s]`` (K/V sends of
-    s - 1 on r - 1), a compute task of step s the same, a grad send of step s ``computed[s]``
-    (compute tasks of step s) and ``dlanded[s]`` (the grad send of s - 1 on r - 1), the finish
-    grad sends or compute tasks of step 0. Each unit runs its tasks in non-decreasing key order:
-    a compute unit only compute tasks, step-major (empty ones wait for nothing); a comm unit
-    takes rows u, u + units, ... of K/V sends by step, then grad sends by step, then the finish.
-    Were the run stalled (each unfinished unit's head task waiting), take the waiting head t of
-    least key: t waits for an unfinished t' of smaller key; the head h of t''s unit has key(h) <=
-    key(t') < key(t) and waits too: a contradiction. (The K/V sends first also keep the ring from
-    waiting behind compute.)"""
-    W = world.size
-    scalars = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    p = fwd.ring_tasks(SPEC, schedule, world, **scalars, causal=causal, zigzag=zigzag)
-    sends, readers = p.extra["sends"], p.readers
-    # holds[r][s]: rank r holds a block at step s (its own at 0, else one its predecessor sent)
-    holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
+    - prep (the rank's first comm tasks): delta = rowsum(dO * O) - dlse and lse * log2 e into the
+      ``delta`` workspace, a range of its 64-row tiles each; each adds 1 to its own ``landed[0]``,
+      which the first compute task of every unit waits for;
+    - compute (step s, K/V tile, q chunk): waits ``landed[s]`` (s > 0); reduce-adds its dQ into
+      ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s; adds 1 to ``computed[s]``;
+    - grad (step s, rows): waits ``computed[s]`` and, s > 0, ``dlanded[s]``; reduce-adds the
+      slot's rows into slot s + 1 of rank r + 1 (``dlanded[s + 1]``; args[1] GRAD) or slot 0 of
+      the block's owner (``dlanded[0]``; HOME), zeroes them;
+    - dq (rows): waits ``computed[s]`` of every step; dq = bf16(dq_acc rows), zeroes them;
+    - finish (rows): waits ``dlanded[0]`` (or, when nobody else uses my block, ``computed[0]``);
+      dk, dv = bf16(slot 0 rows), zeroes them.
 
-    for r, tasks in enumerate(p.compute):
-        for t in tasks:
-            tile = p.tiles[t.args[0]]
-            if tile.rows:  # not an empty task that pads a unit
-                step = fwd.unpack_tag(tile.tag)[1]
-                t.raises = t.raises + (Raise("computed", r, (step,), op="add"),)
+    NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a prep (0, 0), a K/V
+    send of step s (1, s), a compute task of step s (2, s), a grad send of step s (3, s), dq and
+    finish (4, 0). Each wait is for tasks of a smaller key (K/V sends and compute tasks wait for
+    K/V sends of s - 1 and preps; grad sends for compute tasks of s and grad sends of s - 1; dq
+    and finish for compute tasks and grad sends), and each unit runs its tasks in non-decreasing
+    key order (a compute unit step-major, a comm unit its rows in the order above). Were the run
+    stalled, take the waiting head t of least key: it waits for an unfinished t' of smaller key;
+    the head h of t''s unit has key(h) <= key(t') < key(t) and waits too: a contradiction."""
+    W, S, D, B, H, Hkv = world.size, seq, head_dim, batch, heads, kv_heads
+    if W > 256 or B * Hkv * 4 >= 1 << (31 - fwd.TAG_KEY):
+        raise ValueError(
+            f"ring attention backward plans up to W = 256 and B * Hkv < {1 << (29 - fwd.TAG_KEY)} "
+            f"(a task's tag), got W = {W}, B * Hkv = {B * Hkv}"
+        )
+    if not is_resolved(schedule):  # a direct call (the API resolves first): as build_plan would
+        schedule, _ = resolve(schedule, SPEC.name, world, {})
+    C = fwd.num_chunks(zigzag, causal, W)
+    Sc, group = S // C, H // Hkv
+    tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
+    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
+    parts = max(1, min(fwd.MAX_PARTS, comm_units, B * S))
+    # prep, grad, dq and finish parts: one per comm unit (their kind is args[1], not a part);
+    # a prep part is a range of 64-row tiles of the (q chunk, head) pairs' rows
+    qt = -(-Sc // ROW_TILE)
+    preps, tails = min(comm_units, B * C * H * qt), max(1, min(comm_units, B * S))
 
-    def computed(r: int, s: int) -> tuple[Wait, ...]:
-        n = readers[r][s]
-        return (Wait("computed", r, (s,), value=n),) if n else ()
-
-    first_id = W * p.extra["parts"]  # after the K/V sends' ids
-    for r, tasks in enumerate(p.comm):
-        nxt = (r + 1) % W
+    # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
+    tiles: list[Tile] = []
+    per_rank: list[list[list[tuple[int, int]]]] = []
+    readers = [[0] * W for _ in range(W)]
+    for r in range(W):
+        steps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
         for s in range(W):
-            if not holds[r][s] or (s == 0 and 0 not in sends[r]):
-                continue  # nothing held, or my own block that nobody else uses: finish has it
-            waits = computed(r, s) + ((Wait("dlanded", r, (s,)),) if s else ())
-            on = s in sends[r]
-            dest = Raise("dlanded", nxt, (s + 1,)) if on else Raise("dlanded", (r - s) % W, (0,))
-            tasks.append(Task(first_id + s, (s, GRAD), waits, (dest,)))
-        home = (Wait("dlanded", r, (0,)),) if 0 in sends[r] else computed(r, 0)
-        tasks.append(Task(first_id + W, (0, FINISH), home, ()))
+            for b in range(B):
+                for hk in range(Hkv):
+                    for cq in range(C):
+                        gq = fwd.chunk_id(r, cq, W, zigzag)
+                        for ck in range(C):
+                            gk = fwd.chunk_id((r - s) % W, ck, W, zigzag)
+                            diag = bool(causal) and gk == gq
+                            if causal and gk > gq:
+                                continue
+                            outer = b * C + ck if s == 0 else ((s - 1) * B + b) * C + ck
+                            key = pack_key(b, hk, cq, ck, C, Hkv)
+                            tag = fwd.pack_tag(key, s, diag, False, False)
+                            for m0 in range(0, Sc, tk):
+                                n = min(tk, Sc - m0)
+                                cost = group * ((Sc - m0) if diag else Sc)
+                                steps[s].append((cost, len(tiles)))
+                                tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
+                                readers[r][s] += 1
+        per_rank.append(steps)
+    empty = len(tiles)
+    tiles.append(Tile(empty, 0, 0, 0, 0, 0))
 
-    sizes = p.sizes | {
-        "state_cols": head_dim + 1,
-        "acc_rows": W * batch * seq,
-        "acc_cols": 2 * kv_heads * head_dim,
-    }
-    extra = p.extra | {"holds": holds}
-    tile = TILE_CONFIGS["64x128x64"]  # unused: this op has no device kernel
-    args = (p.shapes, sizes, p.tiles, p.compute, p.comm, extra)
-    return build_plan(SPEC, p.schedule, world, tile, *args)
+    # needed[r][s]: rank r holds the block of step s for itself or a rank downstream of it
+    needed = [[False] * W for _ in range(W)]
+    for s in reversed(range(W)):
+        for r in range(W):
+            later = s + 1 < W and needed[(r + 1) % W][s + 1]
+            needed[r][s] = readers[r][s] > 0 or later
+    sends = [[s for s in range(W - 1) if needed[(r + 1) % W][s + 1]] for r in range(W)]
+    holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
+    home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0])
+
+    def landed(r: int, s: int) -> tuple[Wait, ...]:
+        n = readers[r][s] + (parts if s in sends[r] else 0)
+        return (Wait("landed", r, (s,), value=parts, consumers=n),)
+
+    compute, comm = [], []
+    for r in range(W):
+        nxt = (r + 1) % W
+        # K/V tiles to units: each step's longest first onto the least loaded unit, step-major
+        # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
+        # u, u + units, ... (the template's rule); empty tasks pad the shorter units.
+        load, lists = [0] * units, [[] for _ in range(units)]
+        for s in range(W):
+            for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
+                u = min(range(units), key=load.__getitem__)
+                load[u] += cost
+                lists[u].append(t)
+        busy = sum(1 for x in lists if x)
+        prepped = Wait("landed", r, (0,), value=preps, consumers=busy)
+        depth = max(len(x) for x in lists)
+        rows = [Task(empty, (empty,)) for _ in range(depth * units)]
+        for u, ids in enumerate(lists):
+            for i, t in enumerate(ids):
+                s = fwd.unpack_tag(tiles[t].tag)[1]
+                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())
+                rows[i * units + u] = Task(t, (t,), waits, (Raise("computed", r, (s,), op="add"),))
+        compute.append(rows)
+
+        def computed(s: int, n_consumers: int, r: int = r) -> tuple[Wait, ...]:
+            n = readers[r][s]
+            # NOTE: patience 2 (3 for dlanded): these follow other waits (the compute tasks'
+            # landed, the previous holder's computed), which report a silent peer first
+            wait = Wait("computed", r, (s,), value=n, consumers=n_consumers, patience=2)
+            return (wait,) if n else ()
+
+        def split(n: int, k: int) -> list[tuple[int, int]]:
+            bounds = [p * n // k for p in range(k + 1)]
+            return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
+
+        # consumers of computed[s]: the grad parts of s (or, s = 0 not sent, the finish parts)
+        # and the dq parts
+        grads = [s for s in range(W) if holds[r][s] and (s > 0 or home[r])]
+        n_comp = [tails * ((s in grads) + (s == 0 and not home[r]) + 1) for s in range(W)]
+        tasks: list[Task] = []
+        tid = W * parts  # after the K/V sends' ids
+        for p0, n in split(B * C * H * qt, preps):
+            tasks.append(Task(tid, (0, PREP, p0, n), (), (Raise("landed", r, (0,), op="add"),)))
+            tid += 1
+        bounds = [p * B * S // parts for p in range(parts + 1)]
+        arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
+        for s in sends[r]:
+            for p in range(parts):
+                args = (s, p, bounds[p], bounds[p + 1] - bounds[p])
+                tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
+        rows_split = split(B * S, tails)
+        for s in grads:
+            on = s in sends[r]
+            waits = computed(s, n_comp[s])
+            if s:
+                waits += (Wait("dlanded", r, (s,), value=tails, consumers=tails, patience=3),)
+            dest = Raise("dlanded", nxt, (s + 1,), op="add") if on else None
+            dest = dest or Raise("dlanded", (r - s) % W, (0,), op="add")
+            for r0, n in rows_split:
+                tasks.append(Task(tid, (s, GRAD if on else HOME, r0, n), waits, (dest,)))
+                tid += 1
+        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
+        for r0, n in rows_split:
+            tasks.append(Task(tid, (0, DQ, r0, n), every, ()))
+            tid += 1
+        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
+        for r0, n in rows_split:
+            tasks.append(Task(tid, (0, FINISH, r0, n), back if home[r] else computed(0, n_comp[0])))
+            tid += 1
+        comm.append(tasks)
+
+    shapes = dict(batch=B, seq=S, heads=H, kv_heads=Hkv, head_dim=D, causal=causal, zigzag=zigzag)
+    shapes["scale_bits"] = scale_bits
+    sizes = {
+        "rows": B * S,
+        "q_cols": H * D,
+        "kv_cols": Hkv * D,
+        "lse_rows": B * H,
+        "seq": S,
+        "ring_rows": max(1, W - 1) * B * S,
+        "delta_rows": B * C * H * qt,
+        "delta_cols": 2 * ROW_TILE,
+        "acc_rows": W * B * S,
+        "acc_cols": 2 * Hkv * D,
+    } | shapes
+    extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "tails": tails}
+    extra["sends"] = sends
+    extra |= {"holds": holds, "readers": readers, "row_tiles": qt}
+    tile = TILE_CONFIGS["64x128x64"]  # unused: the backward engine has one tile shape
+    return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
 
 
 # -- input checks and the API ---------------------------------------------------------------------
@@ -198,8 +355,7 @@ def shapes(
 ) -> dict[str, int]:
     """The forward's checks of q, k, v, then dout and out (bf16, like q) and lse (fp32 [B, Hq,
     S_local] per rank); TypeError / ValueError naming the argument. The plan's sizes."""
-    s = fwd.shapes(q, k, v, world, causal, layout)
-    del s["scale_bits"]  # the forward's launch field (this op has no kernel)
+    s = fwd.shapes(q, k, v, world, causal, layout)  # scale_bits: the default scale's
     q_shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
     for name, t in (("dout", dout), ("out", out)):
         if common.check_operand(name, t, world, 4, "[B, S_local, Hq, D]") != q_shape:
@@ -258,9 +414,10 @@ def ring_attention_backward(
     Returns:
         (dq, dk, dv): bf16, dq like q, dk and dv like k and v (GQA: summed over the q heads that
         share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
-        before anything runs. On GPUs it runs unfused: the backward engine per block with fp32
-        sums, in an emulated world (ring_attention_gpu.py) or a distributed one, where K/V and
-        the dK / dV accumulators travel by torch.distributed sends (ring_attention_dist.py).
+        before anything runs; CommTimeout if a wait passes the world's deadline (asynchronous on
+        GPUs: raised by the next call or ``world.check()``). In an emulated GPU world: one launch
+        of the fused kernel (kernels/ring_attention_backward.cu). In a distributed one: unfused,
+        K/V and the dK / dV accumulators by torch.distributed sends (ring_attention_dist.py).
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 
@@ -283,16 +440,7 @@ def run(
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
     module = sys.modules[__name__]
     world = common.check_world(world)
-    if world.on_gpu and world.emulated_world:  # the backward engine per block, unfused
-        common.check_schedule(schedule)
-        s = shapes(dout, q, k, v, out, lse, world, causal, layout)
-        scale = fwd.check_scale(scale, s["head_dim"])
-        if dlse is not None:
-            check_lse("dlse", dlse, world, tuple(lse.shape[1:]))
-        return fwd.ring_attention_gpu.backward(
-            dout, q, k, v, out, lse, dlse, causal, scale, layout == "zigzag"
-        )
-    if world.on_gpu:  # distributed: blocks and dK / dV by NCCL sends (ring_attention_dist)
+    if world.on_gpu and not world.emulated_world:  # distributed: NCCL sends (ring_attention_dist)
         from . import ring_attention_dist as rd
 
         common.check_schedule(schedule)
@@ -304,6 +452,7 @@ def run(
         zigzag = layout == "zigzag"
         return rd.backward(dout, q, k, v, out, lse, dlse, world, causal, scale, zigzag, bwd_block)
     world = common.check_world_for(SPEC, world)
+    common.check_nodes(module, world)
     schedule = common.check_schedule(schedule)
     s = shapes(dout, q, k, v, out, lse, world, causal, layout)
     scale = fwd.check_scale(scale, s["head_dim"])
@@ -311,12 +460,23 @@ def run(
         dlse = torch.zeros_like(lse)
     else:
         check_lse("dlse", dlse, world, tuple(lse.shape[1:]))
+    if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_KV_TILE):
+        raise ValueError(
+            f"Schedule.chunk_rows={schedule.chunk_rows}: the GPU backward engine's K/V tile is "
+            f"{ENGINE_KV_TILE} rows (leave it None)"
+        )
     common.check_faults(schedule, world)
+    s["scale_bits"] = fwd.scale_bits(scale)
     plan = common.cached_plan(module, schedule, world, **s)
     # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
-    dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
-    dk = torch.full(k.shape, float("nan"), dtype=torch.bfloat16)
-    dv = torch.full(v.shape, float("nan"), dtype=torch.bfloat16)
+    dev = q.device
+    dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+    dk = torch.full(k.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+    dv = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+    if world.on_gpu:  # the fused kernel (kernels/ring_attention_bwd.cu), one launch
+        ins = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
+        common.run_gpu(world, plan, ins | dict(dq=dq, dk=dk, dv=dv))
+        return dq, dk, dv
     views = operands(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv)
     reads = lambda rank: outputs(plan, rank)  # noqa: E731
     common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
@@ -342,71 +502,97 @@ def operands(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> dict[str,
 
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
-    S, D, H, Hkv = z["seq"], z["head_dim"], z["heads"], z["kv_heads"]
-    BS, KC = z["batch"] * S, Hkv * D  # rows of a block, columns of dK (dV follows)
+    S, D, H, Hkv, B = z["seq"], z["head_dim"], z["heads"], z["kv_heads"], z["batch"]
+    BS, KC, QC = B * S, Hkv * D, H * D  # rows of a block, columns of dK (dV follows), of dQ
+    C, qt = plan.extra["chunks"], plan.extra["row_tiles"]
+    Sc, group, T = S // C, H // Hkv, ROW_TILE
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    sends, out_tiles = plan.extra["sends"], plan.extra["out_tiles"]
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
-    kv_send = fwd.twins_of(plan)["comm"]  # the forward's K/V ring
-    owner: dict[tuple[int, int, int, int], int] = {}  # (call, rank, key, m0) -> its unit
+    log2e = 1.0 / math.log(2.0)
 
-    def compute(ctx, task):  # one (q tile, K/V chunk): dQ into the state, dK / dV into slot s
+    def compute(ctx, task):  # one K/V tile: every q row of one q chunk, all its q heads
         tile = plan.tiles[task.args[0]]
         if tile.rows == 0:  # an empty task that pads the unit's rows
             return
-        v = fwd.task_view(plan, tile)
-        b, h, hk, q0, n, s = v.b, v.h, v.hk, v.q0, v.rows, v.step
-        q_rect = (b * S + q0, n, h * D, D)
-        qv = (yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)).float()
-        do = (yield from twins.tile_load_async(ctx, "dout", ctx.rank, q_rect)).float()
-        kt = (yield from twins.tile_load_async(ctx, v.k_buf, ctx.rank, v.kv_rect)).float()
-        vt = (yield from twins.tile_load_async(ctx, v.v_buf, ctx.rank, v.kv_rect)).float()
-        lse_rect = (b * H + h, 1, q0, n)
-        lse = (yield from twins.tile_load_async(ctx, "lse", ctx.rank, lse_rect))[0]
-        st_rect = ((b * H + h) * S + q0, n, 0, D + 1)
-        fwd.keep_on_unit(owner, ctx, task, v)
-        if v.first:  # the tile's first task: delta = rowsum(dO * O) - dlse, once
-            o = yield from twins.tile_load_async(ctx, "out", ctx.rank, q_rect)
-            dlse = yield from twins.tile_load_async(ctx, "dlse", ctx.rank, lse_rect)
-            state = torch.zeros(n, D + 1)
-            state[:, D] = (do * o.float()).sum(dim=1) - dlse[0]
-        else:
-            state = yield from twins.tile_load(ctx, "state", ctx.rank, st_rect)
-        scores = (qv @ kt.T) * scale  # [n, Sc]
-        if z["causal"]:
-            scores = fwd.mask_future(scores, pos, ctx.rank, v)
-        dq, dk, dv = grads(scores, lse, do, qv, kt, vt, state[:, D], scale)
-        state[:, :D] += dq
-        acc = (s * BS + b * S + v.k0, scores.shape[1])
-        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, hk * D, D), dk)
-        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (*acc, KC + hk * D, D), dv)
-        if not v.last:
-            yield from twins.tile_send(ctx, "state", ctx.rank, st_rect, state)
-            return
-        dq_out = state[:, :D].bfloat16()
-        yield from twins.output_store(ctx, "dq", ctx.rank, q_rect, dq_out, v.out_tile)
+        key, s, _, _, _ = fwd.unpack_tag(tile.tag)
+        b, hk, cq, ck = unpack_key(key, C, Hkv)
+        k0, n = ck * Sc + tile.m0, tile.rows  # the tile's first row within the block
+        k_buf, v_buf, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
+        kv_rect = (base + b * S + k0, n, hk * D, D)
+        kt = (yield from twins.tile_load_async(ctx, k_buf, ctx.rank, kv_rect)).float()
+        vt = (yield from twins.tile_load_async(ctx, v_buf, ctx.rank, kv_rect)).float()
+        q0 = cq * Sc
+        keys = pos[(ctx.rank - s) % W][k0 : k0 + n]
+        future = keys[None, :] > pos[ctx.rank][q0 : q0 + Sc, None]
+        dk, dv = torch.zeros(n, D), torch.zeros(n, D)
+        for h in range(hk * group, (hk + 1) * group):
+            q_rect = (b * S + q0, Sc, h * D, D)
+            qv = (yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)).float()
+            do = (yield from twins.tile_load_async(ctx, "dout", ctx.rank, q_rect)).float()
+            lse_rect = (b * H + h, 1, q0, Sc)
+            lse = (yield from twins.tile_load_async(ctx, "lse", ctx.rank, lse_rect))[0]
+            rows = ((b * C + cq) * H + h) * qt
+            delta = yield from twins.tile_load_async(ctx, "delta", ctx.rank, (rows, qt, T, T))
+            scores = (qv @ kt.T) * scale  # [Sc, n]
+            if z["causal"]:
+                scores = scores.masked_fill(future, -math.inf)
+            dq, dk_h, dv_h = grads(scores, lse, do, qv, kt, vt, delta.reshape(-1)[:Sc], scale)
+            yield from twins.reduce_add(ctx, "dq_acc", ctx.rank, q_rect, dq)
+            dk, dv = dk + dk_h, dv + dv_h
+        acc = s * BS + b * S + k0
+        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, hk * D, D), dk)
+        yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, KC + hk * D, D), dv)
+
+    def prep(ctx, first: int, n: int):  # tiles [first, first + n) of ``delta``
+        for t in range(first, first + n):
+            pair, i0 = divmod(t, qt)
+            outer, h = divmod(pair, H)
+            b, cq = divmod(outer, C)
+            i0 *= T
+            m = min(T, Sc - i0)  # the tile's rows within the chunk
+            q_rect = (b * S + cq * Sc + i0, m, h * D, D)
+            do = (yield from twins.tile_load(ctx, "dout", ctx.rank, q_rect)).float()
+            o = (yield from twins.tile_load(ctx, "out", ctx.rank, q_rect)).float()
+            lse_rect = (b * H + h, 1, cq * Sc + i0, m)
+            lse = (yield from twins.tile_load(ctx, "lse", ctx.rank, lse_rect))[0]
+            dlse = (yield from twins.tile_load(ctx, "dlse", ctx.rank, lse_rect))[0]
+            value = torch.zeros(1, 2 * T)
+            value[0, :T] = math.inf  # rows past the chunk see nothing
+            value[0, :m] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+            value[0, T : T + m] = (do * o).sum(dim=1) - dlse
+            yield from twins.tile_send(ctx, "delta", ctx.rank, (t, 1, 0, 2 * T), value)
 
     def comm(ctx, task):
-        s, kind = task.args[:2]
-        if kind < GRAD:  # a part of the K/V block of step s (the forward's comm task)
-            yield from kv_send(ctx, task)
+        s, kind, r0, n = task.args
+        if kind < GRAD:  # rows of the K/V block of step s into slot s + 1 of rank r + 1
+            src_row, nxt = (0 if s == 0 else (s - 1) * BS) + r0, (ctx.rank + 1) % W
+            for name, ring in (("k", "k_ring"), ("v", "v_ring")):
+                name = name if s == 0 else ring
+                x = yield from twins.tile_load_async(ctx, name, ctx.rank, (src_row, n, 0, KC))
+                yield from twins.tile_send_bulk(ctx, ring, nxt, (s * BS + r0, n, 0, KC), x)
             return
-        slot = (s * BS, BS, 0, 2 * KC)
-        part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, slot)
-        yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, slot, torch.zeros_like(part))
-        if kind == GRAD:  # on to the next holder, or home to the block's owner (slot 0)
-            on = s in sends[ctx.rank]
+        if kind == PREP:
+            yield from prep(ctx, r0, n)
+            return
+        if kind == DQ:  # my dq rows, once in bf16; the accumulator back to zero
+            rect = (r0, n, 0, QC)
+            dq = yield from twins.tile_load(ctx, "dq_acc", ctx.rank, rect)
+            yield from twins.tile_send(ctx, "dq_acc", ctx.rank, rect, torch.zeros_like(dq))
+            yield from twins.output_store(ctx, "dq", ctx.rank, rect, dq.bfloat16(), r0)
+            return
+        rows = (s * BS + r0, n, 0, 2 * KC)
+        part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, rows)
+        yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rows, torch.zeros_like(part))
+        if kind in (GRAD, HOME):  # on to the next holder, or home to the block's owner (slot 0)
+            on = kind == GRAD
             dst, row = ((ctx.rank + 1) % W, (s + 1) * BS) if on else ((ctx.rank - s) % W, 0)
-            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row, BS, 0, 2 * KC), part)
+            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row + r0, n, 0, 2 * KC), part)
             return
-        T, n = len(out_tiles), z["batch"] * Hkv  # FINISH: my block's gradient, once in bf16
-        for i in range(n):
-            b, hk = divmod(i, Hkv)
-            rows, cols = slice(b * S, (b + 1) * S), hk * D
-            rect = (b * S, S, cols, D)
-            dk, dv = part[rows, cols : cols + D], part[rows, KC + cols : KC + cols + D]
-            yield from twins.output_store(ctx, "dk", ctx.rank, rect, dk.bfloat16(), T + i)
-            yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv.bfloat16(), T + n + i)
+        # FINISH: my block's gradient rows, once in bf16
+        rect = (r0, n, 0, KC)
+        yield from twins.output_store(ctx, "dk", ctx.rank, rect, part[:, :KC].bfloat16(), BS + r0)
+        dv = part[:, KC:].bfloat16()
+        yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv, 2 * BS + r0)
 
     return {"compute": compute, "comm": comm}
 
@@ -422,17 +608,17 @@ def grads(scores, lse, do, q, k, v, delta, scale):
 
 
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
-    """Per output buffer, the tiles the kernel end reads: dq tile t (q rows x one head), dk / dv
-    tiles (a sequence x one K/V head), numbered after the q tiles."""
-    S, D = plan.shapes["seq"], plan.shapes["head_dim"]
-    Hkv, B = plan.shapes["kv_heads"], plan.shapes["batch"]
-    qtiles = plan.extra["out_tiles"]
-    T, n = len(qtiles), B * Hkv
-    kv = {i: (i // Hkv * S, S, i % Hkv * D, D) for i in range(n)}
+    """Per output buffer, the tiles the kernel end reads: the row ranges of the dq and finish
+    parts (numbered by first row: dq r0, dk B * S + r0, dv 2 * B * S + r0)."""
+    z, parts = plan.shapes, plan.extra["tails"]
+    BS = z["batch"] * z["seq"]
+    QC, KC = z["heads"] * z["head_dim"], z["kv_heads"] * z["head_dim"]
+    bounds = [p * BS // parts for p in range(parts + 1)]
+    ranges = [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(parts)]
     return {
-        "dq": {t: (b * S + r0, rows, h * D, D) for t, (b, h, r0, rows) in enumerate(qtiles)},
-        "dk": {T + i: r for i, r in kv.items()},
-        "dv": {T + n + i: r for i, r in kv.items()},
+        "dq": {r0: (r0, n, 0, QC) for r0, n in ranges},
+        "dk": {BS + r0: (r0, n, 0, KC) for r0, n in ranges},
+        "dv": {2 * BS + r0: (r0, n, 0, KC) for r0, n in ranges},
     }
 
 

@@ -126,8 +126,8 @@ struct AttnBwdSmem {
   static constexpr int kRowStepBytes = 2 * Cfg::BQ * 4;         // one step's [lse2 | delta][BQ]
   static constexpr int kRowBytes = 4 * Cfg::CONSUMERS * kRowBytesPerWarp;
   static constexpr int kBarOffset = kRowOffset + kRowBytes;
-  // kv_full, q_full[S], q_empty[S], TMA_ROWS: rows_full[consumer warp][step % 2]
-  static constexpr int kNumBars = 1 + 2 * Cfg::STAGES + (Cfg::TMA_ROWS ? 8 * Cfg::CONSUMERS : 0);
+  // kv_full, kv_empty, q_full[S], q_empty[S], TMA_ROWS: rows_full[consumer warp][step % 2]
+  static constexpr int kNumBars = 2 + 2 * Cfg::STAGES + (Cfg::TMA_ROWS ? 8 * Cfg::CONSUMERS : 0);
   static constexpr int kBytes = kBarOffset + 8 * kNumBars;
   static_assert(Cfg::BQ == 64, "a dS^T row is one 128-byte swizzle span");
   static_assert(kBytes <= 227 * 1024, "fits the 227 KiB of an sm_90 CTA");
@@ -136,6 +136,9 @@ struct AttnBwdSmem {
 struct AttnBwdParams {
   CUtensorMap q, k, v, dout;  // [B, S, H, D] maps: boxes {64, 1, BQ | BKV, 1}
   CUtensorMap dq;             // [B, S_q, Hq, D] fp32, reduce-added into: box {32, 1, BQ, 1}
+  // The ring backward's K / V slots (kernels/ring_attention_bwd.cu: [(W - 1) B C, S_kv, Hkv, D]);
+  // its maps view a rank's rows as C chunks ([B C, S_q, H, D]); plain backward: unused.
+  CUtensorMap k_ring, v_ring;
   const float* lse;           // [B, Hq, S_q] natural log (the forward's)
   const float* delta;         // [B, Hq, S_q] rowsum(dO * O) (minus d lse, if any)
   const float* rows;          // TMA_ROWS: [B, Hq, q_tiles, 2, BQ] lse * log2 e | delta, padded
@@ -145,6 +148,23 @@ struct AttnBwdParams {
   float scale, scale_log2;
   int causal, kv_f32, kv_accumulate;
   int q_tiles, kv_tiles;
+};
+
+// How an item's dK, dV rows are written: the plain backward's bf16 or fp32 stores (or fp32 adds
+// to what is there: one writer per row), the ring's red.global.add (fp32, other writers too).
+enum KvStore : int { kKvStoreBf16, kKvStoreF32, kKvAccumulateF32, kKvReduceAddF32 };
+
+// A work item: one K / V tile (rows kv_row0.. of map coordinate kv_outer, kv head hk) against the
+// q tiles [q_begin, q_tiles) of each q head of its group, at Q / dO / dq map coordinate b (and
+// packed rows [b, Hq, q_tiles]); causal: key > query masked (top-left, both in one map's rows).
+struct BwdWork {
+  int b, hk, kv_tile, q_begin;
+  int kv_row0, kv_outer;
+  bool causal, ring;  // ring: K, V from the k_ring / v_ring maps
+  int store;          // KvStore
+  void* dk;           // the item's row 0 of dK, dV (row r at + r * ld elements)
+  void* dv;
+  long long ld;
 };
 
 template <class Cfg>
@@ -164,18 +184,18 @@ struct AttnBwdEngine {
 
   struct Bars {
     uint64_t* kv_full;
+    uint64_t* kv_empty;  // the consumers have read an item's K, V (a persistent CTA reloads them)
     uint64_t* q_full;   // [STAGES]: TMA bytes
     uint64_t* q_empty;  // [STAGES]
     uint64_t* rows_full;  // TMA_ROWS: [consumer warp][2], the warp's rows of a step landed
   };
 
-  struct Work {
-    int b, hk, kv_tile, q_begin;  // q tiles [q_begin, q_tiles) of each of the group's heads
-  };
+  using Work = BwdWork;
+  static constexpr int kBarEnd = 4;  // both consumer warpgroups stored an item (BwdTasks::end)
 
   __device__ static Bars bars_of(char* smem) {
     uint64_t* b = reinterpret_cast<uint64_t*>(smem + Map::kBarOffset);
-    return Bars{b, b + 1, b + 1 + STAGES, b + 1 + 2 * STAGES};
+    return Bars{b, b + 1, b + 2, b + 2 + STAGES, b + 2 + 2 * STAGES};
   }
 
   // Causal: kv tile ascending over ids (the longest walks first); otherwise kv tile fastest (the
@@ -193,15 +213,52 @@ struct AttnBwdEngine {
     }
     w.b = bh / p.Hkv;
     w.hk = bh - w.b * p.Hkv;
-    w.q_begin = p.causal ? w.kv_tile * BKV / BQ : 0;
+    w.kv_row0 = w.kv_tile * BKV;
+    w.kv_outer = w.b;
+    w.q_begin = p.causal ? w.kv_row0 / BQ : 0;
+    w.causal = p.causal != 0;
+    w.ring = false;
+    const long long at = ((long long)w.b * p.S_kv + w.kv_row0) * p.Hkv * D + (long long)w.hk * D;
+    w.ld = (long long)p.Hkv * D;
+    w.dk = p.kv_f32 ? (void*)(static_cast<float*>(p.dk) + at)
+                    : (void*)(static_cast<__nv_bfloat16*>(p.dk) + at);
+    w.dv = p.kv_f32 ? (void*)(static_cast<float*>(p.dv) + at)
+                    : (void*)(static_cast<__nv_bfloat16*>(p.dv) + at);
+    w.store = !p.kv_f32 ? kKvStoreBf16 : p.kv_accumulate ? kKvAccumulateF32 : kKvStoreF32;
     return w;
   }
 
+  // The plain backward's one item per CTA (work_of(blockIdx.x)); no waits, no signals.
+  struct OneTile {
+    const AttnBwdParams& p;
+    bool done = false;
+    __device__ bool next(Work& w) {
+      if (done) return false;
+      done = true;
+      w = work_of(p, blockIdx.x);
+      return true;
+    }
+    __device__ void begin(const Work&) {}
+    __device__ void end(const Work&) {}
+  };
+
   __device__ static void run_cta(const AttnBwdParams& p, char* smem) {
+    OneTile work{p};
+    run_cta(p, smem, work, [] {});
+  }
+
+  // Every thread of the CTA, over a work source (OneTile; the ring kernel's BwdTasks): next(w)
+  // gives each thread the same items in turn, begin(w) (the producer, before the item's loads)
+  // runs its waits, end(w) (every consumer thread, after the item's dQ reduce-adds landed and
+  // its dK, dV stores) publishes it. Warp 1 of the producer warpgroup runs spare() meanwhile (the
+  // persistent template's intra_sm communicator).
+  template <class Src, class Spare>
+  __device__ static void run_cta(const AttnBwdParams& p, char* smem, Src& work, Spare&& spare) {
     if (smem_u32(smem) % 1024 != 0) __trap();
     const Bars bars = bars_of(smem);
     if (threadIdx.x == 0) {
       gemm::mbar_init(bars.kv_full, 1);
+      gemm::mbar_init(bars.kv_empty, 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
       for (int s = 0; s < STAGES; ++s) {
         gemm::mbar_init(&bars.q_full[s], 1);        // the TMA thread
         gemm::mbar_init(&bars.q_empty[s], 4 * Cfg::CONSUMERS);  // lane 0 of each consumer warp
@@ -210,33 +267,56 @@ struct AttnBwdEngine {
         for (int i = 0; i < 8 * Cfg::CONSUMERS; ++i) gemm::mbar_init(&bars.rows_full[i], 1);
       gemm::mbar_fence_init();
     }
+    __syncwarp();  // converge warp 0 before the CTA barrier
     __syncthreads();
-    const Work w = work_of(p, blockIdx.x);
     if (threadIdx.x < 128) {
       gemm::setmaxnreg_dec<Cfg::kProducerRegs>();
-      if (threadIdx.x == 0) load_tiles(p, w, smem, bars);
+      if (threadIdx.x == 0) producer(p, smem, bars, work);
+      if (threadIdx.x / 32 == 1) spare();
     } else {
       gemm::setmaxnreg_inc<Cfg::kConsumerRegs>();
-      consumer(p, w, smem, bars);
+      gemm::PipeState<STAGES> st;
+      int step = 0;
+      uint32_t kv_phase = 0;
+      Work w;
+      while (work.next(w)) {
+        consumer(p, w, smem, bars, st, step, kv_phase);
+        work.end(w);
+      }
     }
   }
 
  private:
   // ------------------------------------------------------------------------------- producer
-  __device__ static void load_tiles(const AttnBwdParams& p, const Work& w, char* smem,
-                                    const Bars& bars) {
+  template <class Src>
+  __device__ static void producer(const AttnBwdParams& p, char* smem, const Bars& bars, Src work) {
     using namespace gemm;
     tma_prefetch_map(&p.q);
     tma_prefetch_map(&p.dout);
     tma_prefetch_map(&p.dq);
+    gemm::PipeState<STAGES> st;
+    uint32_t kv_phase = 0;
+    Work w;
+    while (work.next(w)) {
+      work.begin(w);                            // the item's waits
+      mbar_wait(bars.kv_empty, kv_phase ^ 1u);  // the previous item's K, V are read
+      kv_phase ^= 1u;
+      load_item(p, w, smem, bars, st);
+    }
+  }
+
+  __device__ static void load_item(const AttnBwdParams& p, const Work& w, char* smem,
+                                   const Bars& bars, gemm::PipeState<STAGES>& st) {
+    using namespace gemm;
+    const CUtensorMap* k = w.ring ? &p.k_ring : &p.k;
+    const CUtensorMap* v = w.ring ? &p.v_ring : &p.v;
     mbar_arrive_expect_tx(bars.kv_full, 2 * Map::kKVBytes);
     for (int c = 0; c < kChunks; ++c) {
-      tma_load_4d(smem + Map::kKOffset + c * Map::kKVChunkBytes, &p.k, bars.kv_full, c * 64, w.hk,
-                  w.kv_tile * BKV, w.b);
-      tma_load_4d(smem + Map::kVOffset + c * Map::kKVChunkBytes, &p.v, bars.kv_full, c * 64, w.hk,
-                  w.kv_tile * BKV, w.b);
+      tma_load_4d(smem + Map::kKOffset + c * Map::kKVChunkBytes, k, bars.kv_full, c * 64, w.hk,
+                  w.kv_row0, w.kv_outer);
+      tma_load_4d(smem + Map::kVOffset + c * Map::kKVChunkBytes, v, bars.kv_full, c * 64, w.hk,
+                  w.kv_row0, w.kv_outer);
     }
-    PipeState<STAGES> st;
     for (int g = 0; g < p.group; ++g) {
       const int hq = w.hk * p.group + g;
       for (int i = w.q_begin; i < p.q_tiles; ++i) {
@@ -258,14 +338,16 @@ struct AttnBwdEngine {
   }
 
   // ------------------------------------------------------------------------------- consumer
+  // One item: its K / V tile's walk, dK and dV in registers, stored at the end.
   __device__ static void consumer(const AttnBwdParams& p, const Work& w, char* smem,
-                                  const Bars& bars) {
+                                  const Bars& bars, gemm::PipeState<STAGES>& st, int& step,
+                                  uint32_t& kv_phase) {
     using namespace gemm;
     const int wg = (int)threadIdx.x / 128 - 1;
     const int lt = threadIdx.x % 128;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;  // this thread's half-0 row within the 64
-    const int kv_row0 = w.kv_tile * BKV + 64 * wg;  // first kv row of this warpgroup
+    const int kv_row0 = w.kv_row0 + 64 * wg;       // first kv row of this warpgroup
     const uint32_t k_base = smem_u32(smem + Map::kKOffset);
     const uint32_t v_base = smem_u32(smem + Map::kVOffset);
     const uint32_t k_wg = k_base + wg * 64 * 128, v_wg = v_base + wg * 64 * 128;
@@ -286,16 +368,21 @@ struct AttnBwdEngine {
 
     float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};  // rows lane, lane + 32 of the
     uint64_t* rows_full = bars.rows_full + 2 * (threadIdx.x / 32 - 4);  // next step (TMA_ROWS:
-    if (w.q_begin < p.q_tiles) {                                        // this warp's barriers)
+    // NOTE: after the item's kv_full: the producer has run its waits (a ring item's rows were
+    // written by another CTA's prep; proxy fence: they are read by a bulk copy).  this warp's
+    mbar_wait(bars.kv_full, kv_phase);  // barriers)
+    kv_phase ^= 1u;
+    if (w.q_begin < p.q_tiles) {
       if constexpr (Cfg::TMA_ROWS) {
-        if (lane == 0) fetch_rows(p, w, 0, w.q_begin, rows, rows_full);
+        __syncwarp();  // every lane has read the buffer of step - 2 (the one refilled here)
+        if (lane == 0) {
+          if (w.ring) fence_proxy_async_global();
+          fetch_rows(p, w, 0, w.q_begin, rows + (step & 1) * 2 * BQ, rows_full + (step & 1));
+        }
       } else {
         load_rows(p, w, 0, w.q_begin, lane, row_lse2, row_delta);
       }
     }
-    mbar_wait(bars.kv_full, 0);
-    PipeState<STAGES> st;
-    int step = 0;
     for (int g = 0; g < p.group; ++g) {
       const int hq = w.hk * p.group + g;
       for (int i = w.q_begin; i < p.q_tiles; ++i, ++step) {
@@ -343,7 +430,7 @@ struct AttnBwdEngine {
 
         wgmma_wait<1>();  // S^T done
         fence_operands(s);
-        const bool masked = kv_clipped || (p.causal && kv_row0 + 63 > q0);
+        const bool masked = kv_clipped || (w.causal && kv_row0 + 63 > q0);
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
 #pragma unroll
@@ -352,7 +439,7 @@ struct AttnBwdEngine {
             float x = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -lse2[col]));
             if (masked) {
               const int kv = kv_row0 + row_wg + 8 * (e >> 1);
-              if (kv >= p.S_kv || (p.causal && kv > q0 + col)) x = 0.f;
+              if (kv >= p.S_kv || (w.causal && kv > q0 + col)) x = 0.f;
             }
             s[4 * j + e] = x;
           }
@@ -417,9 +504,10 @@ struct AttnBwdEngine {
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }
-    if (lt == 0) bulk_wait_all();  // the last dQ reduce has read its staging tile
-    store_kv(p, w, kv_row0 + row_wg, q4, dk, p.dk);
-    store_kv(p, w, kv_row0 + row_wg, q4, dv, p.dv);
+    if (lane == 0) gemm::mbar_arrive(bars.kv_empty);  // K, V read (every wgmma waited)
+    if (lt == 0) bulk_wait_all();                     // the item's dQ reduce-adds have landed
+    store_kv(p, w, 64 * wg + row_wg, q4, dk, w.dk);
+    store_kv(p, w, 64 * wg + row_wg, q4, dv, w.dv);
   }
 
   // f(group head, q tile) of the step after (g, i) in a CTA's walk (q tiles of one head, then the
@@ -500,33 +588,35 @@ struct AttnBwdEngine {
     }
   }
 
-  // Rows row0 and row0 + 8 of an m64 x D accumulator -> global [B, S_kv, Hkv, D].
+  // Rows row0 and row0 + 8 (of the item's tile) of an m64 x D accumulator -> the item's rows
+  // (row r at out + r * w.ld), in w.store's way; rows past S_kv are left alone.
   __device__ static void store_kv(const AttnBwdParams& p, const Work& w, int row0, int q4,
                                   const float (&acc)[kKVRegs], void* out) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + 8 * h;
-      if (row >= p.S_kv) continue;
-      const size_t base = (((size_t)w.b * p.S_kv + row) * p.Hkv + w.hk) * D + 2 * q4;
+      if (w.kv_row0 + row >= p.S_kv) continue;
+      const long long base = row * w.ld + 2 * q4;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const float x = acc[4 * j + 2 * h], y = acc[4 * j + 2 * h + 1];
-        if (p.kv_f32) {
-          float2* dst = reinterpret_cast<float2*>(static_cast<float*>(out) + base + 8 * j);
-          if (p.kv_accumulate) {
-            const float2 old = *dst;
-            *dst = make_float2(old.x + x, old.y + y);
-          } else {
-            *dst = make_float2(x, y);
+        float* f = static_cast<float*>(out) + base + 8 * j;
+        switch (w.store) {
+          case kKvStoreBf16:
+            *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(out) + base + 8 * j) =
+                pack_bf16(x, y);
+            break;
+          case kKvStoreF32: *reinterpret_cast<float2*>(f) = make_float2(x, y); break;
+          case kKvAccumulateF32: {
+            const float2 old = *reinterpret_cast<float2*>(f);
+            *reinterpret_cast<float2*>(f) = make_float2(old.x + x, old.y + y);
+            break;
           }
-        } else {
-          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(out) + base + 8 * j) =
-              pack_bf16(x, y);
+          default: red_add_v2_f32_sys(f, x, y); break;  // kKvReduceAddF32
         }
       }
     }
   }
-
 };
 
 }  // namespace mk::attn

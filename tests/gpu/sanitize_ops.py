@@ -4,7 +4,8 @@ racecheck and synccheck; each must report 0 errors):
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize_ops.py
 
 Emulated worlds of W = 2 and 3 on one GPU, both overlaps, shapes with remainder tiles (ring
-attention: a partial q tile in each zigzag chunk; MoE: tiles past an expert's rows); each result
+attention, forward and backward: a partial q tile in each zigzag chunk; MoE: tiles past an
+expert's rows); each result
 is checked against the reference, so a launch that the tool perturbs still has to be right."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from mkernel.ops import registry
 from tests.gpu.test_moe_fused_gpu import run as moe_layer
 from tests.helpers import assert_close_bf16
 from tests.test_ring_attention import _assert_attention
+from tests.test_ring_attention_backward import _assert_grads
+from tests.test_ring_attention_backward import _inputs as _bwd_inputs
 
 
 def main(only: list[str]) -> int:
@@ -31,6 +34,10 @@ def main(only: list[str]) -> int:
             for op in [op for op in registry.device_names() if not only or op in only]:
                 if op == "ring_attention":
                     ring(world, sched, g)
+                    print(f"ok {op} W={W} {overlap}", flush=True)
+                    continue
+                if op == "ring_attention_backward":
+                    ring_backward(world, sched)
                     print(f"ok {op} W={W} {overlap}", flush=True)
                     continue
                 if op.startswith("moe_"):  # both MoE ops: dispatch -> relu -> combine, checked
@@ -66,6 +73,23 @@ def ring(world: mkernel.World, sched: mkernel.Schedule, g: torch.Generator) -> N
         what = f"ring_attention W={W} {layout}"
         x = (t.cpu() for t in (out, lse, q, k, v))
         _assert_attention(*x, causal, 1 / 8, layout, what, p_bf16=True)
+
+
+def ring_backward(world: mkernel.World, sched: mkernel.Schedule) -> None:
+    """Ring attention backward, causal zigzag (two chunks, partial q and K/V tiles) and full,
+    GQA, against the fp64 formula."""
+    W = world.size
+    q, k, v, dout = _bwd_inputs(W, 1, 140, 4, 2, D=64, seed=W)
+    qg, kg, vg, dg = (x.cuda() for x in (q, k, v, dout))
+    for causal, layout in ((True, "zigzag"), (False, "contiguous")):
+        out, lse = mkernel.ring_attention(qg, kg, vg, world, causal, None, layout, sched)
+        got = mkernel.ring_attention_backward(dg, qg, kg, vg, out, lse, world, causal, None,
+                                              layout, sched)  # fmt: skip
+        torch.cuda.synchronize()
+        what = f"ring_attention_backward W={W} {layout}"
+        got = [x.cpu() for x in got]
+        _assert_grads(got, q, k, v, dout, out.cpu(), lse.cpu(), causal, 1 / 8, layout, what,
+                      p_bf16=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,374 @@
+// Ring attention, backward: the backward engine (primitives/attention/bwd_engine.cuh) on the
+// persistent template, each rank's K / V block travelling the ring as in the forward and the fp32
+// dK / dV partials of a block travelling with it, home to the block's owner.
+//
+// Protocol (the plan's tables, mkernel/ops/ring_attention_backward.py make_plan):
+//   prep    (comm, first)  delta = rowsum(dO * O) - dlse and lse * log2 e, packed per (q chunk,
+//                          head, 64-row q tile) into the `delta` workspace; +1 landed[0] (mine)
+//   K/V     (comm)         the forward's sends: block of step s -> slot s + 1 of rank r + 1
+//   compute (engine)       one K / V tile of the block held at step s against every q row of one
+//                          q chunk (all q heads of its K/V head): waits landed[s] (and, a unit's
+//                          first, landed[0]); dQ reduce-added (TMA, fp32) into dq_acc, dK and dV
+//                          red.added (fp32) into dkv_acc slot s; +1 computed[s]
+//   grad    (comm)         waits computed[s], dlanded[s] (s > 0): slot s's rows reduce-added (TMA
+//                          bulk .add.f32) into slot s + 1 of rank r + 1, or slot 0 of the block's
+//                          owner (HOME); zeroed; +1 dlanded there
+//   dq      (comm)         waits computed[*]: dq = bf16(dq_acc rows); zeroed
+//   finish  (comm)         waits dlanded[0] (or computed[0]): dk, dv = bf16(slot 0 rows); zeroed
+//
+//   W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial)
+//   step:     0                         1                          2
+//   rank 0:   B0 tiles; g -> r1 slot 1  -                          finish: dlanded[0]
+//   rank 1:   B1 tiles; g -> r2 slot 1  B0 tiles (+in); g -> r2 s2  finish: dlanded[0]
+//   rank 2:   B2 tiles (finish:         B1 tiles (+in); g -> r1 0  B0 tiles (+in); g -> r0 0
+//             computed[0])
+//
+// Maps: a rank's rows are C chunks of Sc = S / C rows (C = 2 for causal zigzag at W > 1), viewed
+// as [B * C, Sc, H, D], so a q or K / V tile never crosses a chunk (TMA zero-fills rows past it).
+#include "kernels/attention_launch.cuh"
+#include "kernels/fused_host.cuh"
+#include "primitives/attention/bwd_engine.cuh"
+#include "primitives/attention/tensor_map_nd.h"
+#include "primitives/bulk_ring.cuh"
+
+namespace mk {
+
+namespace rab = spec::ring_attention_backward;
+constexpr int kBwdStepMask = (1 << (rab::kTagKey - 3)) - 1;
+
+// A compute task as the plan encodes its tile (make_plan): K / V rows [m0, m0 + rows) of chunk
+// ck at map coordinate kv_outer, against the q chunk cq; key = ((b * Hkv + hk) * C + cq) * C + ck.
+struct RingBwdTask {
+  int m0, rows, kv_outer, step, key;
+  bool diag;
+};
+
+// The engine's params and what a task needs beyond them: the chunks, the sequence, the rank's
+// dK | dV slots (dkv_acc, [W * B * S, 2 * Hkv * D] fp32).
+struct RingBwdParams {
+  attn::AttnBwdParams e;
+  int chunks, seq;
+  float* dkv_acc;
+};
+
+// A unit's compute tasks as the backward engine's work items (bwd_engine.cuh run_cta's source).
+template <class Hooks, int D>
+struct BwdTasks {
+  const RingBwdParams& p;
+  Hooks& hooks;
+  int i = -1;
+
+  __device__ bool next(attn::BwdWork& w) {
+    const int n = hooks.num_tasks();
+    RingBwdTask t;
+    do {
+      if (++i >= n) return false;
+      t = hooks.task(i);
+    } while (t.rows == 0);  // empty tasks pad the unit's rows
+    const int C = p.chunks, Hkv = p.e.Hkv;
+    const int ck = t.key % C, cq = (t.key / C) % C, bh = t.key / (C * C);
+    const int b = bh / Hkv, hk = bh - b * Hkv;
+    w.b = b * C + cq;
+    w.hk = hk;
+    w.kv_tile = 0;  // unused: kv_row0 says where the tile is
+    w.kv_row0 = t.m0;
+    w.kv_outer = t.kv_outer;
+    w.q_begin = t.diag ? t.m0 / Cfg::BQ : 0;
+    w.causal = t.diag;
+    w.ring = t.step > 0;
+    w.store = attn::kKvReduceAddF32;
+    const long long kc = (long long)Hkv * D;
+    const long long row = ((long long)t.step * p.e.B + b) * p.seq + (long long)ck * p.e.S_kv + t.m0;
+    float* acc = p.dkv_acc + row * 2 * kc + (long long)hk * D;
+    w.dk = acc;
+    w.dv = acc + kc;
+    w.ld = 2 * kc;
+    return true;
+  }
+  __device__ void begin(const attn::BwdWork&) { hooks.before_load(i); }  // producer: its waits
+
+  // Every consumer thread, after the item's dQ reduce-adds landed and its dK, dV red.adds: both
+  // warpgroups' writes fenced, then one thread raises (computed[step]).
+  __device__ void end(const attn::BwdWork&) {
+    __threadfence();
+    asm volatile("bar.sync 4, 256;" ::: "memory");  // kBarEnd: both consumer warpgroups
+    if (threadIdx.x == 128) {
+      __threadfence_system();
+      hooks.after_store(i);
+    }
+  }
+
+ private:
+  using Cfg = attn::AttnBwdConfig<D>;
+};
+
+// The backward engine behind the template's engine contract (templates/engine_contract.cuh).
+template <int D>
+struct RingBwdEngine {
+  using Cfg = attn::AttnBwdConfig<D>;
+  using Core = attn::AttnBwdEngine<Cfg>;
+  using Params = RingBwdParams;
+  using Task = RingBwdTask;
+  struct Dest {};  // a task's rows follow from its tile (no per-task destination)
+  static constexpr int kThreads = Core::kThreads;
+  static constexpr int kSmemBytes = Core::kSmemBytes;
+  static constexpr int kSpareWarp = 1;  // warp 1 of the producer warpgroup
+  static_assert(Core::kBarEnd == 4, "BwdTasks::end uses named barrier 4");
+  template <class T>
+  __device__ static Task task_of(const T& tile) {
+    const int tag = tile.tag;
+    return Task{tile.m0,       tile.rows, tile.n0, (tag >> 3) & kBwdStepMask, tag >> rab::kTagKey,
+                (tag & 1) != 0};
+  }
+  template <class Hooks, class Spare>
+  __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
+    BwdTasks<Hooks, D> work{p, hooks};
+    Core::run_cta(p.e, smem, work, spare);
+  }
+};
+
+template <int D>
+struct RingAttentionBwd {
+  using Engine = RingBwdEngine<D>;
+  using Layout = rab::Layout;
+  using Args = FusedArgs<RingAttentionBwd>;
+  // The comm unit's TMA ring (K / V sends, grad reduce-adds), as the forward's: inter_sm in the
+  // engine's shared memory (a comm CTA runs no engine), intra_sm after the engine's.
+  using InterRing = UnitRing<6, 3, 16384>;
+  using IntraRing = UnitRing<3, 2, 8192>;
+  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
+  static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
+  static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
+    return {};
+  }
+
+  template <class F>
+  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
+    if (a.common.overlap == kInterSM) {
+      f(InterRing{smem});
+    } else {
+      f(IntraRing{smem});
+    }
+  }
+  static __device__ void comm_begin(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.begin(); });
+  }
+  static __device__ void comm_end(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.end(); });
+  }
+
+  __device__ static int chunks(const Layout& l, int W) {
+    return l.zigzag && l.causal && W > 1 ? 2 : 1;  // ring_attention.py num_chunks
+  }
+
+  // Task (s, kind, row0, rows): see the file's protocol; bulk copies by lane 0 (the template
+  // waits for them to land before the raises), the rest by the whole team.
+  static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
+                                   const Team& team, char* smem) {
+    const int kind = args[1];
+    if (kind < rab::kGrad) {
+      send_kv(a, cta, args, team, smem);
+    } else if (kind == rab::kPrep) {
+      prep(a, cta, args[2], args[3], team);
+    } else if (kind == rab::kDq) {
+      store_dq(a, cta, args[2], args[3], team);
+    } else if (kind == rab::kFinish) {
+      finish(a, cta, args[2], args[3], team);
+    } else {  // kGrad, kHome
+      send_grad(a, cta, args, team, smem);
+    }
+  }
+
+  // The forward's K / V send: rows [row0, row0 + rows) of the block held at step s into slot
+  // s + 1 of rank r + 1.
+  static __device__ void send_kv(const Args& a, const CtaInfo& cta, const int* args,
+                                 const Team& team, char* smem) {
+    if (team.lane != 0) return;
+    const Layout& l = a.layout;
+    const int s = args[0];
+    const long long cols = (long long)l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
+    const long long src_row = (s == 0 ? 0 : (s - 1) * block) + args[2];
+    const long long dst_row = s * block + args[2];
+    const long long bytes = (long long)args[3] * cols * 2;
+    const int nxt = (cta.rank + 1) % a.common.world_size;
+    const __nv_bfloat16* ks = s == 0 ? l.k.at(cta.local_rank) : l.k_ring.map(cta.rank);
+    const __nv_bfloat16* vs = s == 0 ? l.v.at(cta.local_rank) : l.v_ring.map(cta.rank);
+    with_ring(a, smem, [&](const auto& ring) {
+      ring.copy(reinterpret_cast<char*>(l.k_ring.map(nxt) + dst_row * cols),
+                reinterpret_cast<const char*>(ks + src_row * cols), bytes, Drain::kStore);
+      ring.copy(reinterpret_cast<char*>(l.v_ring.map(nxt) + dst_row * cols),
+                reinterpret_cast<const char*>(vs + src_row * cols), bytes, Drain::kStore);
+    });
+  }
+
+  // Rows [row0, row0 + rows) of slot s: reduce-added into slot s + 1 of rank r + 1 (GRAD) or slot
+  // 0 of the block's owner (HOME) by lane 0's TMA ring, then zeroed by the team (every bulk load
+  // of them has completed when copy() returns).
+  static __device__ void send_grad(const Args& a, const CtaInfo& cta, const int* args,
+                                   const Team& team, char* smem) {
+    const Layout& l = a.layout;
+    const int s = args[0], W = a.common.world_size;
+    const long long cols = 2LL * l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
+    float* src = l.dkv_acc.map(cta.rank) + (s * block + args[2]) * cols;
+    const long long n = (long long)args[3] * cols;
+    if (team.lane == 0) {
+      const bool on = args[1] == rab::kGrad;
+      const int dst_rank = on ? (cta.rank + 1) % W : ((cta.rank - s) % W + W) % W;
+      float* dst = l.dkv_acc.map(dst_rank) + ((on ? (s + 1) * block : 0) + args[2]) * cols;
+      with_ring(a, smem, [&](const auto& ring) {
+        ring.copy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), n * 4,
+                  Drain::kReduceAddF32);
+      });
+    }
+    team.sync();
+    zero(src, n, team);
+  }
+
+  static __device__ void zero(float* p, long long n, const Team& team) {
+    float4* q = reinterpret_cast<float4*>(p);
+    for (long long e = team.lane; e < n / 4; e += team.size) q[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
+  // 64-row tiles [first, first + n) of `delta` (tile t: rows of (q chunk, head) pair t / qt): per
+  // row, lse * log2 e and delta (+inf, 0 past the chunk: those rows see nothing), a thread a row.
+  static __device__ void prep(const Args& a, const CtaInfo& cta, int first, int n,
+                              const Team& team) {
+    const Layout& l = a.layout;
+    const int lr = cta.local_rank, H = l.heads, S = l.seq;
+    const int C = chunks(l, a.common.world_size), Sc = S / C;
+    constexpr int T = rab::kRowTile;
+    const int qt = (Sc + T - 1) / T;
+    const __nv_bfloat16* dout = l.dout.at(lr);
+    const __nv_bfloat16* out = l.out.at(lr);
+    const float* lse = l.lse.at(lr);
+    const float* dlse = l.dlse.at(lr);
+    float* packed = l.delta.map(cta.rank);
+    for (long long e = team.lane; e < (long long)n * T; e += team.size) {
+      const int t = first + (int)(e / T), j = (int)(e % T);
+      const int pair = t / qt, i = (t - pair * qt) * T + j;
+      float* tile = packed + (long long)t * 2 * T;
+      if (i >= Sc) {
+        tile[j] = INFINITY;
+        tile[T + j] = 0.f;
+        continue;
+      }
+      const int outer = pair / H, h = pair - outer * H, b = outer / C, cq = outer - b * C;
+      const long long row = (long long)b * S + (long long)cq * Sc + i;
+      const uint4* x = reinterpret_cast<const uint4*>(dout + (row * H + h) * D);
+      const uint4* y = reinterpret_cast<const uint4*>(out + (row * H + h) * D);
+      float acc = 0.f;
+#pragma unroll 4
+      for (int c = 0; c < D / 8; ++c) {
+        const uint4 u = x[c], v = y[c];
+        const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 p = __bfloat1622float2(u2[k]), q = __bfloat1622float2(v2[k]);
+          acc = fmaf(p.x, q.x, fmaf(p.y, q.y, acc));
+        }
+      }
+      const long long at = ((long long)b * H + h) * S + (long long)cq * Sc + i;
+      const float lv = lse[at];
+      tile[j] = lv == -INFINITY ? INFINITY : lv * kLog2e;
+      tile[T + j] = acc - dlse[at];
+    }
+  }
+
+  static __device__ void store_dq(const Args& a, const CtaInfo& cta, int row0, int n,
+                                  const Team& team) {
+    const Layout& l = a.layout;
+    const long long cols = (long long)l.heads * l.head_dim;
+    float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank) + row0 * cols);
+    uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank) + row0 * cols);
+    for (long long e = team.lane; e < n * cols / 4; e += team.size) {
+      const float4 x = acc[e];
+      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+    }
+  }
+
+  static __device__ void finish(const Args& a, const CtaInfo& cta, int row0, int n,
+                                const Team& team) {
+    const Layout& l = a.layout;
+    const long long kc = (long long)l.kv_heads * l.head_dim, quads = kc / 2;  // per slot row
+    float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank) + row0 * 2 * kc);
+    __nv_bfloat16* dk = l.dk.at(cta.local_rank) + row0 * kc;
+    __nv_bfloat16* dv = l.dv.at(cta.local_rank) + row0 * kc;
+    for (long long e = team.lane; e < n * quads; e += team.size) {
+      const long long r = e / quads, c = (e - r * quads) * 4;
+      const float4 x = acc[e];
+      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+      __nv_bfloat16* dst = c < kc ? dk + r * kc + c : dv + r * kc + (c - kc);
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+    }
+  }
+
+  // Host: every served rank's maps over [B * C, Sc, H, D] views, and the engine's scalars.
+  static bool prepare(const long long*, Args& args) {
+    const Layout& l = args.layout;
+    const int W = args.common.world_size, here = args.common.ranks_here;
+    const int C = l.zigzag && l.causal && W > 1 ? 2 : 1;  // ring_attention.py num_chunks
+    const int Sc = l.seq / C, BC = l.batch * C;
+    const int qt = (Sc + rab::kRowTile - 1) / rab::kRowTile;
+    const long long ring_elems = (long long)(W > 1 ? W - 1 : 1) * l.batch * l.seq * l.kv_heads *
+                                 l.head_dim;  // one rank's k_ring (the plan's ring_rows)
+    const long long delta_elems = (long long)BC * l.heads * qt * 2 * rab::kRowTile;
+    const long long dq_elems = (long long)l.batch * l.seq * l.heads * l.head_dim;
+    const long long acc_elems = (long long)W * l.batch * l.seq * 2 * l.kv_heads * l.head_dim;
+    float scale;
+    memcpy(&scale, &l.scale_bits, sizeof(scale));
+    using host::kTensorMapOk;
+    using host::make_tensor_map_bf16_bshd;
+    using Cfg = typename Engine::Cfg;
+    for (int r = 0; r < here; ++r) {
+      RingBwdParams& rp = args.engine[r];
+      attn::AttnBwdParams& p = rp.e;
+      auto map = [&](CUtensorMap* m, const void* ptr, int outer, int heads, int box) {
+        return make_tensor_map_bf16_bshd(m, ptr, outer, Sc, heads, D, box, 64) == kTensorMapOk;
+      };
+      if (!map(&p.q, l.q.base + r * l.q.rank_stride, BC, l.heads, Cfg::BQ) ||
+          !map(&p.dout, l.dout.base + r * l.dout.rank_stride, BC, l.heads, Cfg::BQ) ||
+          !map(&p.k, l.k.base + r * l.k.rank_stride, BC, l.kv_heads, Cfg::BKV) ||
+          !map(&p.v, l.v.base + r * l.v.rank_stride, BC, l.kv_heads, Cfg::BKV))
+        return false;
+      if (W > 1 &&
+          (!map(&p.k_ring, l.k_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads, Cfg::BKV) ||
+           !map(&p.v_ring, l.v_ring_local + r * ring_elems, (W - 1) * BC, l.kv_heads, Cfg::BKV)))
+        return false;
+      if (host::make_tensor_map_f32_bshd(&p.dq, l.dq_acc_local + r * dq_elems, BC, Sc, l.heads, D,
+                                         Cfg::BQ) != kTensorMapOk)
+        return false;
+      p.lse = l.lse.base + r * l.lse.rank_stride;  // unused: the packed rows (TMA_ROWS)
+      p.delta = nullptr;
+      p.rows = l.delta_local + r * delta_elems;
+      p.dk = p.dv = nullptr;  // the items' own destinations (BwdTasks::next)
+      attn::set_sizes(p, l.batch, Sc, Sc, l.heads, l.kv_heads, scale, l.causal);
+      p.scale = scale;
+      p.kv_f32 = 1;
+      p.kv_accumulate = 0;
+      p.q_tiles = qt;
+      p.kv_tiles = (Sc + Cfg::BKV - 1) / Cfg::BKV;
+      rp.chunks = C;
+      rp.seq = l.seq;
+      rp.dkv_acc = l.dkv_acc_local + r * acc_elems;
+    }
+    args.out_mapped = false;
+    return true;
+  }
+};
+
+int launch_ring_attention_backward(const long long* rec, cudaStream_t s) {
+  const auto l = rab::Layout::from(rec);
+  switch (l.head_dim) {
+    case 64: return launch_persistent<RingAttentionBwd<64>>(rec, s);
+    case 128: return launch_persistent<RingAttentionBwd<128>>(rec, s);
+    default: return kBadConfig;
+  }
+}
+
+}  // namespace mk
