@@ -145,19 +145,16 @@ struct RingAttentionBwd {
     return {};
   }
 
+  using Rings = RingByOverlap<InterRing, IntraRing>;
   template <class F>
   static __device__ void with_ring(const Args& a, char* smem, F&& f) {
-    if (a.common.overlap == kInterSM) {
-      f(InterRing{smem});
-    } else {
-      f(IntraRing{smem});
-    }
+    Rings::with(a.common.overlap == kInterSM, smem, f);
   }
   static __device__ void comm_begin(const Args& a, char* smem) {
-    with_ring(a, smem, [](const auto& ring) { ring.begin(); });
+    Rings::begin(a.common.overlap == kInterSM, smem);
   }
   static __device__ void comm_end(const Args& a, char* smem) {
-    with_ring(a, smem, [](const auto& ring) { ring.end(); });
+    Rings::end(a.common.overlap == kInterSM, smem);
   }
 
   __device__ static int chunks(const Layout& l, int W) {
