@@ -99,7 +99,7 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
 @pytest.mark.parametrize("W", [1, 2, 3])
 @pytest.mark.parametrize(("layout", "causal"), CASES)
 def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, layout, causal):
-    """ring_attention_gpu.backward (the emulated world's GPU path: which key chunks each query
+    """ring_attention_gpu.backward (the unfused emulated backward: which key chunks each query
     chunk sees, at most two engine calls, dk / dv added to their owners' rows) with the backward
     engine's contract computed in torch on the CPU."""
     import types

@@ -1,6 +1,7 @@
-"""Ring attention's backward on one GPU, not yet fused: the backward engine
+"""Ring attention's backward on one GPU, unfused: the backward engine
 (primitives/attention/bwd_engine.cuh, ``mkernel.attention_ext``) on the blocks each query chunk
-sees; the block gradients sum in fp32 (with the GLOBAL lse and delta every block's P and dS are
+sees (the API's emulated GPU path is the fused kernel, kernels/ring_attention_backward.cu; this
+form is kept as the unfused one, not called by the API); the block gradients sum in fp32 (with the GLOBAL lse and delta every block's P and dS are
 already the final ones). ``attention`` on CUDA tensors is the one-rank forward (one engine call).
 The forward ring is fused (kernels/ring_attention.cu); ``_call`` and ``chunks`` also serve the
 distributed unfused ring (ring_attention_dist.py), the two-GPU benchmark's baseline.
@@ -87,7 +88,8 @@ def backward(
     scale: float,
     zigzag: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ring_attention_backward in an emulated world on the GPU (checked operands [W, B, S, H, D];
+    """ring_attention_backward in an emulated world on the GPU, unfused (the API runs the fused
+    kernel; checked operands [W, B, S, H, D];
     lse, dlse [W, B, Hq, S]). Per query chunk: at most two backward calls (the chunks it sees in
     full, concatenated; its own chunk causally), dq reduce-added in fp32, each call's fp32 dk, dv
     added to the owners' rows."""
