@@ -3,8 +3,9 @@
 sees (the API's emulated GPU path is the fused kernel, kernels/ring_attention_backward.cu; this
 form is kept as the unfused one, not called by the API); the block gradients sum in fp32 (with
 the GLOBAL lse and delta every block's P and dS are already the final ones). ``attention`` on
-CUDA tensors is the one-rank forward (one engine call). The forward ring is fused (kernels/ring_attention.cu); ``_call`` and ``chunks`` also serve the
-distributed unfused ring (ring_attention_dist.py), the two-GPU benchmark's baseline.
+CUDA tensors is the one-rank forward (one engine call). The forward ring is fused
+(kernels/ring_attention.cu); ``_call`` and ``chunks`` also serve the distributed unfused ring
+(ring_attention_dist.py), the two-GPU benchmark's baseline.
 Emulated worlds on one GPU; the K/V blocks do not travel a ring here (every rank's blocks are in
 one memory).
 
