@@ -155,6 +155,26 @@ def test_moe_layer_matches_the_formulas(W, T, E, k, mode, overlap, chunk_rows, s
         layer(W, T, E, k, other, seed + 7, overlap, chunk_rows, world)
 
 
+@settings(max_examples=15)
+@given(
+    W=st.integers(1, 3),
+    T=st.integers(1, 12),
+    E=st.integers(1, 3),
+    k=st.sampled_from([1, 2, 8]),
+    pieces=st.sampled_from([1, 2, 3]),
+    overlap=st.sampled_from(["intra_sm", "inter_sm"]),
+    seed=st.integers(0, 2**16),
+)
+def test_pushes_and_expands_cut_in_small_pieces(W, T, E, k, pieces, overlap, seed):
+    # PIECE_ROWS (32: never reached by the shapes above) shrunk so runs of tokens and of an
+    # expert's rows are cut at every boundary: several pieces per destination and per (expert,
+    # source), all counted into one flag, under random interleavings
+    assume(k <= W * E)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mdg, "PIECE_ROWS", pieces)
+        layer(W, T, E, k, "uniform", seed, overlap)
+
+
 def test_eight_ranks():
     layer(8, 3, 1, 2, "uniform", 11, "inter_sm")
 
