@@ -36,7 +36,7 @@
 namespace mk {
 
 template <class EngineT>
-struct MoeDispatchGemm {
+struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> {
   using Engine = EngineT;
   using Layout = spec::moe_dispatch_gemm::Layout;
   using Args = FusedArgs<MoeDispatchGemm>;
@@ -46,9 +46,6 @@ struct MoeDispatchGemm {
   // (benchmarks/results/moe_local_2026-12-01_warp_expand_rejected.json). intra_sm: 4 x 8 KB
   // after the engine's shared memory (its ring one stage shorter, kernels/moe_engine.cuh);
   // inter_sm: 8 x 16 KB of a comm CTA's.
-  using InterRing = UnitRing<8, 4, 16384>;
-  using IntraRing = UnitRing<4, 2, 8192>;
-  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= gemm::kMaxDynamicSmem, "fits a CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr int kPush = 0;    // comm task kinds (args[0]), as the twin's PUSH
@@ -311,17 +308,6 @@ struct MoeDispatchGemm {
                       gemm::kStoreBF16};
   }
 
-  using Rings = RingByOverlap<InterRing, IntraRing>;
-  template <class F>
-  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
-    Rings::with(a.common.overlap == kInterSM, smem, f);
-  }
-  static __device__ void comm_begin(const Args& a, char* smem) {
-    Rings::begin(a.common.overlap == kInterSM, smem);
-  }
-  static __device__ void comm_end(const Args& a, char* smem) {
-    Rings::end(a.common.overlap == kInterSM, smem);
-  }
 
   // One thread (lane 0) drives the ring; the template waits for the stores to land, then raises.
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,

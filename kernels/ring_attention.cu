@@ -172,7 +172,7 @@ struct RingAttnEngine {
 };
 
 template <int D>
-struct RingAttention {
+struct RingAttention : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> {
   using Engine = RingAttnEngine<D>;
   using Layout = spec::ring_attention::Layout;
   using Args = FusedArgs<RingAttention>;
@@ -180,9 +180,6 @@ struct RingAttention {
   // the template's comm_begin and kept across its tasks). inter_sm: 8 pieces of 16 KB in the
   // engine's shared memory (a comm CTA runs no engine); intra_sm: 4 of 8 KB after the engine's
   // (what is left beside it at D = 128), two stores in flight.
-  using InterRing = UnitRing<8, 4, 16384>;
-  using IntraRing = UnitRing<4, 2, 8192>;
-  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
 
@@ -190,17 +187,6 @@ struct RingAttention {
     return {};
   }
 
-  using Rings = RingByOverlap<InterRing, IntraRing>;
-  template <class F>
-  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
-    Rings::with(a.common.overlap == kInterSM, smem, f);
-  }
-  static __device__ void comm_begin(const Args& a, char* smem) {
-    Rings::begin(a.common.overlap == kInterSM, smem);
-  }
-  static __device__ void comm_end(const Args& a, char* smem) {
-    Rings::end(a.common.overlap == kInterSM, smem);
-  }
 
   // Task (s, part, row0, rows): those rows of the K and V block held at step s into slot s + 1
   // of rank r + 1, by TMA (lane 0 alone); the template waits for the stores to land, then raises.

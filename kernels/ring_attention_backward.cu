@@ -128,33 +128,18 @@ struct RingBwdEngine {
 };
 
 template <int D>
-struct RingAttentionBwd {
+struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>> {
   using Engine = RingBwdEngine<D>;
   using Layout = rab::Layout;
   using Args = FusedArgs<RingAttentionBwd>;
   // The comm unit's TMA ring (K / V sends, grad reduce-adds), as the forward's: inter_sm in the
   // engine's shared memory (a comm CTA runs no engine), intra_sm after the engine's.
-  using InterRing = UnitRing<6, 3, 16384>;
-  using IntraRing = UnitRing<3, 2, 8192>;
-  static constexpr int kCommSmemBytes = IntraRing::kSmemBytes;
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr float kLog2e = 1.4426950408889634f;
 
   static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
     return {};
-  }
-
-  using Rings = RingByOverlap<InterRing, IntraRing>;
-  template <class F>
-  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
-    Rings::with(a.common.overlap == kInterSM, smem, f);
-  }
-  static __device__ void comm_begin(const Args& a, char* smem) {
-    Rings::begin(a.common.overlap == kInterSM, smem);
-  }
-  static __device__ void comm_end(const Args& a, char* smem) {
-    Rings::end(a.common.overlap == kInterSM, smem);
   }
 
   __device__ static int chunks(const Layout& l, int W) {

@@ -164,25 +164,4 @@ struct UnitRing {
   __device__ void end() const { ring().inval(); }
 };
 
-// A comm unit's ring by where it runs: Inter in a comm CTA (inter_sm: no engine, all of the
-// shared memory), Intra beside the engine (intra_sm: what is left after it). An op's comm_begin /
-// comm_end / comm_move pick it by the launch's overlap.
-template <class Inter, class Intra>
-struct RingByOverlap {
-  template <class F>
-  __device__ static void with(bool inter, char* smem, F&& f) {
-    if (inter) {
-      f(Inter{smem});
-    } else {
-      f(Intra{smem});
-    }
-  }
-  __device__ static void begin(bool inter, char* smem) {
-    with(inter, smem, [](const auto& ring) { ring.begin(); });
-  }
-  __device__ static void end(bool inter, char* smem) {
-    with(inter, smem, [](const auto& ring) { ring.end(); });
-  }
-};
-
 }  // namespace mk

@@ -278,6 +278,33 @@ struct has_comm_unit_hooks<
     : std::true_type {};
 
 // One comm task (table row `row`, the unit's i-th): waits, the op's data movement, then raises.
+// A comm unit's TMA ring kept across its tasks (a UnitRing of primitives/bulk_ring.cuh), as an
+// op's base: Inter in a comm CTA (inter_sm: no engine, all of the shared memory), Intra beside the
+// engine (intra_sm: what is left after it). It gives the op kCommSmemBytes and the comm_begin /
+// comm_end hooks; the op's comm_move reaches the launch's ring through with_ring.
+template <class Inter, class Intra>
+struct CommRings {
+  using InterRing = Inter;
+  using IntraRing = Intra;
+  static constexpr int kCommSmemBytes = Intra::kSmemBytes;
+  template <class Args, class F>
+  static __device__ void with_ring(const Args& a, char* smem, F&& f) {
+    if (a.common.overlap == kInterSM) {
+      f(Inter{smem});
+    } else {
+      f(Intra{smem});
+    }
+  }
+  template <class Args>
+  static __device__ void comm_begin(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.begin(); });
+  }
+  template <class Args>
+  static __device__ void comm_end(const Args& a, char* smem) {
+    with_ring(a, smem, [](const auto& ring) { ring.end(); });
+  }
+};
+
 template <class Op>
 __device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int row, int i,
                               const Team& team, char* smem) {
