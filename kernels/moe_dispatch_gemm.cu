@@ -152,13 +152,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
     __syncthreads();
     // 2. Prefix sums: per expert over chunks; receive rows over chunks; then over experts.
     for (int e = tid; e < E; e += nt) {
-      int run = 0;
-      for (int c = 0; c < C; ++c) {
-        const int v = cnt[c * E + e];
-        cnt[c * E + e] = run;
-        run += v;
-      }
-      eoff[e + 1] = run;
+      eoff[e + 1] = exclusive_scan(cnt + e, C, E);
       int n = 0;
       for (int s = 0; s < W; ++s) n += es[e * W + s] > 0;
       nz[e] = n;
@@ -250,15 +244,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       for (int d = 0; d < W; ++d) pc[tid * W + d] += (mask >> d) & 1;
     }
     __syncthreads();
-    for (int d = tid; d < W; d += nt) {
-      int run = 0;
-      for (int c = 0; c < nt; ++c) {
-        const int v = pc[c * W + d];
-        pc[c * W + d] = run;
-        run += v;
-      }
-      tb[d] = run;
-    }
+    for (int d = tid; d < W; d += nt) tb[d] = exclusive_scan(pc + d, nt, W);
     __syncthreads();
     if (tid == 0) {
       pb[0] = 0;

@@ -32,6 +32,18 @@ __device__ inline int last_at_most(const int* base, int n, int x) {
   return lo;
 }
 
+// Exclusive prefix sum, in place, of v[0], v[stride], ..., v[(n - 1) * stride]; returns their
+// total (the MoE layouts' counts -> first positions, one thread per sequence).
+__device__ __forceinline__ int exclusive_scan(int* v, int n, int stride = 1) {
+  int run = 0;
+  for (int i = 0; i < n; ++i) {
+    const int x = v[i * stride];
+    v[i * stride] = run;
+    run += x;
+  }
+  return run;
+}
+
 // B of every served rank: its experts' [E, K, N] weights at b.at(r) (a 3D map, box {64, 64, 1}).
 template <class Params>
 inline bool fill_grouped_b(int ranks_here, Params* out, const RankPtr<const __nv_bfloat16>& b,

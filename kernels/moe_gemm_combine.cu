@@ -96,14 +96,7 @@ struct MoeGemmCombine {
     for (int q = t0 * k; q < t1 * k; ++q) mine += slots[kSlot * q] >= 0;
     waits[tid] = mine;
     __syncthreads();
-    if (tid == 0) {
-      int run = 0;
-      for (int c = 0; c < nt; ++c) {
-        const int v = waits[c];
-        waits[c] = run;
-        run += v;
-      }
-    }
+    if (tid == 0) exclusive_scan(waits, nt);
     __syncthreads();
     int w = waits[tid];
     for (int t = t0; t < t1; ++t) {
