@@ -41,6 +41,7 @@ from ..protocol import (
 )
 from ..schedule import Plan
 from ..world import World
+from . import registry
 
 WATCHDOG_PERIOD_S = 0.1
 _LAUNCH_HISTORY = 1024  # launch ids remembered per world, to name the flag of a late-read timeout
@@ -97,18 +98,16 @@ class StatusBlock:
 
 
 def bad_input(plan: Plan | None, v: dict[str, int]) -> DeviceInputError:
-    """The DeviceInputError of a status block's bad_input record (``v``: its fields by name)."""
+    """The DeviceInputError of a status block's bad_input record (``v``: its fields by name),
+    worded by the op's ``bad_input_detail(plan, rank, task, index, value)`` if it has one."""
+    rank, task, index, value = v["rank"], v["task"], v["index"], v["value"]
     op = plan.spec.name if plan is not None else "a kernel"
-    if plan is not None and "experts" in plan.sizes:  # the MoE layouts' routing ids
-        E = plan.world_size * plan.sizes["experts"]
-        why = "names an expert an earlier slot of the token names" if 0 <= v["value"] < E else ""
-        what = (
-            f"topk_ids: expert id {v['value']} of rank {v['rank']}, token {v['task']} "
-            f"(slot {v['index']}) {why or f'is outside [-1, E={E})'}"
-        )
+    detail = getattr(registry.get(op), "bad_input_detail", None) if plan is not None else None
+    if detail is not None:
+        what = detail(plan, rank, task, index, value)
     else:
-        what = f"input value {v['value']} of rank {v['rank']} at ({v['task']}, {v['index']})"
-    return DeviceInputError(op, v["rank"], v["task"], v["index"], v["value"], what)
+        what = f"input value {value} of rank {rank} at ({task}, {index})"
+    return DeviceInputError(op, rank, task, index, value, what)
 
 
 def status_block(world: World) -> StatusBlock:

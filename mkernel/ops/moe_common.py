@@ -251,6 +251,15 @@ def check_columns(name: str, value: int) -> None:
     check_divides(name, value, ALIGN, "16-byte rows")
 
 
+def bad_id(value: int, rank: int, token: int, slot: int, experts_total: int) -> str:
+    """What is wrong with routing id ``value`` at (rank, token, slot), found by the host's check
+    or by the dispatch's device layout (which also finds a repeat: an id in range is one)."""
+    where = f"topk_ids: expert id {value} of rank {rank}, token {token} (slot {slot})"
+    if 0 <= value < experts_total:
+        return f"{where} names an expert an earlier slot of the token names"
+    return f"{where} is outside [-1, E={experts_total})"
+
+
 def check_ids(ids: torch.Tensor, experts_total: int) -> None:
     """topk_ids [W, T, k]: every id in [-1, E) (an id outside names its rank and token), no expert
     twice in a token. Reads the ids, so not under CUDA-graph capture: there (and for ids written
@@ -262,10 +271,7 @@ def check_ids(ids: torch.Tensor, experts_total: int) -> None:
     bad = (ids < -1) | (ids >= experts_total)
     if bool(bad.any()):
         r, t, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"topk_ids: expert id {int(ids[r, t, j])} of rank {r}, token {t} (slot {j}) is outside "
-            f"[-1, E={experts_total})"
-        )
+        raise ValueError(bad_id(int(ids[r, t, j]), r, t, j, experts_total))
     if k > 1 and T:
         s = ids.sort(dim=-1).values
         dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=-1)

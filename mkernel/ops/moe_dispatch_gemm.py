@@ -61,6 +61,7 @@ from .moe_common import (
     MoeDispatch,
     Routing,
     Twins,
+    bad_id,
     capturing,
     check_columns,
     check_ids,
@@ -131,6 +132,12 @@ SPEC = OpSpec(
     scalars=("tokens", "hidden", "inter", "experts", "k", "tile_rows", "max_rows"),
     constants=(("piece_rows", PIECE_ROWS),),
 )
+
+
+def bad_input_detail(plan: Plan, rank: int, task: int, index: int, value: int) -> str:
+    """The message of a bad input the device layout recorded (ops/gpu.py bad_input): routing id
+    ``value`` of ``rank``'s token ``task``, slot ``index``."""
+    return bad_id(value, rank, task, index, plan.world_size * plan.sizes["experts"])
 
 
 def make_plan(
