@@ -42,12 +42,7 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
     w1, w2 = World.emulated(1, device="cuda"), World.emulated(2, device="cuda")
     one = dict(base, ring_w1=lambda: ring_attention(q[None], k[None], v[None], w1, causal))
     layout = "zigzag" if causal else "contiguous"
-    # rank r's rows: the layout's positions of the global sequence (S_local = S / 2)
-    if causal:  # zigzag: 4 chunks; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-        parts = [x.view(B, 4, S // 4, *x.shape[2:]) for x in (q, k, v)]
-        ranks = [torch.stack([torch.cat([x[:, r], x[:, 3 - r]], 1) for r in (0, 1)]) for x in parts]
-    else:
-        ranks = [x.view(B, 2, S // 2, *x.shape[2:]).transpose(0, 1).contiguous() for x in (q, k, v)]
+    ranks = rank_rows((q, k, v), causal)
     two = dict(base)
     for overlap in ("inter_sm", "intra_sm"):
         sched = Schedule(overlap=overlap)
@@ -57,34 +52,52 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
     return [("W=1", causal, one), ("W=2", causal, two)]
 
 
-def run(save_json: bool = True) -> list[dict]:
-    attention_ext.load()
-    cases = _case(False) + _case(True)
+def rank_rows(xs: tuple[torch.Tensor, ...], causal: bool) -> list[torch.Tensor]:
+    """Each [B, S, ...] tensor as [2, B, S / 2, ...]: rank r's rows of the global sequence in a
+    two-rank world, contiguous when full, zigzag when causal (4 chunks: rank 0 holds chunks 0 and
+    3, rank 1 chunks 1 and 2)."""
+    if causal:
+        parts = [x.view(x.shape[0], 4, x.shape[1] // 4, *x.shape[2:]) for x in xs]
+        return [torch.stack([torch.cat([x[:, r], x[:, 3 - r]], 1) for r in (0, 1)]) for x in parts]
+    return [
+        x.view(x.shape[0], 2, x.shape[1] // 2, *x.shape[2:]).transpose(0, 1).contiguous()
+        for x in xs
+    ]
+
+
+def interleaved_rows(
+    cases: list[tuple[str, bool, dict[str, Callable[[], object]]]],
+    flops: Callable[[bool], float],
+    rounds: int,
+    target_ms: float,
+) -> list[dict]:
+    """Every version of every case timed INTERLEAVED in ``rounds`` rounds (each measurement
+    repeats a version to >= ~``target_ms``), one row per version: median ms, TFLOP/s of
+    ``flops(causal)``, ratios to the case's ``engine`` and ``cudnn`` versions."""
     reps: dict[tuple[int, str], int] = {}
     for i, (_, _, fns) in enumerate(cases):
         for name, fn in fns.items():
             fn()
             fn()
-            reps[(i, name)] = max(1, round(TARGET_MS / max(_event_ms(fn, 1), 1e-3)))
+            reps[(i, name)] = max(1, round(target_ms / max(_event_ms(fn, 1), 1e-3)))
     times: dict[tuple[int, str], list[float]] = {key: [] for key in reps}
-    for _ in range(ROUNDS):  # interleaved: every version of every case once per round
+    for _ in range(rounds):  # interleaved: every version of every case once per round
         for i, (_, _, fns) in enumerate(cases):
             for name, fn in fns.items():
                 times[(i, name)].append(_event_ms(fn, reps[(i, name)]))
     rows = []
     for i, (world, causal, fns) in enumerate(cases):
-        flops = 4.0 * B * H * S * S * D / (2 if causal else 1)
+        eng = statistics.median(times[(i, "engine")])
+        cud = statistics.median(times[(i, "cudnn")])
         for name in fns:
             ms = statistics.median(times[(i, name)])
-            eng = statistics.median(times[(i, "engine")])
-            cud = statistics.median(times[(i, "cudnn")])
             rows.append(
                 {
                     "world": world,
                     "causal": causal,
                     "version": name,
                     "ms": ms,
-                    "tflops": flops / ms / 1e9,
+                    "tflops": flops(causal) / ms / 1e9,
                     "vs_engine": eng / ms,
                     "vs_cudnn": cud / ms,
                     "B": B,
@@ -94,6 +107,15 @@ def run(save_json: bool = True) -> list[dict]:
                 }  # fmt: skip
             )
     print(table(rows, ["world", "causal", "version", "ms", "tflops", "vs_engine", "vs_cudnn"]))
+    return rows
+
+
+def run(save_json: bool = True) -> list[dict]:
+    attention_ext.load()
+    cases = _case(False) + _case(True)
+    rows = interleaved_rows(
+        cases, lambda causal: 4.0 * B * H * S * S * D / (2 if causal else 1), ROUNDS, TARGET_MS
+    )
     if save_json:
         print("saved", save("ring_local", rows))
     return rows

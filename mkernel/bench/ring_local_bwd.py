@@ -17,7 +17,6 @@ $MKERNEL_BENCH_DIR.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -25,11 +24,10 @@ from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention, ring_attention_backward
 from ..schedule import Schedule
-from .attention import _event_ms
 from .attention_bwd import _sdpa_backward
-from .timing import save, table
+from .ring_local import B, D, H, S, interleaved_rows, rank_rows
+from .timing import save
 
-B, H, D, S = 1, 32, 128, 8192
 ROUNDS = 8
 TARGET_MS = 4.0
 
@@ -47,15 +45,7 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
         dout[None], q[None], k[None], v[None], out[None], lse[None], w1, causal
     )
     layout = "zigzag" if causal else "contiguous"
-    # rank r's rows: the layout's positions of the global sequence (S_local = S / 2)
-    if causal:  # zigzag: 4 chunks; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-        parts = [x.view(B, 4, S // 4, *x.shape[2:]) for x in (q, k, v, dout)]
-        ranks = [torch.stack([torch.cat([x[:, r], x[:, 3 - r]], 1) for r in (0, 1)]) for x in parts]
-    else:
-        ranks = [
-            x.view(B, 2, S // 2, *x.shape[2:]).transpose(0, 1).contiguous() for x in (q, k, v, dout)
-        ]
-    rq, rk, rv, rdo = ranks
+    rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
     rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
     two = dict(base)
     for overlap in ("inter_sm", "intra_sm"):
@@ -69,40 +59,8 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
 def run(save_json: bool = True) -> list[dict]:
     attention_ext.load()
     cases = _case(False) + _case(True)
-    reps: dict[tuple[int, str], int] = {}
-    for i, (_, _, fns) in enumerate(cases):
-        for name, fn in fns.items():
-            fn()
-            fn()
-            reps[(i, name)] = max(1, round(TARGET_MS / max(_event_ms(fn, 1), 1e-3)))
-    times: dict[tuple[int, str], list[float]] = {key: [] for key in reps}
-    for _ in range(ROUNDS):  # interleaved: every version of every case once per round
-        for i, (_, _, fns) in enumerate(cases):
-            for name, fn in fns.items():
-                times[(i, name)].append(_event_ms(fn, reps[(i, name)]))
-    rows = []
-    for i, (world, causal, fns) in enumerate(cases):
-        flops = 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)
-        eng = statistics.median(times[(i, "engine")])
-        cud = statistics.median(times[(i, "cudnn")])
-        for name in fns:
-            ms = statistics.median(times[(i, name)])
-            rows.append(
-                {
-                    "world": world,
-                    "causal": causal,
-                    "version": name,
-                    "ms": ms,
-                    "tflops": flops / ms / 1e9,
-                    "vs_engine": eng / ms,
-                    "vs_cudnn": cud / ms,
-                    "B": B,
-                    "H": H,
-                    "D": D,
-                    "S_global": S,
-                }  # fmt: skip
-            )
-    print(table(rows, ["world", "causal", "version", "ms", "tflops", "vs_engine", "vs_cudnn"]))
+    flops = lambda causal: 2.5 * 4.0 * B * H * S * S * D / (2 if causal else 1)  # noqa: E731
+    rows = interleaved_rows(cases, flops, ROUNDS, TARGET_MS)
     if save_json:
         print("saved", save("ring_local_bwd", rows))
     return rows
