@@ -206,6 +206,20 @@ class RingTasks:
     readers: list[list[int]]
 
 
+def ring_sends(readers: list[list[int]]) -> list[list[int]]:
+    """The steps s < W - 1 at which rank r sends on the K/V block it holds, from ``readers[r][s]``
+    (rank r's compute tasks on the block of step s): a block goes on only while a rank downstream
+    still reads it (causal rings leave blocks wholly in the future unsent)."""
+    W = len(readers)
+    # needed[r][s]: rank r holds the block of step s for itself or a rank downstream of it
+    needed = [[False] * W for _ in range(W)]
+    for s in reversed(range(W)):
+        for r in range(W):
+            later = s + 1 < W and needed[(r + 1) % W][s + 1]
+            needed[r][s] = readers[r][s] > 0 or later
+    return [[s for s in range(W - 1) if needed[(r + 1) % W][s + 1]] for r in range(W)]
+
+
 def ring_tasks(
     spec: OpSpec,
     schedule: Schedule,
@@ -273,13 +287,7 @@ def ring_tasks(
     empty = len(tiles)
     tiles.append(Tile(empty, 0, 0, 0, 0, 0))
 
-    # needed[r][s]: rank r holds the block of step s for itself or a rank downstream of it
-    needed = [[False] * W for _ in range(W)]
-    for s in reversed(range(W)):
-        for r in range(W):
-            later = s + 1 < W and needed[(r + 1) % W][s + 1]
-            needed[r][s] = readers[r][s] > 0 or later
-    sends = [[s for s in range(W - 1) if needed[(r + 1) % W][s + 1]] for r in range(W)]
+    sends = ring_sends(readers)
 
     def landed(r: int, s: int) -> tuple[Wait, ...]:
         if s == 0:

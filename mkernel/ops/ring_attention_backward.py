@@ -234,13 +234,7 @@ def make_plan(
     empty = len(tiles)
     tiles.append(Tile(empty, 0, 0, 0, 0, 0))
 
-    # needed[r][s]: rank r holds the block of step s for itself or a rank downstream of it
-    needed = [[False] * W for _ in range(W)]
-    for s in reversed(range(W)):
-        for r in range(W):
-            later = s + 1 < W and needed[(r + 1) % W][s + 1]
-            needed[r][s] = readers[r][s] > 0 or later
-    sends = [[s for s in range(W - 1) if needed[(r + 1) % W][s + 1]] for r in range(W)]
+    sends = fwd.ring_sends(readers)
     holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
     home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0])
 
