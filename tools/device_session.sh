@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One device-machine session: unpack the carried JIT cache, run the given steps, pack the cache.
 # Usage (on the device machine, repo root): bash tools/device_session.sh "<cmd1>" "<cmd2>" ...
-# Each step's output goes to $OUT/<n>.log; a summary table is printed last.
+# Each step's output goes to $OUT/<n>.log; a summary table is printed last. CARRY names the carried
+# folder (default .carry: mkcache.tgz, snapshot.tar); steps see the repo root as $MKERNEL_REPO_ROOT.
 set -u
+CARRY=${CARRY:-.carry}
+export MKERNEL_REPO_ROOT=$PWD
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MKERNEL_CACHE_DIR=$PWD/.mkcache
 export MKERNEL_BENCH_DIR=${OUT:-/tmp/out}  # benchmark JSON comes back with the run
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" .mkcache && chmod 700 .mkcache
-if [ -f .carry/mkcache.tgz ]; then tar xzf .carry/mkcache.tgz && chmod -R go-w .mkcache; fi
+if [ -f "$CARRY/mkcache.tgz" ]; then tar xzf "$CARRY/mkcache.tgz" && chmod -R go-w .mkcache; fi
 # Run from a snapshot of committed work when one was packed (git archive HEAD > .carry/snapshot.tar):
 # other engineers' uncommitted edits in the working tree then cannot break the build.
-if [ -f .carry/snapshot.tar ]; then
-  rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xf .carry/snapshot.tar -C /tmp/snap
+if [ -f "$CARRY/snapshot.tar" ]; then
+  rm -rf /tmp/snap && mkdir -p /tmp/snap && tar xf "$CARRY/snapshot.tar" -C /tmp/snap
   cd /tmp/snap && export PYTHONPATH=/tmp/snap
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
