@@ -4,7 +4,8 @@ tested is the ring itself: which block each step holds, what each query chunk se
 zigzag, causal or not), the double-buffered K/V sends, the lse merges, and the dK / dV
 accumulators that travel with their blocks and come home. Every rank's out, lse, dq, dk, dv are
 checked against the fp64 formulas of tests/test_ring_attention{,_backward}.py (their tolerances,
-no bf16 rounding of P), and the public API's dispatch to this path on a distributed GPU world."""
+no bf16 rounding of P); and that the public API launches the fused kernels on a distributed GPU
+world (this module is the two-GPU benchmark's unfused baseline)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def test_every_rank_gets_the_ring_results(W, B, S, heads, tmp_path):
 
 
 def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
-    """On a distributed world with a CUDA device, ring_attention launches the fused kernel with
-    this rank's tensors (the launch stubbed here: no GPU, no process group) and
-    ring_attention_backward calls ring_attention_dist with the GPU engines (stubbed)."""
+    """On a distributed world with a CUDA device, ring_attention and ring_attention_backward each
+    launch their fused kernel with this rank's tensors (the launches stubbed here: no GPU, no
+    process group); the unfused ring (ring_attention_dist) is not called."""
     import mkernel
     from mkernel.ops import common
     from mkernel.ops import ring_attention as ra
@@ -82,7 +83,7 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
     monkeypatch.setattr(rd, "backward", lambda *a: calls.append(("backward", a[7:])) or "b")
     sizes = dict(batch=1, seq=4, heads=2, kv_heads=1, head_dim=64, causal=1, zigzag=1)
     monkeypatch.setattr(ra, "shapes", lambda *a, **kw: dict(sizes, scale_bits=0))
-    monkeypatch.setattr(rb, "shapes", lambda *a, **kw: {"head_dim": 64})
+    monkeypatch.setattr(rb, "shapes", lambda *a, **kw: dict(sizes))
     monkeypatch.setattr(common, "cached_plan", lambda module, sched, w, **s: ("plan", s))
     monkeypatch.setattr(
         common, "run_gpu", lambda w, plan, ops: calls.append(("fused", plan, sorted(ops)))
@@ -90,10 +91,14 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
     x = torch.zeros(1)
     out, lse = mkernel.ring_attention(x, x, x, world, True, 0.5, "zigzag")
     assert out.shape == (1, 4, 2, 64) and lse.shape == (1, 2, 4)  # this rank's, no rank dim
-    assert mkernel.ring_attention_backward(x, x, x, x, x, x, world, False, None) == "b"
+    grads = mkernel.ring_attention_backward(x, x, x, x, x, x, world, True, None, "zigzag")
+    assert [g.shape for g in grads] == [x.shape] * 3  # dq, dk, dv like q, k, v: this rank's
     plan = ("plan", dict(sizes, scale_bits=ra.scale_bits(0.5)))
     assert calls[0] == ("fused", plan, ["k", "lse", "out", "q", "v"])
-    assert calls[1] == ("backward", (world, False, 0.125, False, "bwd"))
+    plan_b = ("plan", dict(sizes, scale_bits=ra.scale_bits(0.125)))
+    ops_b = ["dk", "dlse", "dout", "dq", "dv", "k", "lse", "out", "q", "v"]
+    assert calls[1] == ("fused", plan_b, ops_b)
+    assert len(calls) == 2  # neither unfused function ran
 
 
 @pytest.mark.parametrize("W", [1, 2, 3])

@@ -1,8 +1,9 @@
 """Ring attention, backward (issue 13): API, plan, data-movement twins, reference and the autograd
 Function that makes ``ring_attention`` differentiable. The same plan runs in the CPU interpreter
 and, in emulated GPU worlds, as one launch of the fused kernel (kernels/ring_attention_backward.cu:
-the backward engine, primitives/attention/bwd_engine.cuh, on the persistent template); distributed
-GPU worlds run the unfused ring of ring_attention_dist.py.
+the backward engine, primitives/attention/bwd_engine.cuh, on the persistent template), in
+distributed GPU worlds too (one process per GPU, the ring through symmetric memory). The unfused
+ring of ring_attention_dist.py stays as the two-GPU benchmark's baseline.
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -410,8 +411,8 @@ def ring_attention_backward(
         share a K/V head), accumulated in fp32. Raises TypeError / ValueError naming the argument
         before anything runs; CommTimeout if a wait passes the world's deadline (asynchronous on
         GPUs: raised by the next call or ``world.check()``). In an emulated GPU world: one launch
-        of the fused kernel (kernels/ring_attention_backward.cu). In a distributed one: unfused,
-        K/V and the dK / dV accumulators by torch.distributed sends (ring_attention_dist.py).
+        of the fused kernel (kernels/ring_attention_backward.cu), in a distributed one too (this
+        rank's tensors, no rank dimension; every rank calls with the same shapes).
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 
@@ -433,18 +434,6 @@ def run(
     """``ring_attention_backward`` with the gradient of lse too (``dlse``, fp32 like lse, or None):
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
     module = sys.modules[__name__]
-    world = common.check_world(world)
-    if world.on_gpu and not world.emulated_world:  # distributed: NCCL sends (ring_attention_dist)
-        from . import ring_attention_dist as rd
-
-        common.check_schedule(schedule)
-        s = shapes(dout, q, k, v, out, lse, world, causal, layout)
-        scale = fwd.check_scale(scale, s["head_dim"])
-        if dlse is not None:
-            check_lse("dlse", dlse, world, tuple(lse.shape))
-        _, bwd_block = rd.gpu_engines()
-        zigzag = layout == "zigzag"
-        return rd.backward(dout, q, k, v, out, lse, dlse, world, causal, scale, zigzag, bwd_block)
     world = common.check_world_for(SPEC, world)
     common.check_nodes(module, world)
     schedule = common.check_schedule(schedule)
@@ -452,8 +441,8 @@ def run(
     scale = fwd.check_scale(scale, s["head_dim"])
     if dlse is None:
         dlse = torch.zeros_like(lse)
-    else:
-        check_lse("dlse", dlse, world, tuple(lse.shape[1:]))
+    else:  # lse is checked: per rank [B, Hq, S_local] after the emulated world's rank dimension
+        check_lse("dlse", dlse, world, tuple(lse.shape[1 if world.emulated_world else 0 :]))
     if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_KV_TILE):
         raise ValueError(
             f"Schedule.chunk_rows={schedule.chunk_rows}: the GPU backward engine's K/V tile is "

@@ -6,8 +6,8 @@ on rank 0 and exits non-zero on any failure.
 
   torchrun --nproc_per_node=2 tests/distributed/check_ops.py --ops gemm_rs --loop 1000 --sms 60
 
-Also the fused ring attention forward (``--no-ring`` skips it): symmetric memory and gloo, so it
-runs with two processes on one GPU too (run.sh).
+Also the fused ring attention forward and backward (``--no-ring`` skips them): symmetric memory
+and gloo, so they run with two processes on one GPU too (run.sh).
 """
 
 from __future__ import annotations
@@ -198,6 +198,8 @@ def main() -> int:
     if args.ring:
         for name, ok, detail in check_ring_attention(world, W, rank, args.sms, args.loop):
             report(name, ok, detail)
+        for name, ok, detail in check_ring_backward(world, W, rank, args.sms, args.loop):
+            report(name, ok, detail)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failures else 0
@@ -238,6 +240,56 @@ def check_ring_attention(world, W: int, rank: int, sms, loop: int):
                         assert not torch.isnan(out).any() and err < 2e-2, f"out off by {err:.2e}"
                         err = float((lse.cpu() - want_lse[rank]).abs().max())
                         assert err < 1e-2, f"lse off by {err:.2e}"
+                        yield f"{label} {what}" + (f" x{n}" if n > 1 else ""), True, ""
+                    except Exception as e:  # noqa: BLE001 - reported, counted, the run goes on
+                        yield f"{label} {what}", False, repr(e)[:300]
+
+
+def check_ring_backward(world, W: int, rank: int, sms, loop: int):
+    """The fused ring attention backward (kernels/ring_attention_backward.cu) through symmetric
+    memory: every layout, causal or not, both overlaps, S_local off the tile, GQA; this rank's dq,
+    dk, dv against the fp32 reference's autograd; through ``out.backward`` (the autograd path)
+    once, then a loop of direct calls and a straggler rank. Yields (name, ok, detail)."""
+    B, S, Hq, Hkv, D = 1, 200, 4, 2, 128
+    g = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(W, B, S, Hq, D, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(W, B, S, Hkv, D, generator=g).bfloat16() for _ in range(2))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mine = [x[rank].to(dev).contiguous() for x in (q, k, v, dout)]
+    emu = mkernel.World.emulated(W)
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            out_r, lse_r = mkernel.reference.ring_attention(q, k, v, emu, causal, None, layout)
+            want = mkernel.reference.ring_attention_backward(
+                dout, q, k, v, out_r, lse_r, emu, causal, None, layout
+            )
+            for overlap in ("intra_sm", "inter_sm"):
+                label = f"ring_attention_backward {layout} causal={causal} {overlap}"
+                for what in ("autograd", "straggler", "loop"):
+                    late = mkernel.Faults(delay_rank=W - 1, delay_us=300)
+                    faults = late if what == "straggler" else None
+                    sched = mkernel.Schedule(overlap=overlap, sms=sms, faults=faults)
+                    try:
+                        if what == "autograd":
+                            leaves = [x.clone().requires_grad_() for x in mine[:3]]
+                            out, _ = mkernel.ring_attention(*leaves, world, causal, None, layout,
+                                                            sched)  # fmt: skip
+                            out.backward(mine[3])
+                            got = [x.grad for x in leaves]
+                            n = 1
+                        else:
+                            out, lse = mkernel.ring_attention(*mine[:3], world, causal, None,
+                                                              layout, sched)  # fmt: skip
+                            n = loop if what == "loop" else 1
+                            for _ in range(n):
+                                got = mkernel.ring_attention_backward(
+                                    mine[3], *mine[:3], out, lse, world, causal, None, layout,
+                                    sched,
+                                )  # fmt: skip
+                        world.check()
+                        for name, x, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+                            err = rel_err(x, w[rank])  # bf16 P and dS: a smoke bound, as above
+                            assert not torch.isnan(x).any() and err < 2e-2, f"{name} off {err:.2e}"
                         yield f"{label} {what}" + (f" x{n}" if n > 1 else ""), True, ""
                     except Exception as e:  # noqa: BLE001 - reported, counted, the run goes on
                         yield f"{label} {what}", False, repr(e)[:300]

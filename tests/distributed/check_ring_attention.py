@@ -1,6 +1,6 @@
-"""Distributed check of ring_attention and its backward (one process per GPU): the forward is the
-fused kernel (kernels/ring_attention.cu, K/V through symmetric memory), the backward the unfused
-ring (NCCL sends of the K/V blocks and dK / dV accumulators: mkernel/ops/ring_attention_dist.py).
+"""Distributed check of ring_attention and its backward (one process per GPU): both are fused
+kernels (kernels/ring_attention.cu, kernels/ring_attention_backward.cu; K/V and the dK / dV
+partials through symmetric memory), the backward through autograd.
 Every rank draws all
 ranks' inputs from the same seed and checks its own out, lse, dq, dk, dv against the emulated
 reference (fp32, mkernel.reference) within bf16 rounding; then a loop of calls with new inputs.
