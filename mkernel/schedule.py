@@ -102,7 +102,7 @@ class Schedule:
     chunk_rows: rows per transfer chunk (ag_gemm; default one tile row), per grouped-GEMM tile
                (MoE; at most 128 on a GPU; default 128 when T * k >= 128 * E_local, else 64), per
                query tile of a compute task (ring attention, forward and backward; default 16).
-    faults:    injected faults for tests (Faults).
+    faults:    injected faults for tests (Faults; None: none).
     seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
     backoff_ns: GPU waits sleep between polls of a flag, doubling from 32 ns up to this (0: spin),
                so waiting warps take few issue slots and memory transactions from the compute warps
@@ -157,6 +157,11 @@ class Schedule:
             )
         if self.tile_order is not None and not callable(self.tile_order):
             raise TypeError("Schedule.tile_order must be a callable fn(rank, tiles) -> order")
+        if self.faults is None:  # None: no faults, as the default
+            object.__setattr__(self, "faults", Faults())
+        elif not isinstance(self.faults, Faults):
+            got = type(self.faults).__name__
+            raise TypeError(f"Schedule.faults must be a mkernel.Faults or None, got {got}")
 
     def plan(self, op: str, world: Any, *operands: Any, **shapes: int) -> Plan:
         """The plan ``op`` (a registered op: "gemm_rs", "ag_gemm", "gemm_ar", "all_gather", ...)

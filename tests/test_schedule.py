@@ -72,3 +72,9 @@ def test_plan_from_operands_is_the_plan_a_call_runs(op):
         sched.plan(op, world, m=m)
     with pytest.raises(ValueError, match="unknown op"):
         sched.plan("fused_everything", world, m=m, n=64, k=k)
+
+
+def test_schedule_faults_none_means_no_faults_and_a_wrong_type_is_refused():
+    assert mkernel.Schedule(faults=None).faults == mkernel.Faults()
+    with pytest.raises(TypeError, match="Schedule.faults must be a mkernel.Faults"):
+        mkernel.Schedule(faults={"silent_rank": 1})

@@ -266,9 +266,10 @@ def check_ring_backward(world, W: int, rank: int, sms, loop: int):
             for overlap in ("intra_sm", "inter_sm"):
                 label = f"ring_attention_backward {layout} causal={causal} {overlap}"
                 for what in ("autograd", "straggler", "loop"):
-                    late = mkernel.Faults(delay_rank=W - 1, delay_us=300)
-                    faults = late if what == "straggler" else None
-                    sched = mkernel.Schedule(overlap=overlap, sms=sms, faults=faults)
+                    sched = mkernel.Schedule(overlap=overlap, sms=sms)
+                    if what == "straggler":
+                        late = mkernel.Faults(delay_rank=W - 1, delay_us=300)
+                        sched = mkernel.Schedule(overlap=overlap, sms=sms, faults=late)
                     try:
                         if what == "autograd":
                             leaves = [x.clone().requires_grad_() for x in mine[:3]]
