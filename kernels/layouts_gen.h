@@ -131,10 +131,11 @@ struct Layout {
 namespace moe_dispatch_gemm {
 enum Pad : int {
   kPadBarrier = 0,
-  kPadLanded = 1,
-  kPadLandedCount = 2,
-  kPadExpertRows = 3,
-  kPadExpertRowsCount = 4,
+  kPadIdsLanded = 1,
+  kPadLanded = 2,
+  kPadLandedCount = 3,
+  kPadExpertRows = 4,
+  kPadExpertRowsCount = 5,
 };
 constexpr int kPieceRows = 32;
 struct Layout {
@@ -148,6 +149,8 @@ struct Layout {
   __nv_bfloat16* recv_local;
   SymPtr<int> row_map;  // [max_rows] symmetric: the device layout's: the receive row of each y row
   int* row_map_local;
+  SymPtr<int> ids_all;  // [ids_rows, k] symmetric: every rank's topk_ids (rank s's at rows s * T), written by the ranks' layouts
+  int* ids_all_local;
   SymPtr<int> send_map;  // [W, tokens] symmetric: the device layout's: per destination d, my tokens that feed d (token order)
   int* send_map_local;
   RankPtr<__nv_bfloat16> expanded;  // [max_rows, hidden] output: each y row's token, copied here from recv (the GEMM's A; a per-call workspace sized by the rows, every rank's at base + rank * stride)
@@ -170,9 +173,11 @@ struct Layout {
     l.recv_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
     l.row_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
     l.row_map_local = reinterpret_cast<int*>(rec[kRecStride7]);
-    l.send_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot8])};
-    l.send_map_local = reinterpret_cast<int*>(rec[kRecStride8]);
-    l.expanded = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot9]), rec[kRecStride9]};
+    l.ids_all = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot8])};
+    l.ids_all_local = reinterpret_cast<int*>(rec[kRecStride8]);
+    l.send_map = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot9])};
+    l.send_map_local = reinterpret_cast<int*>(rec[kRecStride9]);
+    l.expanded = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot10]), rec[kRecStride10]};
     l.tokens = (int)rec[kRecScalar0];
     l.hidden = (int)rec[kRecScalar1];
     l.inter = (int)rec[kRecScalar2];

@@ -20,8 +20,10 @@
 //                   (its counted consumers: the last tile resets them)
 // A compute tile loads its rows of `expanded` by TMA (the dense engine: a gather by index in the
 // engine measured 2.75x slower, benchmarks/results/moe_local_2026-12-01.json) and stores its bf16
-// rows of y. Emulated worlds (all ranks in this launch): the layout reads the peers' topk_ids
-// directly; a distributed world would exchange the counts first (not built).
+// rows of y. Before the layout, its CTA exchanges the routing: each rank's topk_ids into every
+// rank's ids_all (ids_landed[src] says it landed), so a layout reads no peer's input. Emulated
+// worlds only so far (prepare): a distributed one also needs `expanded`'s rows per call (sized
+// here from the stacked tensor's rank stride) and the combine's exchange (not built).
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}, token 1 -> {1}; rank 1: token 0 -> {0}
 //   rank 0 comm:    x0[0] -> recv@0 row 0 (+1 landed@0[0]) | x0[0:2] -> recv@1 rows 0, 1
@@ -51,6 +53,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
   static constexpr int kPush = 0;    // comm task kinds (args[0]), as the twin's PUSH
   static constexpr int kExpand = 1;  // and EXPAND
   static constexpr int kPieceRows = spec::moe_dispatch_gemm::kPieceRows;
+  static constexpr int kPadIdsLanded = spec::moe_dispatch_gemm::kPadIdsLanded;
   static constexpr int kPadLanded = spec::moe_dispatch_gemm::kPadLanded;
   static constexpr int kPadLandedCount = spec::moe_dispatch_gemm::kPadLandedCount;
   static constexpr int kPadRows = spec::moe_dispatch_gemm::kPadExpertRows;
@@ -80,6 +83,34 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       if (g >= 0 && g < W * experts) mask |= 1u << (g / experts);
     }
     return mask;
+  }
+
+  // The ids exchange (every thread of CTA slot 0, before the layout): my topk_ids into every
+  // rank's ids_all (rows me * T, peer stores), then ids_landed[me] := 1 there; once every rank's
+  // flag is up here (each reset as it is seen), all of the routing is read locally. A distributed
+  // world's layout needs nothing else from its peers.
+  static __device__ const int* exchange_ids(const Args& a, const CtaInfo& cta) {
+    const Layout& l = a.layout;
+    const FusedCommon& c = a.common;
+    const int W = c.world_size, me = cta.rank;
+    const long long n = (long long)l.tokens * l.k;
+    const int* mine = l.topk_ids.at(cta.local_rank);
+    for (int i = 0; i < W; ++i) {
+      int* to = l.ids_all.map((me + i) % W) + me * n;
+      for (long long v = threadIdx.x; v < n; v += blockDim.x) to[v] = __ldg(mine + v);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // every thread's stores, before the flags (cumulative)
+      for (int i = 0; i < W && me != c.silent_rank; ++i)
+        signal_set_release(c.pads[kPadIdsLanded].map((me + i) % W) + me, 1);
+      for (int s = 0; s < W; ++s) {
+        const WaitSite site{me, s, -1, kRoleBarrier, kPadIdsLanded, s};
+        wait_acquire_reset(c.pads[kPadIdsLanded].map(me) + s, 1, c.wait, site);
+      }
+    }
+    __syncthreads();
+    return l.ids_all.map(me);
   }
 
   // Every thread of CTA slot 0. Counts first (shared-memory atomics), then prefix sums give every
@@ -120,7 +151,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       return;
     }
     for (int i = tid; i < E * W + W * W; i += nt) es[i] = 0;
-    __syncthreads();
+    const int* all_ids = exchange_ids(a, cta);  // [W * T, k]: every rank's routing, here
     // 1. Counts: token chunk c of the W * T tokens (source-major) per expert; every token's ranks.
     const int L = (W * T + C - 1) / C;
     if (tid < C) {
@@ -129,7 +160,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       int rc = 0;
       for (int u = tid * L; u < min((tid + 1) * L, W * T); ++u) {
         const int s = u / T;
-        const int* ids = l.topk_ids.at(s) + (long long)(u - s * T) * k;
+        const int* ids = all_ids + (long long)u * k;
         for (int j = 0; j < k; ++j) {
           // an id outside [-1, W * E) or a repeated one feeds nobody (every layout ignores it);
           // rank 0's layout reports it
@@ -198,7 +229,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       int recv = recv_c[tid];
       for (int u = tid * L; u < min((tid + 1) * L, W * T); ++u) {
         const int s = u / T, t = u - s * T;
-        const int* ids = l.topk_ids.at(s) + (long long)t * k;
+        const int* ids = all_ids + (long long)u * k;
         bool fedme = false;
         for (int j = 0; j < k; ++j) {
           const int e = local_expert(slot_id(ids, j, W * E), me, E);
@@ -340,7 +371,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
     const int W = args.common.world_size, here = args.common.ranks_here;
-    // The layout reads every rank's routing: emulated worlds only.
+    // Emulated worlds only: `expanded`'s rows come from its rank stride (file comment).
     if (here != W || l.expanded.rank_stride % l.hidden != 0) return false;
     const long long rows = l.expanded.rank_stride / l.hidden;  // of the stacked [W, rows, H]
     if (rows < 1 ||

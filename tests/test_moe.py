@@ -194,7 +194,8 @@ def test_a_late_rank_changes_nothing_and_a_silent_one_times_out(overlap):
     out_late = combine(res.y, w2, res, w, world, mkernel.Schedule(overlap=overlap, faults=late))
     assert torch.equal(out, out_late)
     silent = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=0))
-    with pytest.raises(CommTimeout, match=r"landed\[src=0\]"):
+    # a silent rank raises nothing: its peers' layouts wait for its routing ids
+    with pytest.raises(CommTimeout, match=r"ids_landed\[src=0\]"):
         dispatch(x, ids, w1, world, silent)
     with pytest.raises(CommTimeout, match="tile_done"):
         combine(res.y, w2, res, w, world, silent)
@@ -525,7 +526,7 @@ def test_pushes_that_signal_nothing_time_out_naming_the_flag():
         return made
 
     # the peers' expands wait for rank 0's tokens (the GEMM tiles wait on the expands)
-    with pytest.raises(CommTimeout, match=r"landed\[src=0\] from peer 0"):
+    with pytest.raises(CommTimeout, match=r"waits landed\[src=0\] from peer 0"):
         _run_dispatch(silent)
 
 

@@ -682,6 +682,13 @@ MUTATIONS = [
         "receive row before the push has written it)",
     ),
     Mutation(
+        "moe_ids_read_before_landed",
+        MD,
+        '            yield from twins.wait_acquire_reset(ctx, sig("ids_landed", me, s), 1, s)\n',
+        "",
+        "MoE dispatch: a layout reads the peers' routing ids without waiting for them to land",
+    ),
+    Mutation(
         "moe_landed_one_consumer",
         MD,
         "    expands_of = Counter(s for _, s, _, _ in pieces)",

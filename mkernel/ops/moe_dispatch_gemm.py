@@ -10,8 +10,9 @@ Unfused meaning, per destination rank d of W (E_local experts per rank, global i
             for t, j with topk_ids[s][t, j] == d * E_local + e:
                 y_d.append((x[s][t].float() @ w1[d][e].float()).bfloat16()); src_d.append((s, t, j))
 
-Protocol. Counts first: the layout phase of every rank reads every rank's routing ids (inputs,
-written before the launch; a GPU version exchanges per-expert counts instead) and computes the
+Protocol. The routing first: the layout phase of every rank stores its routing ids into every
+rank's ``ids_all`` (rows s * T for rank s) and sets ``ids_landed[s]`` there, waits until every
+rank's have landed (resetting each flag), then computes from them, locally, the
 Routing (moe_common.py): prefix sums give each token copy its receive row and each (token, slot)
 its y row before any data moves. Its tasks, made per call (the comm and compute roles are
 ``Capacity``: how many tasks a rank runs is routing data):
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 
 from ..interp import twins
+from ..interp.program import PlanSignals
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import Plan, Schedule, build_plan
 from ..world import World
@@ -98,6 +100,13 @@ SPEC = OpSpec(
             "the device layout's: the receive row of each y row",
         ),
         Buffer(
+            "ids_all",
+            "symmetric",
+            torch.int32,
+            ("ids_rows", "k"),
+            "every rank's topk_ids (rank s's at rows s * T), written by the ranks' layouts",
+        ),
+        Buffer(
             "send_map",
             "symmetric",
             torch.int32,
@@ -114,6 +123,12 @@ SPEC = OpSpec(
         ),
     ),
     pads=(
+        Pad(
+            "ids_landed",
+            ("src",),
+            ("W",),
+            doc="rank src's topk_ids landed in my ids_all (set by src's layout, reset by mine)",
+        ),
         Pad(
             "landed",
             ("src",),
@@ -161,6 +176,7 @@ def make_plan(
         "max_rows": rows,
         "offsets": experts + 1,
         "recv_rows": W * T,  # every token of every rank, once
+        "ids_rows": W * T,
         "tile_rows": tr,
     }
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, [], compute, comm)
@@ -374,13 +390,24 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
     # rows from here; on the device the layout phase writes that map into a workspace (row_map).
     made: dict[int, Routing] = {}
 
+    sig = PlanSignals(plan)
+
     def layout(ctx):
+        # the ids exchange: my routing into every rank's ids_all (rows me * T), then theirs here
+        me, silent = ctx.rank, ctx.rank == plan.faults.silent_rank
+        mine = yield from twins.tile_load(ctx, "topk_ids", me, (0, T, 0, k))
+        for d in ((me + i) % ctx.W for i in range(ctx.W)):
+            yield from twins.peer_store(ctx, "ids_all", d, (me * T, T, 0, k), mine)
+        for d in ((me + i) % ctx.W for i in range(ctx.W)):
+            if not silent:  # (the fault: a silent rank raises nothing)
+                yield from twins.signal_set_release(ctx, sig("ids_landed", d, me), 1)
         ids = []
-        for s in range(ctx.W):  # the counts exchange: every rank's routing ids
-            v = yield from twins.tile_load(ctx, "topk_ids", s, (0, T, 0, k))
+        for s in range(ctx.W):
+            yield from twins.wait_acquire_reset(ctx, sig("ids_landed", me, s), 1, s)
+            v = yield from twins.tile_load(ctx, "ids_all", me, (s * T, T, 0, k))
             ids.append(v.tolist())
-        made[ctx.rank] = r = route(ids, E)
-        return layout_tasks(plan, r, ctx.rank)
+        made[me] = r = route(ids, E)
+        return layout_tasks(plan, r, me)
 
     def comm(ctx, task):
         r = made[ctx.rank]
