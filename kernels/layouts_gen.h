@@ -192,7 +192,7 @@ struct Layout {
 
 // moe_gemm_combine: second grouped GEMM + combine: out[t] = sum_j w[t, j] * (h_row(t, j) @ w2[e])
 namespace moe_gemm_combine {
-enum Pad : int { kPadBarrier = 0, kPadTileDone = 1, kPadTileDoneCount = 2 };
+enum Pad : int { kPadBarrier = 0, kPadSlotsLanded = 1, kPadTileDone = 2, kPadTileDoneCount = 3 };
 constexpr int kSlotFields = 4;
 constexpr int kCommAnyOrder = 1;
 struct Layout {
@@ -203,7 +203,7 @@ struct Layout {
   RankPtr<const float> topk_weights;  // [tokens, k] input: this rank's weights
   RankPtr<__nv_bfloat16> out;  // [tokens, hidden] output: this rank's tokens
   RankPtr<float> partial;  // [max_rows, hidden] output: this rank's expert rows in fp32, read by their sources (a per-call workspace sized by the rows: every rank's at base + rank * stride in the emulated world)
-  SymPtr<int> slot_rows;  // [slots, slot_fields] symmetric: per own (token, slot): the rank, row, row tile and tile rows of its expert row
+  SymPtr<int> slot_rows;  // [slots, slot_fields] symmetric: per own (token, slot): rank + 1 (0: unused), row, row tile, tile rows of its row
   int* slot_rows_local;
   int tokens;
   int hidden;

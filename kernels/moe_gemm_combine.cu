@@ -6,14 +6,17 @@
 //   compute tasks  per local expert, row tiles of tile_rows rows (row tile i of the rank, in
 //                  expert order) cut into BN-wide column tiles: h rows @ w2[e] stored in fp32
 //                  into my `partial` rows, each column tile adding 1 to tile_done[i] here
-//   slot_rows      per own (token, slot): rank d, row, row tile and its rows of the expert row,
-//                  from every rank's src / expert_offsets (the dispatch's outputs)
+//   slot_rows      per (token, slot) of a source s: rank d + 1 (0: unused), row, row tile and
+//                  its rows of the expert row, written by d (the row's holder) into s's table
+//                  from d's own src / expert_offsets (the dispatch's outputs); slots_landed[d]
+//                  set on every rank after; each layout waits for every rank's flag
 //   comm tasks     one reduce per own token: for each used slot, in slot order, a wait for its
 //                  row tile on d (all column tiles; the tile's rows, one token's each, are its
 //                  counted consumers), then out[t] = bf16(sum_j w[t, j] * partial@d[row])
-// No atomics, no zeroing: every row is stored once where it was computed and read once by its
-// token's rank; the sum runs in slot order whatever order the tiles finished in. Emulated worlds
-// (every rank in this launch: the layout reads the peers' src, the reduce their partial rows).
+// No atomics: every row is stored once where it was computed and read once by its token's rank;
+// the sum runs in slot order whatever order the tiles finished in; a reduce zeroes its token's
+// slot entries after reading them (the next call starts from "unused"). Emulated worlds (every
+// rank in this launch: the reduce reads the peers' partial rows, a per-call tensor).
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
 //   rank 0 compute: tile 0 = rows (x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
@@ -33,6 +36,7 @@ struct MoeGemmCombine {
   // leave the engine (templates/persistent.cuh claim_comm).
   static constexpr bool kCommAnyOrder = spec::moe_gemm_combine::kCommAnyOrder != 0;
   static constexpr int kReduce = 2;  // comm task kind (args[0]), as the twin's REDUCE
+  static constexpr int kPadSlots = spec::moe_gemm_combine::kPadSlotsLanded;
   static constexpr int kPadDone = spec::moe_gemm_combine::kPadTileDone;
   static constexpr int kPadDoneCount = spec::moe_gemm_combine::kPadTileDoneCount;
   static constexpr int kSlot = spec::moe_gemm_combine::kSlotFields;  // rank, row, tile, rows
@@ -42,58 +46,70 @@ struct MoeGemmCombine {
     base[0] = 0;
     for (int e = 0; e < E; ++e) base[e + 1] = base[e] + (offs[e + 1] - offs[e] + tr - 1) / tr;
   }
+  // After every thread's peer stores of slot entries: slots_landed[me] := 1 on every rank, then
+  // wait for every rank's here (each reset as it is seen). Half the patience: every rank has
+  // passed the entry barrier, so a silent one is named here first.
+  static __device__ void exchange_done(const Args& a, const CtaInfo& cta) {
+    const FusedCommon& c = a.common;
+    const int W = c.world_size, me = cta.rank;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // every thread's stores, before the flags (cumulative)
+      for (int i = 0; i < W && me != c.silent_rank; ++i)
+        signal_set_release(c.pads[kPadSlots].map((me + i) % W) + me, 1);
+      const WaitPolicy quick{c.wait.status, c.wait.timeout_ns / 2, c.wait.backoff_ns,
+                             c.wait.launch};
+      for (int d = 0; d < W; ++d) {
+        const WaitSite site{me, d, -1, kRoleBarrier, kPadSlots, d};
+        wait_acquire_reset(c.pads[kPadSlots].map(me) + d, 1, quick, site);
+      }
+    }
+    __syncthreads();
+  }
+
   // Every thread of CTA slot 0: indices from prefix sums, each thread writes its own tasks.
   static __device__ void layout(const Args& a, const CtaInfo& cta, TableWriter& compute,
                                 TableWriter& comm, char* smem) {
     const Layout& l = a.layout;
-    const int W = a.common.world_size, me = cta.rank, T = l.tokens, k = l.k, E = l.experts;
+    const int me = cta.rank, T = l.tokens, k = l.k, E = l.experts;
     const int H = l.hidden, tr = l.tile_rows, tiles_n = (H + Engine::BN - 1) / Engine::BN;
     const int nt = blockDim.x, tid = threadIdx.x;
-    int* base = reinterpret_cast<int*>(smem);  // [W, E + 1]: row tiles of rank d before expert e
-    int* waits = base + W * (E + 1);           // [nt + 1]: waits of my token chunks, prefixed
-    if ((W * (E + 1) + nt + 1) * 4 > Engine::kSmemBytes) {
+    int* base = reinterpret_cast<int*>(smem);  // [E + 1]: my row tiles before expert e
+    int* waits = base + E + 1;                 // [nt + 1]: waits of my token chunks, prefixed
+    if ((E + 1 + nt + 1) * 4 > Engine::kSmemBytes) {
       compute.fail();  // E too large for the scratch: stop loudly
       return;
     }
-    int* slots = l.slot_rows.map(me);
-    for (int d = tid; d < W; d += nt)
-      tile_prefix(l.expert_offsets.at(d), E, tr, base + d * (E + 1));
-    for (int q = tid; q < T * k; q += nt) slots[kSlot * q] = -1;
+    const int* offs = l.expert_offsets.at(cta.local_rank);
+    if (tid == 0) tile_prefix(offs, E, tr, base);
     __syncthreads();
     // My row tiles (numbered in expert order), each cut into column tiles adding 1 to its flag.
-    const int* offs = l.expert_offsets.at(cta.local_rank);
-    const int* mybase = base + me * (E + 1);
-    const int tasks = mybase[E] * tiles_n;
+    const int tasks = base[E] * tiles_n;
     for (int x = tid; x < tasks; x += nt) {
-      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN,
-                e = last_at_most(mybase, E, tile);
-      const int m0 = offs[e] + (tile - mybase[e]) * tr;
+      const int tile = x / tiles_n, n0 = x % tiles_n * Engine::BN, e = last_at_most(base, E, tile);
+      const int m0 = offs[e] + (tile - base[e]) * tr;
       compute.put_tile(x, m0, n0, min(tr, offs[e + 1] - m0), min(Engine::BN, H - n0), e, 0, 0, x,
                        1);
       compute.put_raise(x, kPadDone, me, tile, 1, kRaiseAdd);
     }
     compute.count(tasks);
-    // My slots' rows on every rank (emulated: rank d is local rank d), tiles numbered as d's.
-    for (int d = 0; d < W; ++d) {
-      const int* offs_d = l.expert_offsets.at(d);
-      const int* src = l.src.at(d);
-      for (int row = tid; row < offs_d[E]; row += nt) {
-        if (src[3 * row] != me) continue;
-        const int* db = base + d * (E + 1);
-        const int e = last_at_most(offs_d, E, row);  // the row's expert
-        const int i = (row - offs_d[e]) / tr, m0 = offs_d[e] + i * tr;
-        int* s = slots + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
-        s[0] = d;
-        s[1] = row;
-        s[2] = db[e] + i;
-        s[3] = min(tr, offs_d[e + 1] - m0);
-      }
+    // My rows' places into their sources' tables (peer stores), then every rank's here.
+    const int* src = l.src.at(cta.local_rank);
+    for (int row = tid; row < offs[E]; row += nt) {
+      const int e = last_at_most(offs, E, row);  // the row's expert
+      const int i = (row - offs[e]) / tr, m0 = offs[e] + i * tr;
+      int* s = l.slot_rows.map(src[3 * row]) + kSlot * (src[3 * row + 1] * k + src[3 * row + 2]);
+      s[0] = me + 1;
+      s[1] = row;
+      s[2] = base[e] + i;
+      s[3] = min(tr, offs[e + 1] - m0);
     }
-    __syncthreads();
+    exchange_done(a, cta);
+    int* slots = l.slot_rows.map(me);
     // One reduce per own token, its waits (used slots, slot order) at prefix-summed positions.
     const int Lt = (T + nt - 1) / nt, t0 = min(tid * Lt, T), t1 = min(t0 + Lt, T);
     int mine = 0;
-    for (int q = t0 * k; q < t1 * k; ++q) mine += slots[kSlot * q] >= 0;
+    for (int q = t0 * k; q < t1 * k; ++q) mine += slots[kSlot * q] > 0;
     waits[tid] = mine;
     __syncthreads();
     if (tid == 0) exclusive_scan(waits, nt);
@@ -101,12 +117,12 @@ struct MoeGemmCombine {
     int w = waits[tid];
     for (int t = t0; t < t1; ++t) {
       int used = 0;
-      for (int j = 0; j < k; ++j) used += slots[kSlot * (t * k + j)] >= 0;
+      for (int j = 0; j < k; ++j) used += slots[kSlot * (t * k + j)] > 0;
       comm.put_task(t, kReduce, t, 0, 0, w, used, 0, 0);
       for (int j = 0; j < k; ++j) {
         const int* s = slots + kSlot * (t * k + j);
-        if (s[0] >= 0)
-          comm.put_wait(w++, kPadDone, s[0], s[2], tiles_n, s[3], kPadDoneCount, 1, s[0]);
+        if (s[0] > 0)
+          comm.put_wait(w++, kPadDone, s[0] - 1, s[2], tiles_n, s[3], kPadDoneCount, 1, s[0] - 1);
       }
     }
     comm.count(T);
@@ -139,7 +155,7 @@ struct MoeGemmCombine {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int j = j0 + q;
-          const int d = j < k ? __ldcg(slots + kSlot * j) : -1;
+          const int d = j < k ? __ldcg(slots + kSlot * j) - 1 : -1;
           wj[q] = d >= 0 ? w[j] : 0.f;
           p[q] = d >= 0 ? __ldcg(reinterpret_cast<const float4*>(
                               l.partial.at(d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
@@ -160,6 +176,10 @@ struct MoeGemmCombine {
       v.y = *reinterpret_cast<const uint32_t*>(&hi);
       *reinterpret_cast<uint2*>(o + c) = v;
     }
+    // The token's entries back to 0 (unused) for the next call, once every lane has read them.
+    team.sync();
+    int* mine = l.slot_rows.map(cta.rank) + kSlot * t * k;
+    for (int q = team.lane; q < kSlot * k; q += team.size) mine[q] = 0;
   }
 
   static bool prepare(const long long*, Args& args) {

@@ -23,8 +23,13 @@ Protocol (tasks made per call by the layout phase, from every rank's ``src`` and
   routed nowhere stores zeros without waiting. The rows come back to their token's rank as the
   reduce reads them: one fp32 row per (token, slot) crosses, each once.
 
-The source's layout maps its slots to (rank, row, row tile) from the peers' ``src`` tables
-(``slot_rows``, a symmetric workspace); its own ``topk_ids`` are not read on the device.
+The slots' places travel first: each rank's layout writes, for every row it holds (its own
+``src`` and ``expert_offsets``), the (rank + 1, row, row tile, tile rows) of that row into the
+row's source's ``slot_rows`` entry t * k + j (a peer store), then sets ``slots_landed[me]`` on
+every rank; a layout waits for every rank's flag (resetting it) and reads its own table. An
+entry of 0 is an unused slot: the reduce that reads a token's entries zeroes them, so every call
+starts from zeros (the symmetric workspace starts zeroed; the next call's stores follow the entry
+barrier). No layout reads a peer's input; its own ``topk_ids`` are not read on the device.
 
     W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
     rank 0 compute: tile 0 (rows of x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 
 from ..interp import twins
+from ..interp.program import PlanSignals
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import Plan, Schedule, build_plan
 from ..world import World
@@ -87,10 +93,16 @@ SPEC = OpSpec(
             "symmetric",
             torch.int32,
             ("slots", "slot_fields"),
-            "per own (token, slot): the rank, row, row tile and tile rows of its expert row",
+            "per own (token, slot): rank + 1 (0: unused), row, row tile, tile rows of its row",
         ),
     ),
     pads=(
+        Pad(
+            "slots_landed",
+            ("src",),
+            ("W",),
+            doc="rank src's rows' places landed in my slot_rows (set by src's layout, reset here)",
+        ),
         Pad(
             "tile_done",
             ("tile",),
@@ -250,20 +262,27 @@ def moe_gemm_combine(
 # -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------
 
 
+def slot_entries(plan: Plan, offsets: list[int], src: list[list[int]], me: int):
+    """What rank ``me``'s layout writes for its rows: (source, slot t * k + j, entry) per row, the
+    entry (me + 1, row, row tile, rows of that tile); row tiles numbered in ``gemm_tiles`` order."""
+    k, tr = plan.sizes["k"], plan.sizes["tile_rows"]
+    for i, (_, r0, n) in enumerate(gemm_tiles(offsets, tr)):
+        for row in range(r0, r0 + n):
+            s, t, j = src[row]
+            yield s, t * k + j, [me + 1, row, i, n]
+
+
 def slot_table(
     plan: Plan, offsets: list[list[int]], src: list[list[list[int]]], me: int
 ) -> list[list[int]]:
-    """Rank ``me``'s ``slot_rows``: per own (token, slot) t * k + j, the (rank, row, row tile, rows
-    of that tile) of its expert row, from every rank's ``expert_offsets`` and ``src``; rank -1 for
-    an unused slot. Row tiles are numbered per rank in ``gemm_tiles`` order."""
-    T, k, tr = (plan.sizes[n] for n in ("tokens", "k", "tile_rows"))
+    """Rank ``me``'s ``slot_rows`` once every rank's entries landed: per own (token, slot), the
+    (rank, row, row tile, rows of that tile) of its expert row, rank -1 for an unused slot."""
+    T, k = plan.sizes["tokens"], plan.sizes["k"]
     table = [[-1, 0, 0, 0] for _ in range(T * k)]
-    for d, offs in enumerate(offsets):
-        for i, (_, r0, n) in enumerate(gemm_tiles(offs, tr)):
-            for row in range(r0, r0 + n):
-                s, t, j = src[d][row]
-                if s == me:
-                    table[t * k + j] = [d, row, i, n]
+    for d in range(len(offsets)):
+        for s, q, (rank1, row, i, n) in slot_entries(plan, offsets[d], src[d], d):
+            if s == me:
+                table[q] = [rank1 - 1, row, i, n]
     return table
 
 
@@ -297,16 +316,24 @@ def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
     E = plan.sizes["experts"]
     made: dict[int, list[list[int]]] = {}  # rank -> its slot table (slot_rows on the device)
+    sig = PlanSignals(plan)
 
     def layout(ctx):
-        offsets, src = [], []
+        me, silent = ctx.rank, ctx.rank == plan.faults.silent_rank
+        offs = yield from twins.tile_load(ctx, "expert_offsets", me, (0, 1, 0, E + 1))
+        offsets = offs.flatten().tolist()
+        rows = yield from twins.tile_load(ctx, "src", me, (0, offsets[-1], 0, 3))
+        for s, q, entry in slot_entries(plan, offsets, rows.tolist(), me):  # my rows' places
+            v = torch.tensor([entry], dtype=torch.int32)
+            yield from twins.peer_store(ctx, "slot_rows", s, (q, 1, 0, SLOT_FIELDS), v)
+        for d in ((me + i) % ctx.W for i in range(ctx.W)):
+            if not silent:  # (the fault: a silent rank raises nothing)
+                yield from twins.signal_set_release(ctx, sig("slots_landed", d, me), 1)
         for d in range(ctx.W):
-            offs = yield from twins.tile_load(ctx, "expert_offsets", d, (0, 1, 0, E + 1))
-            offsets.append(offs.flatten().tolist())
-            rows = yield from twins.tile_load(ctx, "src", d, (0, offsets[-1][-1], 0, 3))
-            src.append(rows.tolist())
-        made[ctx.rank] = slots = slot_table(plan, offsets, src, ctx.rank)
-        return layout_tasks(plan, offsets[ctx.rank], slots, ctx.rank)
+            yield from twins.wait_acquire_reset(ctx, sig("slots_landed", me, d), 1, d)
+        table = yield from twins.tile_load(ctx, "slot_rows", me, (0, T * k, 0, SLOT_FIELDS))
+        made[me] = slots = [[r - 1, row, i, n] for r, row, i, n in table.tolist()]
+        return layout_tasks(plan, offsets, slots, me)
 
     def compute(ctx, task):  # one expert tile: h rows @ w2[e] into this rank's fp32 partial rows
         e, r0, n, c0 = task.args[:4]
@@ -326,6 +353,9 @@ def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
                 p = yield from twins.tile_load(ctx, "partial", d, (row, 1, 0, H))
                 acc += w[0, j] * p
         yield from twins.output_store(ctx, "out", ctx.rank, (t, 1, 0, H), acc.bfloat16(), t)
+        # the token's entries back to 0 (unused) for the next call
+        zeros = torch.zeros(k, SLOT_FIELDS, dtype=torch.int32)
+        yield from twins.peer_store(ctx, "slot_rows", ctx.rank, (t * k, k, 0, SLOT_FIELDS), zeros)
 
     def outputs(rank: int) -> dict[int, tuple[int, int, int, int]]:
         return {t: (t, 1, 0, H) for t in range(T)}

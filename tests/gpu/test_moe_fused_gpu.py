@@ -182,7 +182,7 @@ def test_loop_of_1000_calls_with_changing_routing():
 
 
 @pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
-def test_combine_silent_rank_times_out_naming_tile_done(overlap):
+def test_combine_silent_rank_times_out_naming_its_slots(overlap):
     W, T, E, k = 2, 20, 2, 2
     world = mkernel.World.emulated(W, device="cuda", timeout_s=0.5)
     x, w1 = _operands(W, T, E, 64, 64, 2)
@@ -193,7 +193,8 @@ def test_combine_silent_rank_times_out_naming_tile_done(overlap):
     mkernel.moe_gemm_combine(res.y, w2, res, torch.rand(W, T, k).cuda(), world, bad)
     with pytest.raises(CommTimeout) as e:
         world.check()
-    assert e.value.peer == 1 and "tile_done" in e.value.signal
+    # the layouts' exchange of the rows' places waits for it first (half the patience)
+    assert e.value.peer == 1 and "slots_landed" in e.value.signal
     run(W, T, E, k, "uniform", 2, overlap=overlap, world=world)
 
 
