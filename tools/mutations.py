@@ -705,6 +705,22 @@ MUTATIONS = [
         "the rank's list (wrong once an expert's rows do not start on a tile boundary)",
     ),
     Mutation(
+        "moe_slot_entries_not_zeroed",
+        MC,
+        "        zeros = torch.zeros(k, SLOT_FIELDS, dtype=torch.int32)\n",
+        "        zeros = torch.tensor(made[ctx.rank][t * k : (t + 1) * k], dtype=torch.int32)"
+        " + 1\n",
+        "MoE combine: a reduce leaves its token's slot entries as they were (the next call reads "
+        "the last call's places for slots it does not use)",
+    ),
+    Mutation(
+        "moe_slots_read_before_landed",
+        MC,
+        '            yield from twins.wait_acquire_reset(ctx, sig("slots_landed", me, d), 1, d)\n',
+        "            pass\n",
+        "MoE combine: a layout reads its slot table without waiting for the peers' entries",
+    ),
+    Mutation(
         "moe_reduce_waits_one_slot",
         MC,
         "            for d, _, i, n in slots[t * k : (t + 1) * k]",
