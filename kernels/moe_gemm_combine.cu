@@ -15,8 +15,9 @@
 //                  counted consumers), then out[t] = bf16(sum_j w[t, j] * partial@d[row])
 // No atomics: every row is stored once where it was computed and read once by its token's rank;
 // the sum runs in slot order whatever order the tiles finished in; a reduce zeroes its token's
-// slot entries after reading them (the next call starts from "unused"). Emulated worlds (every
-// rank in this launch: the reduce reads the peers' partial rows, a per-call tensor).
+// slot entries after reading them (the next call starts from "unused"). `partial` is symmetric
+// (sized by the largest rank's rows): the reduce reads the peers' rows in an emulated world (every
+// rank in this launch) and in a distributed one (a process per GPU) alike.
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
 //   rank 0 compute: tile 0 = rows (x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
@@ -130,7 +131,7 @@ struct MoeGemmCombine {
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
-    return gemm::Dest{l.partial.at(cta.local_rank) + (long long)t.m0 * l.hidden + t.n0, l.hidden,
+    return gemm::Dest{l.partial.map(cta.rank) + (long long)t.m0 * l.hidden + t.n0, l.hidden,
                       gemm::kStoreF32};
   }
 
@@ -158,7 +159,7 @@ struct MoeGemmCombine {
           const int d = j < k ? __ldcg(slots + kSlot * j) - 1 : -1;
           wj[q] = d >= 0 ? w[j] : 0.f;
           p[q] = d >= 0 ? __ldcg(reinterpret_cast<const float4*>(
-                              l.partial.at(d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
+                              l.partial.map(d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
                         : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll

@@ -450,11 +450,13 @@ def test_bad_combine_input_is_named_before_anything_runs():
     assert_pads_zero(world)
 
 
-def test_distributed_worlds_are_refused_before_anything_runs():
+def test_distributed_cpu_worlds_are_refused_before_anything_runs():
+    """The interpreter runs emulated worlds; a distributed world runs on GPUs (the fused kernels):
+    on the CPU both ops say so by name."""
     dist = mkernel.World(size=2, device=torch.device("cpu"), kind="distributed")
-    with pytest.raises(NotImplementedError, match="moe_dispatch_gemm runs in emulated worlds"):
+    with pytest.raises(NotImplementedError, match="moe_dispatch_gemm on the CPU runs in the interp"):
         dispatch(None, None, None, dist)
-    with pytest.raises(NotImplementedError, match="moe_gemm_combine runs in emulated worlds"):
+    with pytest.raises(NotImplementedError, match="moe_gemm_combine on the CPU runs in the interp"):
         combine(None, None, None, None, dist)
     from mkernel.ops import registry
 

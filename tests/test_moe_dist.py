@@ -1,11 +1,13 @@
-"""moe_dist (the distributed, not yet fused MoE pair) on the CPU: W processes joined by
+"""moe_dist (the distributed unfused MoE pair: the two-GPU benchmark's baseline) on the CPU: W
+processes joined by
 torch.distributed (gloo), the grouped GEMM as mkernel.grouped_gemm runs it on the CPU (its fp32
 reference), so what is tested is the exchange: each token sent once per destination rank and
 expanded there, the row order (local expert, source, token, slot), src and expert_offsets, the
 products sent back and summed in slot order. Every rank's results are checked with
 tests/test_moe.py's formulas (W 2 and 3; uniform routing with unused slots, all tokens to one
-expert, all to rank 0, none routed; T = 0; k 1, 2, 8), and the public API's dispatch to this path
-on a distributed GPU world."""
+expert, all to rank 0, none routed; T = 0; k 1, 2, 8). Also the fused path's counts exchange
+(moe_common.rows_per_rank) and that the public API launches the fused kernels on a distributed
+GPU world."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mkernel.ops import moe_dist
+from mkernel.ops.moe_common import rows_per_rank
 from mkernel.world import World
 from tests.helpers import assert_close_exact
 from tests.test_moe import INTER, check_dispatch, expected_out, operands, routing
@@ -78,17 +81,81 @@ def test_every_rank_gets_its_rows_and_outputs(W, tmp_path):
         assert bool((out[unrouted] == 0).all()), f"{what}: a token routed nowhere is not zero"
 
 
-def test_the_api_takes_this_path_on_a_distributed_gpu_world(monkeypatch):
-    import mkernel
-    from mkernel.ops import moe_dispatch_gemm as mdg
+def _counts_worker(rank: int, W: int, port: int, folder: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    try:
+        world = World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
+                      group=dist.group.WORLD)  # fmt: skip
+        ids = routing(W, 6, 2, 2, "uniform", 1)
+        got = {"rows": rows_per_rank(world, ids[rank].to(torch.int32), 2)}
+        for case, mine in (("short", ids[rank, : 6 - (rank == W - 1)]), ("refused", None)):
+            mine = None if case == "refused" and rank == 1 else ids[rank] if mine is None else mine
+            try:
+                rows_per_rank(world, mine, 2)
+                got[case] = "no error"
+            except ValueError as e:
+                got[case] = str(e)
+        torch.save(got, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
 
-    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=0)
-    calls = []
-    monkeypatch.setattr(mdg, "shapes", lambda *a: {})
-    monkeypatch.setattr(moe_dist, "dispatch", lambda *a: calls.append(a[3:]) or "d")
-    monkeypatch.setattr(moe_dist, "check_combine", lambda h, *a: h)
-    monkeypatch.setattr(moe_dist, "combine", lambda *a: calls.append(a[4:]) or "c")
-    ids = torch.zeros(1, 1, dtype=torch.int32)
-    assert mkernel.moe_dispatch_gemm(torch.zeros(1), ids, torch.zeros(1), world) == "d"
-    assert mkernel.moe_gemm_combine("h", "w2", "disp", "wt", world) == "c"
-    assert calls == [(world, moe_dist.engine_gemm), (world, moe_dist.engine_gemm)]
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_the_rows_per_rank_exchange_counts_every_source_and_fails_on_every_rank(W, tmp_path):
+    """moe_common.rows_per_rank (the fused dispatch's counts in a distributed world): each rank's
+    rows are the used slots of every source routed to its experts; a rank with another T, or one
+    that refused its inputs (ids None), makes EVERY rank raise, naming the cause, not wait."""
+    mp.spawn(_counts_worker, args=(W, _free_port(), str(tmp_path)), nprocs=W, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
+    ids = routing(W, 6, 2, 2, "uniform", 1)
+    want = [int(((ids >= 0) & (ids // 2 == d)).sum()) for d in range(W)]
+    for r in range(W):
+        assert got[r]["rows"] == want, f"rank {r}"
+        assert "same number of tokens T" in got[r]["short"] and "[6, " in got[r]["short"]
+        assert "rank(s) [1] refused their inputs" in got[r]["refused"], got[r]["refused"]
+
+
+def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypatch):
+    """On a distributed world with a CUDA device, both ops launch their fused kernel with this
+    rank's tensors (launches, checks and the counts exchange stubbed: no GPU, no process group):
+    the dispatch's buffers have this rank's rows, its result one entry and the largest rank's
+    rows as ``peak``; the combine's operands are this rank's, without a rank dimension, and its
+    plan is sized by that peak; moe_dist (the unfused baseline) is not called."""
+    import mkernel
+    from mkernel.ops import common
+    from mkernel.ops import moe_dispatch_gemm as mdg
+    from mkernel.ops import moe_gemm_combine as mgc
+    from mkernel.ops.moe_common import partial_rows
+
+    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=1)
+    T, H, N, E, k = 3, 8, 16, 2, 2
+    s = dict(tokens=T, hidden=H, inter=N, experts=E, k=k)
+    ids = torch.tensor([[0, 3], [2, -1], [1, 2]], dtype=torch.int32)
+    plan = types.SimpleNamespace(sizes={"max_rows": 12, "tokens": T})
+    checked = lambda x, t, w, wo, sc: (wo, mkernel.Schedule(), s, ids, plan)  # noqa: E731
+    monkeypatch.setattr(mdg, "checked", checked)
+    monkeypatch.setattr(mdg, "rows_per_rank", lambda w, i, e: [4, 5])
+    monkeypatch.setattr(moe_dist, "dispatch", None)  # the unfused path would fail
+    monkeypatch.setattr(moe_dist, "combine", None)
+    launched = []
+    shapes = lambda ops: {n: tuple(t.shape) for n, t in ops.items()}  # noqa: E731
+    monkeypatch.setattr(common, "run_gpu", lambda w, p, ops: launched.append(shapes(ops)))
+    x, w1 = torch.zeros(T, H).bfloat16(), torch.zeros(E, H, N).bfloat16()
+    d = mkernel.moe_dispatch_gemm(x, ids, w1, world)
+    want = {"x": (T, H), "topk_ids": (T, k), "w1": (E * H, N), "y": (5, N), "expanded": (5, H)}
+    assert launched[0] == want | {"src": (5, 3), "expert_offsets": (1, E + 1)}
+    assert d.buffer_rows == [5] and d.peak == 5 and len(d.src) == len(d.expert_offsets) == 1
+    sizes = {}
+
+    def cached_plan(module, sched, w, **shape):
+        sizes.update(shape)
+        return types.SimpleNamespace(sizes=shape)
+
+    monkeypatch.setattr(common, "cached_plan", cached_plan)
+    h, w2 = torch.zeros(5, N).bfloat16(), torch.zeros(E, N, H).bfloat16()
+    monkeypatch.setattr(mgc, "shapes", lambda *a: dict(s, partial_rows=partial_rows(d.peak)))
+    out = mkernel.moe_gemm_combine(h, w2, d, torch.zeros(T, k), world)
+    assert out.shape == (T, H) and sizes["partial_rows"] == partial_rows(5) == 64
+    want = {"h": (5, N), "w2": (E * N, H), "src": (5, 3), "expert_offsets": (1, E + 1)}
+    assert launched[1] == want | {"out": (T, H), "topk_weights": (T, k)}

@@ -159,6 +159,16 @@ class MoeDispatch:
     # made under CUDA-graph capture: y and src hold the worst case's rows (the plan's max_rows),
     # the first expert_offsets[-1] of them this replay's (no host read of the counts)
     captured: bool = False
+    # the largest rank's buffer rows (a distributed world learns them by the dispatch's counts
+    # exchange; emulated: max of buffer_rows): what the combine's symmetric partial is sized by
+    peak_rows: int | None = None
+
+    @property
+    def peak(self) -> int:
+        """The most buffer rows of any rank (every rank's, however many ranks this process has)."""
+        if self.peak_rows is not None:
+            return self.peak_rows
+        return max((int(y.shape[0]) for y in self.y), default=0)
 
     @property
     def rows(self) -> list[int]:
@@ -188,6 +198,49 @@ def dispatch_result(
     return MoeDispatch(y, src, offsets, world, ids, hidden)
 
 
+def partial_rows(peak: int) -> int:
+    """Rows of the combine's symmetric fp32 partial for a dispatch whose largest rank has ``peak``
+    rows: rounded up to a quarter of a power of two (at least 64), so routings of similar counts
+    share one buffer (a plan and a symmetric allocation per size; at most 25% unused rows)."""
+    unit = 1 << max(4, max(1, peak).bit_length() - 3)
+    return max(64, -(-peak // unit) * unit)
+
+
+def rows_per_rank(world: World, ids: torch.Tensor | None, experts: int) -> list[int]:
+    """A distributed world's rows per rank (used slots routed to each rank's experts, every
+    source's) by one all-gather of each rank's counts; also checks that every rank has the same
+    T (the symmetric receive rows are sized by it). A host synchronize, as the emulated world's
+    one bincount. ``ids`` None: this rank refused its inputs; it still takes part, so that every
+    rank raises (a ValueError naming the refusing ranks) instead of waiting for it."""
+    import torch.distributed as dist
+
+    W = world.size
+    if ids is None:
+        mine = torch.full((W + 1,), -1, dtype=torch.long)
+    else:
+        used = ids[ids >= 0].long()
+        counts = torch.bincount(used // experts, minlength=W)
+        mine = torch.cat((torch.tensor([ids.shape[0]], device=ids.device), counts))
+    gloo = dist.get_backend(world.group) == "gloo"  # gloo moves CPU tensors
+    mine = mine.cpu() if gloo else mine.to(world.device)
+    parts = [torch.empty_like(mine) for _ in range(W)]
+    dist.all_gather(parts, mine, group=world.group)
+    every = torch.stack(parts).cpu()
+    tokens = every[:, 0].tolist()
+    refused = [r for r, t in enumerate(tokens) if t < 0]
+    if refused:
+        raise ValueError(
+            f"moe_dispatch_gemm: rank(s) {refused} refused their inputs (each says why); nothing "
+            "ran on any rank"
+        )
+    if len(set(tokens)) > 1:
+        raise ValueError(
+            f"every rank must pass the same number of tokens T (its symmetric receive rows are "
+            f"sized by it; pad with -1 ids): ranks have T = {tokens}"
+        )
+    return every[:, 1:].sum(dim=0).tolist()
+
+
 def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Tensor:
     """Ragged per-rank [R_d, C] tensors as one [W, rows, C] tensor (the interpreter's buffers hold
     every rank at the same shape), padded with ``fill``."""
@@ -201,42 +254,40 @@ def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Te
 # -- checks (before anything runs) ----------------------------------------------------------------
 
 
-def on_gpu_path(name: str, world: Any) -> bool:
-    """Which path a call takes: True for an emulated world on a GPU (the unfused GPU path,
-    moe_gpu.py), False for one on the CPU (the interpreter runs the protocol). A distributed world
-    is refused: neither path exchanges tokens between processes yet."""
-    from .common import check_world
+def on_gpu_path(spec: Any, world: Any) -> bool:
+    """Which path a call takes: True on a GPU (the fused kernel: an emulated world, every rank in
+    one launch, or a distributed one, this process's rank), False for an emulated world on the CPU
+    (the interpreter runs the protocol). A distributed CPU world is refused by name."""
+    from .common import check_world_for
 
-    world = check_world(world)
-    if not world.emulated_world:
-        raise NotImplementedError(f"{name} runs in emulated worlds only so far (World.emulated(W))")
-    return world.on_gpu
+    return check_world_for(spec, world).on_gpu
 
 
 def check_tensor(
     name: str, t: Any, world: World, form: str, dtypes: tuple[torch.dtype, ...]
 ) -> tuple[int, ...]:
-    """A stacked per-rank tensor ([W, *form]) of one of ``dtypes``: the operand checks of
-    common.check_operand (device, dims, leading W, contiguous) for any dtype; returns the per-rank
-    shape."""
-    lead = f"[W={world.size}, {form[1:]}"
+    """A per-rank tensor (emulated world: stacked, [W, *form]; distributed: this rank's, form) of
+    one of ``dtypes``: the operand checks of common.check_operand (device, dims, leading W,
+    contiguous) for any dtype; returns the per-rank shape."""
+    emulated = world.emulated_world
+    lead = f"[W={world.size}, {form[1:]}" if emulated else form
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
     if t.device != world.device:
         raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
-    want = form.count(",") + 2
+    want = form.count(",") + 1 + emulated
     if t.dim() != want:
         raise ValueError(f"{name} must have shape {lead} ({want} dims), got {tuple(t.shape)}")
-    if t.shape[0] != world.size:
+    if emulated and t.shape[0] != world.size:
         raise ValueError(
             f"{name} has leading dimension {t.shape[0]}, but this world has {world.size} ranks: "
             f"expected {lead} (a tensor of another world?)"
         )
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {lead}")
-    return tuple(t.shape[1:])
+    return tuple(t.shape[1:]) if emulated else tuple(t.shape)
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -260,24 +311,25 @@ def bad_id(value: int, rank: int, token: int, slot: int, experts_total: int) -> 
     return f"{where} is outside [-1, E={experts_total})"
 
 
-def check_ids(ids: torch.Tensor, experts_total: int) -> None:
-    """topk_ids [W, T, k]: every id in [-1, E) (an id outside names its rank and token), no expert
-    twice in a token. Reads the ids, so not under CUDA-graph capture: there (and for ids written
-    after a call's checks) the device layout finds such an id, ignores it (nothing written for it)
-    and reports it as it does a timeout (DeviceInputError)."""
+def check_ids(ids: torch.Tensor, experts_total: int, first_rank: int = 0) -> None:
+    """topk_ids [W, T, k] (a distributed world's [T, k] as [1, T, k], ``first_rank`` its rank):
+    every id in [-1, E) (an id outside names its rank and token), no expert twice in a token.
+    Reads the ids, so not under CUDA-graph capture: there (and for ids written after a call's
+    checks) the device layout finds such an id, ignores it (nothing written for it) and reports it
+    as it does a timeout (DeviceInputError)."""
     if capturing(ids):
         return
     W, T, k = ids.shape
     bad = (ids < -1) | (ids >= experts_total)
     if bool(bad.any()):
         r, t, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(bad_id(int(ids[r, t, j]), r, t, j, experts_total))
+        raise ValueError(bad_id(int(ids[r, t, j]), first_rank + r, t, j, experts_total))
     if k > 1 and T:
         s = ids.sort(dim=-1).values
         dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(dim=-1)
         if bool(dup.any()):
             r, t = (int(v) for v in dup.nonzero()[0])
             raise ValueError(
-                f"topk_ids: token {t} of rank {r} names an expert twice: {ids[r, t].tolist()} "
-                "(a token's expert ids must be distinct)"
+                f"topk_ids: token {t} of rank {first_rank + r} names an expert twice: "
+                f"{ids[r, t].tolist()} (a token's expert ids must be distinct)"
             )

@@ -1,7 +1,7 @@
 """MoE dispatch fused with the first grouped GEMM (expert parallelism): API, plan, layout and
-data-movement twins, reference. One launch on a GPU (kernels/moe_dispatch_gemm.cu, emulated
-worlds: its layout phase makes the same tasks as the twin here), the same protocol in the CPU
-interpreter; a distributed GPU world runs unfused (moe_dist.py). docs/moe.md has the picture.
+data-movement twins, reference. One launch on a GPU (kernels/moe_dispatch_gemm.cu: every rank of
+an emulated world, or this process's rank of a distributed one; its layout phase makes the same
+tasks as the twin here), the same protocol in the CPU interpreter. docs/moe.md has the picture.
 
 Unfused meaning, per destination rank d of W (E_local experts per rank, global id d * E_local + e)::
 
@@ -74,6 +74,7 @@ from .moe_common import (
     max_rows,
     on_gpu_path,
     route,
+    rows_per_rank,
     tile_rows,
 )
 
@@ -198,7 +199,10 @@ def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
         )
     check_columns("H (columns of x)", H)
     check_columns("I (columns of w1)", N)
-    check_ids(topk_ids, world.size * E)
+    if world.emulated_world:
+        check_ids(topk_ids, world.size * E)
+    else:  # this rank's [T, k]
+        check_ids(topk_ids[None], world.size * E, world.rank)
     return {"tokens": T, "hidden": H, "inter": N, "experts": E, "k": k}
 
 
@@ -258,15 +262,16 @@ def moe_dispatch_gemm(
             or -1 for an unused slot; a token's ids are distinct; 1 <= k <= E.
         w1: bf16, per rank [E_local, H, I]: this rank's experts; I a multiple of 8.
         world: an emulated World (on the CPU the interpreter runs the fused protocol, on a GPU
-            the fused kernel) or a distributed one on GPUs (unfused: tokens by
-            all_to_all_single, moe_dist.py; the result holds one-element lists, this rank's).
+            the fused kernel) or a distributed one on GPUs (the fused kernel, this rank's
+            tensors: x [T, H], topk_ids [T, k], the same T on every rank; the result holds
+            one-element lists, this rank's; the rows per rank by one all-gather of counts).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, at most
             128 on a GPU; default 128 when T * k >= 128 * E_local, else 64; seed).
 
     Returns:
         MoeDispatch: per rank ``y`` [R, I] bf16, ``src`` [R, 3] int32 (source rank, token, slot),
         ``expert_offsets`` [E_local + 1] int32, and what ``moe_gemm_combine`` needs. Under
-        CUDA-graph capture (an emulated GPU world) nothing is read back to size the results: ``y``
+        CUDA-graph capture nothing is read back to size the results: ``y``
         and ``src`` hold the worst case's rows (W * T * min(k, E_local)), of which each replay's
         are the first ``expert_offsets[-1]`` (``MoeDispatch.captured``); the combine takes such a
         result as it is. Raises TypeError / ValueError naming the argument before anything runs
@@ -275,14 +280,7 @@ def moe_dispatch_gemm(
         like a timeout: by the next call, ``world.check()`` or the watchdog) if the kernel found
         an expert id outside [-1, E) or repeated within a token (it ignored that slot).
     """
-    if isinstance(world, World) and world.on_gpu and not world.emulated_world:
-        from . import moe_dist  # all-to-all between processes, the engine per rank
-
-        common.check_schedule(schedule)
-        shapes(x, topk_ids, w1, world)
-        ids = topk_ids.to(torch.int32).contiguous()
-        return moe_dist.dispatch(x, ids, w1, world, moe_dist.engine_gemm)
-    if on_gpu_path(SPEC.name, world):
+    if on_gpu_path(SPEC, world):
         return dispatch_gpu(x, topk_ids, w1, world, schedule)
     world, schedule, plan, routing, buffers = prepare(x, topk_ids, w1, world, schedule)
     tw = twins_of(plan, routing)
@@ -294,38 +292,60 @@ def moe_dispatch_gemm(
 def dispatch_gpu(
     x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor, world: World, schedule: Any
 ) -> MoeDispatch:
-    """The fused kernel (kernels/moe_dispatch_gemm.cu) in an emulated GPU world, one launch. The
-    host reads the rows per rank once (a bincount of the ids on the device: the one synchronize of
-    the call), to size y / src and to return each rank's rows; the kernel's layout phase computes
-    the same counts, the offsets, src and every task on the device."""
-    world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
-    W, T, E, N = world.size, s["tokens"], s["experts"], s["inter"]
-    if T == 0:  # nothing routed anywhere: no launch
-        return moe_gpu.dispatch(x, ids, w1, s["hidden"], world)
+    """The fused kernel (kernels/moe_dispatch_gemm.cu), one launch: every rank of an emulated
+    world, or this process's rank of a distributed one. The host learns the rows per rank once
+    (emulated: a bincount of every rank's ids on the device; distributed: an all-gather of each
+    rank's counts, rows_per_rank), the one synchronize of the call, to size y / src and return
+    each rank's rows; the kernel's layout phase computes the same counts, the offsets, src and
+    every task on the device."""
+    emulated = world.emulated_world
+    try:
+        world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
+    except (TypeError, ValueError):
+        graph = isinstance(topk_ids, torch.Tensor) and capturing(topk_ids)
+        if not emulated and not graph:
+            try:  # the peers are about to exchange counts: make them raise too, not wait
+                rows_per_rank(world, None, 0)
+            except ValueError:
+                pass
+        raise
+    W, T, E, N, H = world.size, s["tokens"], s["experts"], s["inter"], s["hidden"]
+    if T == 0 and emulated:  # nothing routed anywhere: no launch
+        return moe_gpu.dispatch(x, ids, w1, H, world)
     captured = capturing(ids)
     if captured:  # no host read: the results hold the worst case's rows (MoeDispatch.captured)
         per_rank = [plan.sizes["max_rows"]] * W
-    else:
+    elif emulated:
         used = ids[ids >= 0].long()
         per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
-    rows = max(1, max(per_rank))
+    else:
+        per_rank = rows_per_rank(world, ids, E)  # NOTE: the host synchronize (and a collective)
+    ranks = list(range(W)) if emulated else [world.rank]
+    lead = (W,) if emulated else ()
+    rows = max(1, *(per_rank[d] for d in ranks))
     dev = x.device
     out = {
-        "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),  # poisoned
+        "y": torch.full((*lead, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),
         # workspace, every row written before it is read: not poisoned (a write of every row)
-        "expanded": torch.empty((W, rows, s["hidden"]), dtype=torch.bfloat16, device=dev),
-        "src": torch.full((W, rows, 3), -1, dtype=torch.int32, device=dev),
-        "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32, device=dev),
+        "expanded": torch.empty((*lead, rows, H), dtype=torch.bfloat16, device=dev),
+        "src": torch.full((*lead, rows, 3), -1, dtype=torch.int32, device=dev),
+        "expert_offsets": torch.full((*lead, 1, E + 1), -1, dtype=torch.int32, device=dev),
     }
-    common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1.view(W, -1, N), **out})
+    if T > 0:  # (a distributed world of T = 0 everywhere launches nothing either)
+        w1_rows = w1.view(*lead, -1, N)
+        common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1_rows, **out})
+    else:
+        out["expert_offsets"].zero_()
+    mine = (lambda t, i: t[i]) if emulated else (lambda t, i: t)  # noqa: E731
     return MoeDispatch(
-        [out["y"][d, :n] for d, n in enumerate(per_rank)],
-        [out["src"][d, :n] for d, n in enumerate(per_rank)],
-        [out["expert_offsets"][d, 0] for d in range(W)],
+        [mine(out["y"], i)[: per_rank[d]] for i, d in enumerate(ranks)],
+        [mine(out["src"], i)[: per_rank[d]] for i, d in enumerate(ranks)],
+        [mine(out["expert_offsets"], i)[0] for i in range(len(ranks))],
         world,
         ids.clone(),
-        s["hidden"],
+        H,
         captured,
+        max(per_rank),
     )
 
 

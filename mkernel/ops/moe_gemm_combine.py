@@ -1,7 +1,7 @@
 """The second grouped GEMM of an MoE layer fused with the combine (expert parallelism): API, plan,
 layout and data-movement twins, reference. The mirror of moe_dispatch_gemm.py; one launch on a GPU
-(kernels/moe_gemm_combine.cu, emulated worlds), the same tasks in the CPU interpreter; docs/moe.md
-has the picture.
+(kernels/moe_gemm_combine.cu; emulated or distributed worlds), the same tasks in the CPU
+interpreter; docs/moe.md has the picture.
 
 Unfused meaning, per source rank s (h_d: rows of destination d in the dispatch's order, the row of
 (s, t, j) holding the token's activation for expert e = topk_ids[s][t, j] of rank d)::
@@ -61,6 +61,7 @@ from .moe_common import (
     grouped_tile,
     max_rows,
     on_gpu_path,
+    partial_rows,
     stacked,
     tile_rows,
 )
@@ -82,11 +83,11 @@ SPEC = OpSpec(
         Buffer("out", "output", torch.bfloat16, ("tokens", "hidden"), "this rank's tokens"),
         Buffer(
             "partial",
-            "output",
+            "symmetric",
             torch.float32,
-            ("max_rows", "hidden"),
-            "this rank's expert rows in fp32, read by their sources (a per-call workspace sized "
-            "by the rows: every rank's at base + rank * stride in the emulated world)",
+            ("partial_rows", "hidden"),
+            "this rank's expert rows in fp32, read by their sources (rows: the largest rank's, "
+            "rounded up, moe_common.partial_rows; every row read was written in this call)",
         ),
         Buffer(
             "slot_rows",
@@ -120,10 +121,18 @@ SPEC = OpSpec(
 
 
 def make_plan(
-    schedule: Schedule, world: World, tokens: int, hidden: int, inter: int, experts: int, k: int
+    schedule: Schedule,
+    world: World,
+    tokens: int,
+    hidden: int,
+    inter: int,
+    experts: int,
+    k: int,
+    partial_rows: int,
 ) -> Plan:
     """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
-    its twin, fills them per call). The device cuts each row tile into BN-wide column tiles."""
+    its twin, fills them per call). The device cuts each row tile into BN-wide column tiles.
+    ``partial_rows``: rows of the symmetric fp32 ``partial`` (moe_common.partial_rows)."""
     W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
@@ -132,6 +141,7 @@ def make_plan(
     compute = Capacity(rows=tiles, waits=0, raises=tiles)
     comm = Capacity(rows=T, waits=T * k, raises=0)
     shapes = {"tokens": T, "hidden": hidden, "inter": inter, "experts": experts, "k": k}
+    shapes["partial_rows"] = partial_rows
     sizes = {
         **shapes,
         "max_rows": rows,
@@ -153,24 +163,32 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
     if dispatch.world is not world:
         raise ValueError("dispatch was made in another world than the one passed")
     W, E, H = world.size, dispatch.experts, dispatch.hidden
-    T, k = dispatch.topk_ids.shape[1:]
-    if not isinstance(h, (list, tuple)) or len(h) != W:
+    T, k = dispatch.topk_ids.shape[-2:]
+    emulated = world.emulated_world
+    if not emulated and isinstance(h, torch.Tensor):  # a distributed world: this rank's
+        h = [h]
+    n = W if emulated else 1
+    if not isinstance(h, (list, tuple)) or len(h) != n:
         got = f"{len(h)} entries" if isinstance(h, (list, tuple)) else type(h).__name__
-        raise TypeError(f"h must be a list of W={W} bf16 tensors [R, I] (one per rank), got {got}")
+        want = f"a list of W={W} bf16 tensors [R, I] (one per rank)"
+        if not emulated:
+            want = "this rank's bf16 tensor [R, I] (or a one-element list of it)"
+        raise TypeError(f"h must be {want}, got {got}")
     inter = None
-    for d, (hd, rows) in enumerate(zip(h, dispatch.buffer_rows, strict=True)):
+    for i, (hd, rows) in enumerate(zip(h, dispatch.buffer_rows, strict=True)):
+        d = i if emulated else world.rank
         if not isinstance(hd, torch.Tensor) or hd.dtype != torch.bfloat16:
             what = hd.dtype if isinstance(hd, torch.Tensor) else type(hd).__name__
-            raise TypeError(f"h[{d}] must be a torch.bfloat16 tensor [R, I], got {what}")
+            raise TypeError(f"h[{i}] must be a torch.bfloat16 tensor [R, I], got {what}")
         if hd.device != world.device:
-            raise ValueError(f"h[{d}] is on {hd.device}, but the world's device is {world.device}")
+            raise ValueError(f"h[{i}] is on {hd.device}, but the world's device is {world.device}")
         if hd.dim() != 2 or hd.shape[0] != rows:
             raise ValueError(
-                f"h[{d}] must be [R={rows}, I] (the dispatch's rows of rank {d}), got "
+                f"h[{i}] must be [R={rows}, I] (the dispatch's rows of rank {d}), got "
                 f"{tuple(hd.shape)}"
             )
         if inter is not None and hd.shape[1] != inter:
-            raise ValueError(f"h[{d}] has I={hd.shape[1]} columns, h[0] has {inter}")
+            raise ValueError(f"h[{i}] has I={hd.shape[1]} columns, h[0] has {inter}")
         inter = hd.shape[1]
     Ew, Iw, Hw = common.check_operand("w2", w2, world, 3, "[E_local, I, H]")
     if (Ew, Iw, Hw) != (E, inter, H):
@@ -182,7 +200,14 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
     Tw, kw = check_tensor("topk_weights", topk_weights, world, "[T, k]", (torch.float32,))
     if (Tw, kw) != (T, k):
         raise ValueError(f"topk_weights is [T, k] = {[Tw, kw]}, the dispatch's topk_ids {[T, k]}")
-    return {"tokens": T, "hidden": H, "inter": inter, "experts": E, "k": k}
+    return {
+        "tokens": T,
+        "hidden": H,
+        "inter": inter,
+        "experts": E,
+        "k": k,
+        "partial_rows": partial_rows(dispatch.peak),
+    }
 
 
 def prepare(
@@ -194,18 +219,30 @@ def prepare(
     s = shapes(h, w2, dispatch, topk_weights, world)
     common.check_faults(schedule, world)
     plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    W, E, N, H = world.size, s["experts"], s["inter"], s["hidden"]
-    rows = max(1, *dispatch.buffer_rows)
-    dev = world.device
-    buffers = {
-        "h": stacked(list(h), rows),
-        "w2": w2.view(W, E * N, H),
-        "src": stacked(dispatch.src, rows),
-        "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
-        "topk_weights": topk_weights,
-        "out": torch.full((W, s["tokens"], H), float("nan"), dtype=torch.bfloat16, device=dev),
-        "partial": torch.full((W, rows, H), float("nan"), dtype=torch.float32, device=dev),
-    }  # poisoned: out and partial rows nobody writes show as NaN; run_cpu adds the workspace
+    W, E, N, H, T = world.size, s["experts"], s["inter"], s["hidden"], s["tokens"]
+    dev = w2.device  # (the world's: checked)
+    if world.emulated_world:
+        rows = max(1, *dispatch.buffer_rows)
+        buffers = {
+            "h": stacked(list(h), rows),
+            "w2": w2.view(W, E * N, H),
+            "src": stacked(dispatch.src, rows),
+            "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
+            "out": torch.full((W, T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+        }
+    else:  # this rank's tensors (at least one row: the engine's TMA maps need one)
+        hd = h if isinstance(h, torch.Tensor) else h[0]
+        rows = max(1, hd.shape[0])
+        buffers = {
+            "h": stacked([hd], rows)[0] if hd.shape[0] == 0 else hd.contiguous(),
+            "w2": w2.view(E * N, H),
+            "src": stacked([dispatch.src[0]], rows, -1)[0],
+            "expert_offsets": dispatch.expert_offsets[0].view(1, E + 1),
+            "out": torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+        }
+    # poisoned: out rows nobody writes show as NaN; run_cpu / run_gpu add the workspace (the
+    # symmetric partial among it)
+    buffers["topk_weights"] = topk_weights
     return world, schedule, plan, buffers
 
 
@@ -233,7 +270,8 @@ def moe_gemm_combine(
         dispatch: the MoeDispatch of ``moe_dispatch_gemm`` in this world.
         topk_weights: fp32, per rank [T, k]: the weight of each slot (unused slots are ignored).
         world: the dispatch's World (emulated: the fused kernel on a GPU, the interpreter on the
-            CPU; or distributed on GPUs, moe_dist.py, where h is this rank's tensor [R, I]).
+            CPU; or distributed on GPUs: the fused kernel, h this rank's tensor [R, I] or a
+            one-element list of it, w2 and topk_weights this rank's).
         schedule: a Schedule (overlap, sms, ``chunk_rows``: rows per grouped-GEMM tile, as for
             the dispatch; seed).
 
@@ -241,15 +279,9 @@ def moe_gemm_combine(
         bf16, per rank [T, H] (emulated: [W, T, H]). Raises TypeError / ValueError naming the
         argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    if isinstance(world, World) and world.on_gpu and not world.emulated_world:
-        from . import moe_dist  # products back to their tokens' ranks by all_to_all_single
-
-        common.check_schedule(schedule)
-        hr = moe_dist.check_combine(h, w2, dispatch, topk_weights, world)
-        return moe_dist.combine(hr, w2, dispatch, topk_weights, world, moe_dist.engine_gemm)
-    on_gpu = on_gpu_path(SPEC.name, world)
+    on_gpu = on_gpu_path(SPEC, world)
     world, schedule, plan, buffers = prepare(h, w2, dispatch, topk_weights, world, schedule)
-    if dispatch.topk_ids.shape[1] == 0:  # no tokens: nothing to launch
+    if plan.sizes["tokens"] == 0:  # no tokens: nothing to launch
         return buffers["out"]
     if on_gpu:  # the fused kernel (kernels/moe_gemm_combine.cu), one launch
         common.run_gpu(world, plan, buffers)
