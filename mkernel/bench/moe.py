@@ -6,8 +6,8 @@ DeepSeek-V3-like layer per rank: T = 4096 tokens, H = 7168, I = 2048, E = 256 ex
 (E / W per rank), top-8, uniform and Zipf routing. Versions, timed interleaved in rounds
 (mkernel.bench.tp.interleaved_dist_ms, the slowest rank's median), for the dispatch (+ first GEMM)
 and the combine (second GEMM +):
-- ``ours``: mkernel.moe_dispatch_gemm / moe_gemm_combine on the distributed world (today unfused:
-  all_to_all_single exchanges + our grouped GEMM engine, mkernel/ops/moe_dist.py);
+- ``ours``: mkernel.moe_dispatch_gemm / moe_gemm_combine on the distributed world (the fused
+  kernels: tokens and fp32 rows through symmetric memory, kernels/moe_*.cu);
 - ``unfused``: the same exchanges with ``torch._grouped_mm`` (the unfused pair users write);
 - ``gemm``: the grouped GEMM alone on this rank's rows; ``a2a``: the exchanges alone (a GEMM that
   does nothing); ideal = max(gemm, a2a).

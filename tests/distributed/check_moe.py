@@ -1,10 +1,12 @@
-"""Distributed check of moe_dispatch_gemm and moe_gemm_combine (one process per GPU, tokens and
-products by NCCL all_to_all_single: mkernel/ops/moe_dist.py). Every rank draws all ranks' inputs
+"""Distributed check of moe_dispatch_gemm and moe_gemm_combine (one process per rank: the fused
+kernels, tokens and fp32 rows through symmetric memory). Every rank draws all ranks' inputs
 from the same seed and checks its own y, src, expert_offsets and out against the emulated
-reference (mkernel.reference, fp32 on the CPU); a loop of calls with new routings. Prints one line
-per routing mode on rank 0; exits non-zero on any failure. NCCL needs one GPU per process.
+reference (mkernel.reference, fp32 on the CPU); loops of calls with new routings, both overlaps;
+a bad id on one rank makes every rank raise; the world works after it. Prints one line per check
+on rank 0; exits non-zero on any failure. Processes sharing a GPU (gloo) work too:
 
   torchrun --nproc_per_node=2 tests/distributed/check_moe.py --loop 20
+  CHECK=check_moe.py bash tests/distributed/run.sh 2 --sms 60 --loop 5   # one GPU
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tests.distributed._common import report, start  # noqa: E402
 from tests.test_moe import routing  # noqa: E402
 
 
-def check(world, W: int, rank: int, mode: str, seed: int) -> tuple[bool, str]:
+def check(world, W: int, rank: int, mode: str, seed: int, sched=None) -> tuple[bool, str]:
     T, E, k, H, inter = 96, 4, 2, 256, 128
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(W, T, H, generator=g).bfloat16()
@@ -35,8 +37,10 @@ def check(world, W: int, rank: int, mode: str, seed: int) -> tuple[bool, str]:
     weights = torch.rand(W, T, k, generator=g)
     ids = routing(W, T, E, k, mode, seed)
     dev = world.device
-    d = mkernel.moe_dispatch_gemm(x[rank].to(dev), ids[rank].to(dev), w1[rank].to(dev), world)
-    out = mkernel.moe_gemm_combine(d.y[0], w2[rank].to(dev), d, weights[rank].to(dev), world)
+    mine = x[rank].to(dev), ids[rank].to(dev), w1[rank].to(dev)
+    d = mkernel.moe_dispatch_gemm(*mine, world, sched)
+    out = mkernel.moe_gemm_combine(d.y[0], w2[rank].to(dev), d, weights[rank].to(dev), world, sched)
+    world.check()
     emu = mkernel.World.emulated(W)
     ref = mkernel.reference.moe_dispatch_gemm(x, ids, w1, emu)
     ref_out = mkernel.reference.moe_gemm_combine(ref.y, w2, ref, weights, emu)
@@ -52,17 +56,48 @@ def check(world, W: int, rank: int, mode: str, seed: int) -> tuple[bool, str]:
     return ok, f"rows={'ok' if same_rows else 'DIFFER'} y={err_y:.2e} out={err_out:.2e}"
 
 
+def refused(world, W: int, rank: int) -> tuple[bool, str]:
+    """The last rank passes an expert id outside [-1, E): every rank raises a ValueError before
+    anything runs (the last names the id, the others the refusing rank); nobody waits."""
+    T, E, k, H, inter = 8, 2, 2, 64, 64
+    dev = world.device
+    x = torch.randn(T, H).bfloat16().to(dev)
+    w1 = torch.randn(E, H, inter).bfloat16().to(dev)
+    ids = routing(W, T, E, k, "uniform", 0)[rank].to(dev)
+    if rank == W - 1:
+        ids[3, 1] = W * E + 5
+    try:
+        mkernel.moe_dispatch_gemm(x, ids, w1, world)
+        return False, "no error"
+    except ValueError as e:
+        want = "outside [-1, E=" if rank == W - 1 else f"rank(s) [{W - 1}] refused"
+        return want in str(e), str(e)[:120]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--loop", type=int, default=10)
+    p.add_argument("--sms", type=int, default=None, help="SMs per rank (processes sharing a GPU)")
     args = p.parse_args()
     world = start()
     W, rank = world.size, world.rank
     failures = 0
-    for mode in ("uniform", "one_expert", "rank0", "none"):
-        results = [check(world, W, rank, mode, seed) for seed in range(args.loop)]
-        ok = all(r[0] for r in results)
-        failures += report(world, ok, f"moe W={W} {mode} x{args.loop}: {results[-1][1]}")
+    for overlap in ("intra_sm", "inter_sm"):
+        sched = mkernel.Schedule(overlap=overlap, sms=args.sms)
+        for mode in ("uniform", "one_expert", "rank0", "none"):
+            try:
+                results = [check(world, W, rank, mode, s, sched) for s in range(args.loop)]
+            except Exception as e:  # noqa: BLE001 - reported, counted, the run goes on
+                results = [(False, repr(e)[:300])]
+            ok = all(r[0] for r in results)
+            line = f"moe W={W} {overlap} {mode} x{args.loop}: {results[-1][1]}"
+            failures += report(world, ok, line)
+    ok, detail = refused(world, W, rank)
+    failures += report(
+        world, ok, f"moe W={W} a bad id on rank {W - 1}: every rank raises: {detail}"
+    )
+    ok, detail = check(world, W, rank, "uniform", 99)
+    failures += report(world, ok, f"moe W={W} a call after the refusal: {detail}")
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -3,6 +3,7 @@
 # memory then needs TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, and spin-waiting kernels of two
 # processes run at once only under MPS, so this starts the MPS daemon (and stops it after).
 # Usage: bash tests/distributed/run.sh NPROC [check_ops.py args...]
+#        CHECK=check_moe.py bash tests/distributed/run.sh NPROC [its args...]  (another check)
 set -u
 NPROC=${1:-2}
 shift || true
@@ -16,7 +17,7 @@ if [ "$GPUS" -lt "$NPROC" ]; then
   fi
 fi
 python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-  "$(dirname "$0")/check_ops.py" "$@"
+  "$(dirname "$0")/${CHECK:-check_ops.py}" "$@"
 rc=$?
 if [ "$MPS" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
 exit $rc
