@@ -202,10 +202,11 @@ struct Layout {
   RankPtr<const int> expert_offsets;  // [1, offsets] input: the dispatch's
   RankPtr<const float> topk_weights;  // [tokens, k] input: this rank's weights
   RankPtr<__nv_bfloat16> out;  // [tokens, hidden] output: this rank's tokens
-  SymPtr<float> partial;  // [partial_rows, hidden] symmetric: this rank's expert rows in fp32, read by their sources (rows: the largest rank's, rounded up, moe_common.partial_rows; every row read was written in this call)
-  float* partial_local;
+  RankPtr<float> partial;  // [max_rows, hidden] output: emulated worlds: this rank's expert rows in fp32, read by their sources (a per-call workspace sized by the rows: every rank's at base + rank * stride)
   SymPtr<int> slot_rows;  // [slots, slot_fields] symmetric: per own (token, slot): rank + 1 (0: unused), row, row tile, tile rows of its row
   int* slot_rows_local;
+  SymPtr<float> partial_peers;  // [partial_rows, hidden] symmetric: distributed worlds: partial as a symmetric buffer (rows: the largest rank's, rounded up, moe_common.partial_rows; every row read was written in this call)
+  float* partial_peers_local;
   int tokens;
   int hidden;
   int inter;
@@ -221,10 +222,11 @@ struct Layout {
     l.expert_offsets = {reinterpret_cast<const int*>(rec[kRecSlot3]), rec[kRecStride3]};
     l.topk_weights = {reinterpret_cast<const float*>(rec[kRecSlot4]), rec[kRecStride4]};
     l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot5]), rec[kRecStride5]};
-    l.partial = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
-    l.partial_local = reinterpret_cast<float*>(rec[kRecStride6]);
+    l.partial = {reinterpret_cast<float*>(rec[kRecSlot6]), rec[kRecStride6]};
     l.slot_rows = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
     l.slot_rows_local = reinterpret_cast<int*>(rec[kRecStride7]);
+    l.partial_peers = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot8])};
+    l.partial_peers_local = reinterpret_cast<float*>(rec[kRecStride8]);
     l.tokens = (int)rec[kRecScalar0];
     l.hidden = (int)rec[kRecScalar1];
     l.inter = (int)rec[kRecScalar2];

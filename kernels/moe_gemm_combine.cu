@@ -15,9 +15,9 @@
 //                  counted consumers), then out[t] = bf16(sum_j w[t, j] * partial@d[row])
 // No atomics: every row is stored once where it was computed and read once by its token's rank;
 // the sum runs in slot order whatever order the tiles finished in; a reduce zeroes its token's
-// slot entries after reading them (the next call starts from "unused"). `partial` is symmetric
-// (sized by the largest rank's rows): the reduce reads the peers' rows in an emulated world (every
-// rank in this launch) and in a distributed one (a process per GPU) alike.
+// slot entries after reading them (the next call starts from "unused"). The rows live in
+// `partial` (a per-call tensor, every rank's in an emulated world: all ranks in this launch) or in
+// the symmetric `partial_peers` (a distributed world, a process per GPU): rows_of picks.
 //
 //   W = 2, E_local = 1; rank 0: token 0 -> experts {0, 1}; rank 1: token 0 -> {0}
 //   rank 0 compute: tile 0 = rows (x0[0], x1[0]) @ w2_0[0] -> partial@0 rows 0, 1; tile_done@0[0]
@@ -129,9 +129,15 @@ struct MoeGemmCombine {
     comm.count(T);
   }
 
+  // Rank p's fp32 rows: the symmetric partial_peers in a distributed world, else p's slice of
+  // the per-call partial (emulated: every rank local, p == its local rank).
+  static __device__ float* rows_of(const Layout& l, int p) {
+    return l.partial_peers.ptrs != nullptr ? l.partial_peers.map(p) : l.partial.at(p);
+  }
+
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
-    return gemm::Dest{l.partial.map(cta.rank) + (long long)t.m0 * l.hidden + t.n0, l.hidden,
+    return gemm::Dest{rows_of(l, cta.rank) + (long long)t.m0 * l.hidden + t.n0, l.hidden,
                       gemm::kStoreF32};
   }
 
@@ -159,7 +165,7 @@ struct MoeGemmCombine {
           const int d = j < k ? __ldcg(slots + kSlot * j) - 1 : -1;
           wj[q] = d >= 0 ? w[j] : 0.f;
           p[q] = d >= 0 ? __ldcg(reinterpret_cast<const float4*>(
-                              l.partial.map(d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
+                              rows_of(l, d) + (long long)__ldcg(slots + kSlot * j + 1) * H + c))
                         : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll

@@ -121,7 +121,8 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     rank's tensors (launches, checks and the counts exchange stubbed: no GPU, no process group):
     the dispatch's buffers have this rank's rows, its result one entry and the largest rank's
     rows as ``peak``; the combine's operands are this rank's, without a rank dimension, and its
-    plan is sized by that peak; moe_dist (the unfused baseline) is not called."""
+    plan sizes the symmetric partial_peers by that peak (the per-call partial is a placeholder
+    there); moe_dist (the unfused baseline) is not called."""
     import mkernel
     from mkernel.ops import common
     from mkernel.ops import moe_dispatch_gemm as mdg
@@ -158,4 +159,4 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     out = mkernel.moe_gemm_combine(h, w2, d, torch.zeros(T, k), world)
     assert out.shape == (T, H) and sizes["partial_rows"] == partial_rows(5) == 64
     want = {"h": (5, N), "w2": (E * N, H), "src": (5, 3), "expert_offsets": (1, E + 1)}
-    assert launched[1] == want | {"out": (T, H), "topk_weights": (T, k)}
+    assert launched[1] == want | {"out": (T, H), "topk_weights": (T, k), "partial": (1, H)}

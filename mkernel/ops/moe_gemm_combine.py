@@ -83,11 +83,11 @@ SPEC = OpSpec(
         Buffer("out", "output", torch.bfloat16, ("tokens", "hidden"), "this rank's tokens"),
         Buffer(
             "partial",
-            "symmetric",
+            "output",
             torch.float32,
-            ("partial_rows", "hidden"),
-            "this rank's expert rows in fp32, read by their sources (rows: the largest rank's, "
-            "rounded up, moe_common.partial_rows; every row read was written in this call)",
+            ("max_rows", "hidden"),
+            "emulated worlds: this rank's expert rows in fp32, read by their sources (a per-call "
+            "workspace sized by the rows: every rank's at base + rank * stride)",
         ),
         Buffer(
             "slot_rows",
@@ -95,6 +95,15 @@ SPEC = OpSpec(
             torch.int32,
             ("slots", "slot_fields"),
             "per own (token, slot): rank + 1 (0: unused), row, row tile, tile rows of its row",
+        ),
+        Buffer(
+            "partial_peers",
+            "symmetric",
+            torch.float32,
+            ("partial_rows", "hidden"),
+            "distributed worlds: partial as a symmetric buffer (rows: the largest rank's, rounded "
+            "up, moe_common.partial_rows; every row read was written in this call)",
+            when="distributed",
         ),
     ),
     pads=(
@@ -206,7 +215,9 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
         "inter": inter,
         "experts": E,
         "k": k,
-        "partial_rows": partial_rows(dispatch.peak),
+        # distributed: the symmetric partial's rows (a plan per size); emulated: 0, so a plan
+        # serves every routing and a CUDA graph captures no new plan or allocation
+        "partial_rows": 0 if emulated else partial_rows(dispatch.peak),
     }
 
 
@@ -229,6 +240,7 @@ def prepare(
             "src": stacked(dispatch.src, rows),
             "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
             "out": torch.full((W, T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+            "partial": torch.full((W, rows, H), float("nan"), dtype=torch.float32, device=dev),
         }
     else:  # this rank's tensors (at least one row: the engine's TMA maps need one)
         hd = h if isinstance(h, torch.Tensor) else h[0]
@@ -239,9 +251,10 @@ def prepare(
             "src": stacked([dispatch.src[0]], rows, -1)[0],
             "expert_offsets": dispatch.expert_offsets[0].view(1, E + 1),
             "out": torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+            "partial": torch.empty((1, H), dtype=torch.float32, device=dev),  # partial_peers'
         }
-    # poisoned: out rows nobody writes show as NaN; run_cpu / run_gpu add the workspace (the
-    # symmetric partial among it)
+    # poisoned: out and partial rows nobody writes show as NaN; run_cpu / run_gpu add the
+    # workspace (partial_peers among it in a distributed world)
     buffers["topk_weights"] = topk_weights
     return world, schedule, plan, buffers
 
