@@ -393,8 +393,10 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
 };
 
 int launch_moe_dispatch_gemm(const long long* rec, cudaStream_t s) {
-  // one stage less in the engine's ring: room for the intra_sm comm ring
-  return launch_grouped<MoeDispatchGemm, /*kGather=*/false, /*kFewerStages=*/1>(rec, s);
+  // one stage less in the engine's ring: room for the intra_sm comm ring; 128-row tiles are
+  // 128 x 256 (mkernel/ops/moe_dispatch_gemm.py make_plan)
+  return launch_grouped<MoeDispatchGemm, /*kGather=*/false, /*kFewerStages=*/1, /*kWide=*/true>(rec,
+                                                                                                s);
 }
 
 }  // namespace mk

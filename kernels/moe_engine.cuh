@@ -65,12 +65,19 @@ using FewerStages =
     gemm::TileConfig<Cfg::BM, Cfg::BN, Cfg::STAGES - kFewer, Cfg::kId, Cfg::kProducerRegs,
                      Cfg::kConsumerRegs, Cfg::EPI_COLS, Cfg::EPI_MODE, Cfg::CLUSTER>;
 
-// The op on the tile configs a grouped tile may use (no clusters: B differs per tile).
-template <template <class> class Op, bool kGather, int kFewerStages = 0>
+// The op on the tile configs a grouped tile may use (no clusters: B differs per tile); kWide adds
+// the 128 x 256 config (an op whose plans pick it: moe_common.grouped_tile).
+template <template <class> class Op, bool kGather, int kFewerStages = 0, bool kWide = false>
 inline int launch_grouped(const long long* rec, cudaStream_t s) {
+  using Wide = FewerStages<gemm::Tile128x256x64, kFewerStages>;
   using Big = FewerStages<gemm::Tile128x128x64, kFewerStages>;
   using Small = FewerStages<gemm::Tile64x128x64, kFewerStages>;
-  switch ((int)rec[kRecTileConfig]) {
+  const int config = (int)rec[kRecTileConfig];
+  if constexpr (kWide) {
+    if (config == kTile128x256x64)
+      return launch_persistent<Op<GroupedEngine<Wide, kGather>>>(rec, s);
+  }
+  switch (config) {
     case kTile128x128x64: return launch_persistent<Op<GroupedEngine<Big, kGather>>>(rec, s);
     case kTile64x128x64: return launch_persistent<Op<GroupedEngine<Small, kGather>>>(rec, s);
     default: return kBadConfig;

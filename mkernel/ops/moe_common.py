@@ -116,15 +116,16 @@ def tile_rows(schedule: Any, tokens: int, k: int, experts: int) -> int:
     return 128 if tokens * k >= 128 * experts else 64
 
 
-def grouped_tile(rows: int, world: Any) -> TileConfig:
+def grouped_tile(rows: int, world: Any, wide: str | None = None) -> TileConfig:
     """The grouped GEMM engine's tile config for tiles of ``rows`` rows (its BM holds them; a
-    shorter tile computes zeros past its rows and stores none of them); BN = 128 columns. The
-    device takes tiles of at most 128 rows."""
+    shorter tile computes zeros past its rows and stores none of them); BN = 128 columns, or
+    the config ``wide`` names for tiles of more than 64 rows (an op whose kernel has it: the
+    dispatch's 128 x 256). The device takes tiles of at most 128 rows."""
     if rows > 128 and world.on_gpu:
         raise ValueError(
             f"Schedule.chunk_rows={rows}: the grouped GEMM engine takes tiles of at most 128 rows"
         )
-    return TILE_CONFIGS["64x128x64" if rows <= 64 else "128x128x64"]
+    return TILE_CONFIGS["64x128x64" if rows <= 64 else wide or "128x128x64"]
 
 
 class Twins(NamedTuple):

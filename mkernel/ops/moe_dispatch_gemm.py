@@ -163,7 +163,10 @@ def make_plan(
     its twin, fills them per call): a plan per shape, cached like every op's. A compute task is
     one BN-wide column tile of a row tile, so the compute room counts those."""
     W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
-    tile = grouped_tile(tr, world)
+    # 128-row tiles: 128 x 256 (Schedule.tile may name 128x128x64): the grouped GEMM alone picks
+    # it at these shapes (schedule.pick_grouped_tile) and ran faster than 128 x 128 (docs/moe.md)
+    wide = schedule.tile if schedule.tile in ("128x128x64", "128x256x64") else "128x256x64"
+    tile = grouped_tile(tr, world, wide)
     rows = max_rows(W, T, k, experts)
     tiles = (-(-rows // tr) + experts) * -(-inter // tile.bn)  # at most one short row tile each
     pushes = -(-T * min(k, W) // PIECE_ROWS) + W  # at most one short piece per destination
