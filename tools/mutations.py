@@ -699,8 +699,8 @@ MUTATIONS = [
     Mutation(
         "moe_slot_tile_numbered_per_expert",
         MC,
-        "        for i, (_, r0, n) in enumerate(gemm_tiles(offs, tr)):",
-        "        for _, r0, n in gemm_tiles(offs, tr):\n            i = r0 // tr",
+        "    for i, (_, r0, n) in enumerate(gemm_tiles(offsets, tr)):",
+        "    for _, r0, n in gemm_tiles(offsets, tr):\n        i = r0 // tr",
         "MoE combine: a slot names its row tile by the row's position, not the tile's index in "
         "the rank's list (wrong once an expert's rows do not start on a tile boundary)",
     ),
