@@ -375,10 +375,10 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
-    const int W = args.common.world_size, here = args.common.ranks_here;
-    // Emulated worlds only: `expanded`'s rows come from its rank stride (file comment).
-    if (here != W || l.expanded.rank_stride % l.hidden != 0) return false;
-    const long long rows = l.expanded.rank_stride / l.hidden;  // of the stacked [W, rows, H]
+    const int here = args.common.ranks_here;
+    // `expanded`'s rows (per call) from its rank stride: one rank's elements, emulated or not
+    if (l.expanded.rank_stride % l.hidden != 0) return false;
+    const long long rows = l.expanded.rank_stride / l.hidden;  // of each rank's [rows, H]
     if (rows < 1 ||
         !fill_grouped_b(here, args.engine, l.w1, l.experts, l.hidden, l.inter, (int)rows))
       return false;

@@ -191,10 +191,10 @@ struct MoeGemmCombine {
 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
-    const int W = args.common.world_size, here = args.common.ranks_here;
-    // The layout reads every rank's src and the reduce every rank's rows: emulated worlds only.
-    if (here != W || l.h.rank_stride % l.inter != 0) return false;
-    const long long h_rows = l.h.rank_stride / l.inter;  // rows of the stacked h ([W, rows, I])
+    const int here = args.common.ranks_here;
+    // h's rows (per call) from its rank stride: one rank's elements, emulated or not
+    if (l.h.rank_stride % l.inter != 0) return false;
+    const long long h_rows = l.h.rank_stride / l.inter;  // of each rank's [rows, I]
     if (h_rows < 1 ||
         !fill_grouped_b(here, args.engine, l.w2, l.experts, l.inter, l.hidden, (int)h_rows))
       return false;

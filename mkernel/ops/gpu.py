@@ -243,7 +243,10 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch:
     for name, slot, stride in plan.extra["_operand_slots"]:
         t = operands[name]
         rec[slot] = t.data_ptr()
-        rec[stride] = t.stride(0) if emulated else 0  # contiguous [W, ...]: one rank's elements
+        # one rank's elements: emulated, the contiguous [W, ...]'s stride; distributed, this
+        # rank's whole tensor (only rank 0 is addressed there; a kernel may read its extent, as
+        # the MoE kernels take their A operands' rows from it)
+        rec[stride] = t.stride(0) if emulated else t.numel()
     rec[RECORD["launch"]] = launch
     world._pending_trace = None
     if plan.extra.get("trace"):
