@@ -1,0 +1,48 @@
+"""The distributed worlds' checks, two processes (torchrun, gloo) sharing this GPU through symmetric
+memory (tests/distributed/run.sh starts the MPS daemon when it can): every fused op in a world made
+by World.from_process_group, this rank's tensors, against the emulated reference. With one GPU
+this is how the distributed paths (the launch record of one rank, symmetric buffers, the MoE
+counts exchange, a rank that refuses its inputs) run in the GPU test flow; two GPUs run the same
+scripts with torchrun directly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+
+# (script, its arguments, PASS lines it prints at least): the GEMM ops with the ring attention
+# forward and backward checks (check_ops.py), the MoE pair (check_moe.py); 60 SMs per rank so
+# both ranks' persistent kernels fit on the GPU at once
+CHECKS = [
+    ("check_ops.py", ["--ops", "gemm_rs,ag_gemm,gemm_ar", "--loop", "3", "--sms", "60"], 71),
+    ("check_moe.py", ["--loop", "1", "--sms", "60"], 10),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "passes"), CHECKS)
+def test_the_distributed_checks_pass_with_two_processes_on_this_gpu(script, args, passes):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CHECK": script}
+    res = subprocess.run(
+        ["bash", str(ROOT / "tests/distributed/run.sh"), "2", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
+    out = res.stdout + res.stderr
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert res.returncode == 0 and not fails, "\n".join(fails) or out[-4000:]
+    assert out.count("PASS ") >= passes, out[-3000:]  # every check ran and reported
