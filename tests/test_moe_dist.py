@@ -160,3 +160,17 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     assert out.shape == (T, H) and sizes["partial_rows"] == partial_rows(5) == 64
     want = {"h": (5, N), "w2": (E * N, H), "src": (5, 3), "expert_offsets": (1, E + 1)}
     assert launched[1] == want | {"out": (T, H), "topk_weights": (T, k), "partial": (1, H)}
+
+
+def test_capture_in_a_distributed_world_is_refused_by_name(monkeypatch):
+    """CUDA-graph capture of the MoE pair runs in emulated worlds; in a distributed one both ops
+    refuse it before anything runs (no counts exchange, no plan built inside the capture)."""
+    import mkernel
+
+    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="moe_dispatch_gemm: CUDA-graph capture is supported in"):
+        mkernel.moe_dispatch_gemm(torch.zeros(2, 8), torch.zeros(2, 1), torch.zeros(1), world)
+    with pytest.raises(ValueError, match="moe_gemm_combine: CUDA-graph capture is supported in"):
+        mkernel.moe_gemm_combine(None, None, None, None, world)

@@ -296,6 +296,19 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def check_capture(name: str, world: World) -> None:
+    """CUDA-graph capture of the MoE pair runs in emulated worlds. A distributed one would size
+    its results and the combine's symmetric rows without the counts exchange and build plans and
+    symmetric buffers inside the capture: not built, so refused by name before anything runs."""
+    if world.emulated_world or not torch.cuda.is_available():
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"{name}: CUDA-graph capture is supported in emulated worlds (World.emulated); in a "
+            "distributed world call it outside the capture"
+        )
+
+
 def check_columns(name: str, value: int) -> None:
     """Row lengths the device's TMA copies will need (16-byte rows)."""
     from .common import ALIGN, check_divides

@@ -65,6 +65,7 @@ from .moe_common import (
     Twins,
     bad_id,
     capturing,
+    check_capture,
     check_columns,
     check_ids,
     check_tensor,
@@ -302,6 +303,7 @@ def dispatch_gpu(
     each rank's rows; the kernel's layout phase computes the same counts, the offsets, src and
     every task on the device."""
     emulated = world.emulated_world
+    check_capture(SPEC.name, world)
     try:
         world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
     except (TypeError, ValueError):

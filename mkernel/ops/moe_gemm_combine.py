@@ -54,6 +54,7 @@ from . import common
 from .moe_common import (
     MoeDispatch,
     Twins,
+    check_capture,
     check_columns,
     check_tensor,
     gemm_tasks,
@@ -226,6 +227,7 @@ def prepare(
 ) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
     """Every check, then the cached plan and the buffers by name of one call."""
     world = common.check_world_for(SPEC, world)
+    check_capture(SPEC.name, world)
     schedule = common.check_schedule(schedule)
     s = shapes(h, w2, dispatch, topk_weights, world)
     common.check_faults(schedule, world)
