@@ -3,6 +3,8 @@ operands, random tile orders, clean signal pads, and the bad-input checks every 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 
 import pytest
@@ -120,3 +122,20 @@ def assert_within(got: torch.Tensor, exact: torch.Tensor, tol: torch.Tensor, wha
             f"{list(i)}: got {got[i].item():.6g}, exact {exact[i].item():.6g}, "
             f"tol {tol[i].item():.3g}"
         )
+
+
+@contextlib.contextmanager
+def gloo_world(rank: int, W: int, port: int):
+    """A distributed CPU World of W processes (this one ``rank``) joined by gloo on localhost:
+    the process-group tests' worker setup; the group is destroyed on exit."""
+    import torch.distributed as dist
+
+    from mkernel.world import World
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    try:
+        yield World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
+                    group=dist.group.WORLD)  # fmt: skip
+    finally:
+        dist.destroy_process_group()

@@ -11,19 +11,17 @@ GPU world."""
 
 from __future__ import annotations
 
-import os
 import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mkernel.ops import moe_dist
 from mkernel.ops.moe_common import rows_per_rank
 from mkernel.world import World
-from tests.helpers import assert_close_exact
+from tests.helpers import assert_close_exact, gloo_world
 from tests.test_moe import INTER, check_dispatch, expected_out, operands, routing
 from tests.test_ring_attention_dist import _free_port
 
@@ -38,11 +36,7 @@ def _inputs(W: int, T: int, E: int, k: int, mode: str, seed: int):
 
 
 def _worker(rank: int, W: int, port: int, folder: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=W)
-    try:
-        world = World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
-                      group=dist.group.WORLD)  # fmt: skip
+    with gloo_world(rank, W, port) as world:
         results = []
         for i, (T, E, k, mode) in enumerate(CASES):
             if mode == "one_expert" or k <= W * E:
@@ -55,8 +49,6 @@ def _worker(rank: int, W: int, port: int, folder: str) -> None:
             else:
                 results.append(None)
         torch.save(results, Path(folder) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("W", [2, 3])
@@ -82,11 +74,7 @@ def test_every_rank_gets_its_rows_and_outputs(W, tmp_path):
 
 
 def _counts_worker(rank: int, W: int, port: int, folder: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=W)
-    try:
-        world = World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
-                      group=dist.group.WORLD)  # fmt: skip
+    with gloo_world(rank, W, port) as world:
         ids = routing(W, 6, 2, 2, "uniform", 1)
         got = {"rows": rows_per_rank(world, ids[rank].to(torch.int32), 2)}
         for case, mine in (("short", ids[rank, : 6 - (rank == W - 1)]), ("refused", None)):
@@ -97,8 +85,6 @@ def _counts_worker(rank: int, W: int, port: int, folder: str) -> None:
             except ValueError as e:
                 got[case] = str(e)
         torch.save(got, Path(folder) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("W", [2, 3])

@@ -9,17 +9,16 @@ world (this module is the two-GPU benchmark's unfused baseline)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mkernel.ops import ring_attention_dist as rd
 from mkernel.world import World
+from tests.helpers import gloo_world
 from tests.test_ring_attention import _assert_attention
 from tests.test_ring_attention_backward import _assert_grads, _inputs
 
@@ -34,11 +33,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, W: int, port: int, folder: str, B: int, S: int, heads: tuple) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=W)
-    try:
-        world = World(size=W, device=torch.device("cpu"), kind="distributed", rank=rank,
-                      group=dist.group.WORLD)  # fmt: skip
+    with gloo_world(rank, W, port) as world:
         q, k, v, dout = (x[rank] for x in _inputs(W, B, S, *heads, seed=W))
         results = {}
         for layout, causal in CASES:
@@ -49,8 +44,6 @@ def _worker(rank: int, W: int, port: int, folder: str, B: int, S: int, heads: tu
             )
             results[(layout, causal)] = (out, lse, *grads)
         torch.save(results, Path(folder) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("W", "B", "S", "heads"), [(2, 1, 12, (2, 1)), (3, 2, 10, (4, 2))])
