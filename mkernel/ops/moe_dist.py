@@ -1,10 +1,10 @@
-"""The MoE pair over a distributed world (one process per GPU), not yet fused: tokens go to the
-ranks of their experts by ``all_to_all_single`` (each token once per destination rank, expanded to
-its (token, slot) rows there), each rank's experts run on the grouped GEMM engine, and the combine
+"""The MoE pair over a distributed world (one process per GPU), unfused: tokens go to the ranks of
+their experts by ``all_to_all_single`` (each token once per destination rank, expanded to its
+(token, slot) rows there), each rank's experts run on the grouped GEMM engine, and the combine
 sends every row's fp32 product back to its source, where the weighted sum runs in slot order.
 Same rows, row order and results as the emulated world's paths (moe_gpu.py, the interpreter's
-protocol); the fused kernels of issue 11 replace it, and it is the unfused baseline (all-to-all,
-then grouped GEMM) that they are measured against.
+protocol). The API runs the fused kernels in distributed worlds; this is the unfused baseline
+(all-to-all, then grouped GEMM) that mkernel.bench.moe measures them against.
 
 In a distributed world every tensor is this rank's: x [T, H], topk_ids [T, k], w1 [E_local, H, I];
 the MoeDispatch holds one-element lists (this rank's y, src, expert_offsets) and this rank's
@@ -114,29 +114,3 @@ def combine(
         t = meta[mine, 0]
         out.index_add_(0, t, weights[t, j, None] * rows[mine])  # one row per (token, slot)
     return out.to(torch.bfloat16)
-
-
-def check_combine(h: Any, w2: Any, d: Any, weights: Any, world: Any) -> torch.Tensor:
-    """The combine's operand checks on a distributed world (TypeError / ValueError naming the
-    argument); returns h as a tensor (a one-element list is accepted too)."""
-    if not isinstance(d, MoeDispatch):
-        raise TypeError(f"dispatch must be the MoeDispatch of moe_dispatch_gemm, got {type(d)}")
-    if d.world is not world:
-        raise ValueError("dispatch was made in another world than the one passed")
-    if isinstance(h, (list, tuple)) and len(h) == 1:
-        h = h[0]
-    R, E, H = d.rows[0], d.experts, d.hidden
-    if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16 or h.device != world.device:
-        raise TypeError(f"h must be this rank's bf16 tensor [R={R}, I] on {world.device}")
-    if h.dim() != 2 or h.shape[0] != R:
-        raise ValueError(f"h must be [R={R}, I] (the dispatch's rows), got {tuple(h.shape)}")
-    if not isinstance(w2, torch.Tensor) or w2.dtype != torch.bfloat16 or w2.device != world.device:
-        raise TypeError(f"w2 must be this rank's bf16 tensor [E_local, I, H] on {world.device}")
-    if tuple(w2.shape) != (E, h.shape[1], H):
-        raise ValueError(f"w2 must be [E_local, I, H] = {[E, h.shape[1], H]}, got {list(w2.shape)}")
-    T, k = d.topk_ids.shape
-    if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32:
-        raise TypeError("topk_weights must be this rank's fp32 tensor [T, k]")
-    if tuple(weights.shape) != (T, k) or weights.device != world.device:
-        raise ValueError(f"topk_weights must be [T, k] = {[T, k]} on {world.device}")
-    return h
