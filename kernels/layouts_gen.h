@@ -307,6 +307,8 @@ constexpr int kPrep = 18;
 constexpr int kDq = 19;
 constexpr int kHome = 20;
 constexpr int kRowTile = 64;
+constexpr int kAux = 2;
+constexpr int kDirect = 4;
 struct Layout {
   RankPtr<const __nv_bfloat16> dout;  // [rows, q_cols] input: [B * S, Hq * D]
   RankPtr<const __nv_bfloat16> q;  // [rows, q_cols] input: [B * S, Hq * D]
@@ -328,6 +330,8 @@ struct Layout {
   float* dq_acc_local;
   SymPtr<float> dkv_acc;  // [acc_rows, acc_cols] symmetric: per step: the held block's dK | dV partial, fp32 (zero between calls)
   float* dkv_acc_local;
+  SymPtr<__nv_bfloat16> dkv_home;  // [rows, acc_cols] symmetric: my block's dK | dV, summed, bf16: stored by its last holder (HOME), read by my finish
+  __nv_bfloat16* dkv_home_local;
   int batch;
   int seq;
   int heads;
@@ -358,6 +362,8 @@ struct Layout {
     l.dq_acc_local = reinterpret_cast<float*>(rec[kRecStride13]);
     l.dkv_acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot14])};
     l.dkv_acc_local = reinterpret_cast<float*>(rec[kRecStride14]);
+    l.dkv_home = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot15])};
+    l.dkv_home_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride15]);
     l.batch = (int)rec[kRecScalar0];
     l.seq = (int)rec[kRecScalar1];
     l.heads = (int)rec[kRecScalar2];

@@ -1,27 +1,32 @@
 // Ring attention, backward: the backward engine (primitives/attention/bwd_engine.cuh) on the
 // persistent template, each rank's K / V block travelling the ring as in the forward and the fp32
-// dK / dV partials of a block travelling with it, home to the block's owner.
+// dK / dV partials of a block travelling with it, its sum home (bf16) to the block's owner.
 //
-// Protocol (the plan's tables, mkernel/ops/ring_attention_backward.py make_plan):
-//   prep    (comm, first)  delta = rowsum(dO * O) - dlse and lse * log2 e, packed per (q chunk,
+// Protocol (the plan's tables, mkernel/ops/ring_attention_backward.py make_plan). Row tasks are
+// compute-role tasks run by the engine's two consumer warpgroups (256 threads) between its tiles
+// (BwdTasks::run_rows): a unit's prep first, its home, dq and finish parts after its last tile.
+//   prep    (row task)     delta = rowsum(dO * O) - dlse and lse * log2 e, packed per (q chunk,
 //                          head, 64-row q tile) into the `delta` workspace; +1 landed[0] (mine)
 //   K/V     (comm)         the forward's sends: block of step s -> slot s + 1 of rank r + 1
 //   compute (engine)       one K / V tile of the block held at step s against every q row of one
 //                          q chunk (all q heads of its K/V head): waits landed[s] (and, a unit's
 //                          first, landed[0]); dQ reduce-added (TMA, fp32) into dq_acc, dK and dV
-//                          red.added (fp32) into dkv_acc slot s; +1 computed[s]
+//                          red.added (fp32) into dkv_acc slot s, or (DIRECT: nobody else adds to
+//                          the block) stored in bf16 into dk, dv; +1 computed[s]
 //   grad    (comm)         waits computed[s], dlanded[s] (s > 0): slot s's rows reduce-added (TMA
-//                          bulk .add.f32) into slot s + 1 of rank r + 1, or slot 0 of the block's
-//                          owner (HOME); zeroed; +1 dlanded there
-//   dq      (comm)         waits computed[*]: dq = bf16(dq_acc rows); zeroed
-//   finish  (comm)         waits dlanded[0] (or computed[0]): dk, dv = bf16(slot 0 rows); zeroed
+//                          bulk .add.f32) into slot s + 1 of rank r + 1; zeroed; +1 dlanded there
+//   home    (row task)     the block's last holder: waits computed[s], dlanded[s]: slot s's rows
+//                          (the block's sum) -> bf16 -> the owner's dkv_home; zeroed; +1 its
+//                          dlanded[0]
+//   dq      (row task)     waits computed[*]: dq = bf16(dq_acc rows); zeroed
+//   finish  (row task)     waits dlanded[0]: dk, dv = dkv_home rows
 //
 //   W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial)
-//   step:     0                         1                          2
-//   rank 0:   B0 tiles; g -> r1 slot 1  -                          finish: dlanded[0]
-//   rank 1:   B1 tiles; g -> r2 slot 1  B0 tiles (+in); g -> r2 s2  finish: dlanded[0]
-//   rank 2:   B2 tiles (finish:         B1 tiles (+in); g -> r1 0  B0 tiles (+in); g -> r0 0
-//             computed[0])
+//   step:     0                         1                           2
+//   rank 0:   B0 tiles; g -> r1 slot 1  -                           finish: dlanded[0]
+//   rank 1:   B1 tiles; g -> r2 slot 1  B0 tiles (+in); g -> r2 s2   finish: dlanded[0]
+//   rank 2:   B2 tiles (dk, dv by the   B1 tiles (+in); home -> r1  B0 tiles (+in); home -> r0
+//             engine: DIRECT)
 //
 // Maps: a rank's rows are C chunks of Sc = S / C rows (C = 2 for causal zigzag at W > 1), viewed
 // as [B * C, Sc, H, D], so a q or K / V tile never crosses a chunk (TMA zero-fills rows past it).
@@ -38,10 +43,15 @@ constexpr int kBwdStepMask = (1 << (rab::kTagKey - 3)) - 1;
 
 // A compute task as the plan encodes its tile (make_plan): K / V rows [m0, m0 + rows) of chunk
 // ck at map coordinate kv_outer, against the q chunk cq; key = ((b * Hkv + hk) * C + cq) * C + ck.
+// direct: dK, dV stored in bf16 into dk, dv (nobody else adds to them). aux: a row task of the
+// consumer warpgroups instead (key = kPrep, kDq or kFinish: rows [m0, m0 + rows) of its kind).
 struct RingBwdTask {
   int m0, rows, kv_outer, step, key;
-  bool diag;
+  bool diag, aux, direct;
 };
+
+template <int D>
+struct RingAttentionBwd;
 
 // The engine's params and what a task needs beyond them: the chunks, the sequence, the rank's
 // dK | dV slots (dkv_acc, [W * B * S, 2 * Hkv * D] fp32).
@@ -58,13 +68,18 @@ struct BwdTasks {
   Hooks& hooks;
   int i = -1;
 
+  // The next K / V tile task. Row tasks before it are run here by the consumer warpgroups
+  // (run_rows) and skipped by the producer; empty tasks pad the unit's rows.
   __device__ bool next(attn::BwdWork& w) {
     const int n = hooks.num_tasks();
     RingBwdTask t;
-    do {
+    for (;;) {
       if (++i >= n) return false;
       t = hooks.task(i);
-    } while (t.rows == 0);  // empty tasks pad the unit's rows
+      if (t.rows == 0) continue;
+      if (!t.aux) break;
+      if (threadIdx.x >= 128) run_rows(t);
+    }
     const int C = p.chunks, Hkv = p.e.Hkv;
     const int ck = t.key % C, cq = (t.key / C) % C, bh = t.key / (C * C);
     const int b = bh / Hkv, hk = bh - b * Hkv;
@@ -79,11 +94,36 @@ struct BwdTasks {
     w.store = attn::kKvReduceAddF32;
     const long long kc = (long long)Hkv * D;
     const long long row = ((long long)t.step * p.e.B + b) * p.seq + (long long)ck * p.e.S_kv + t.m0;
+    if (t.direct) {  // the block's rows on this rank, ck = 0 (one chunk): row b S + m0 of dk, dv
+      const long long at = ((long long)b * p.seq + t.m0) * kc + (long long)hk * D;
+      const int lr = hooks.cta.local_rank;
+      w.store = attn::kKvStoreBf16;
+      w.dk = hooks.a.layout.dk.at(lr) + at;
+      w.dv = hooks.a.layout.dv.at(lr) + at;
+      w.ld = kc;
+      return true;
+    }
     float* acc = p.dkv_acc + row * 2 * kc + (long long)hk * D;
     w.dk = acc;
     w.dv = acc + kc;
     w.ld = 2 * kc;
     return true;
+  }
+
+  // A row task (prep, dq or finish) by the 256 consumer threads, as the template runs a comm task:
+  // one thread's waits, the team's data movement, its writes fenced, one thread's raises.
+  __device__ void run_rows(const RingBwdTask& t) {
+    const int ct = (int)threadIdx.x - 128;
+    if (ct == 0) hooks.before_load(i);
+    asm volatile("bar.sync 4, 256;" ::: "memory");  // kBarEnd: both consumer warpgroups
+    RingAttentionBwd<D>::rows_task(hooks.a, hooks.cta, t.key, t.step, t.m0, t.rows,
+                                   Team{ct, 256});
+    __threadfence();
+    asm volatile("bar.sync 4, 256;" ::: "memory");
+    if (ct == 0) {
+      __threadfence_system();
+      hooks.after_store(i);
+    }
   }
   __device__ void begin(const attn::BwdWork&) { hooks.before_load(i); }  // producer: its waits
 
@@ -117,8 +157,10 @@ struct RingBwdEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0,       tile.rows, tile.n0, (tag >> 3) & kBwdStepMask, tag >> rab::kTagKey,
-                (tag & 1) != 0};
+    return Task{tile.m0,        tile.rows,
+                tile.n0,        (tag >> 3) & kBwdStepMask,
+                tag >> rab::kTagKey, (tag & 1) != 0,
+                (tag & rab::kAux) != 0, (tag & rab::kDirect) != 0};
   }
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
@@ -137,6 +179,8 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr float kLog2e = 1.4426950408889634f;
+  static constexpr int kRowsAhead = 4;   // prep: rows a lane group has in flight
+  static constexpr int kQuadsAhead = 8;  // dq, home, finish: float4 loads a lane has in flight
 
   static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
     return {};
@@ -150,17 +194,25 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   // waits for them to land before the raises), the rest by the whole team.
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char* smem) {
-    const int kind = args[1];
-    if (kind < rab::kGrad) {
+    if (args[1] < rab::kGrad) {
       send_kv(a, cta, args, team, smem);
-    } else if (kind == rab::kPrep) {
-      prep(a, cta, args[2], args[3], team);
-    } else if (kind == rab::kDq) {
-      store_dq(a, cta, args[2], args[3], team);
-    } else if (kind == rab::kFinish) {
-      finish(a, cta, args[2], args[3], team);
-    } else {  // kGrad, kHome
+    } else {  // kGrad
       send_grad(a, cta, args, team, smem);
+    }
+  }
+
+  // A row task of the compute role (BwdTasks::run_rows: the consumer warpgroups, no shared
+  // memory): rows [r0, r0 + n) of its kind (home: of the block held at step s).
+  static __device__ void rows_task(const Args& a, const CtaInfo& cta, int kind, int s, int r0,
+                                   int n, const Team& team) {
+    if (kind == rab::kPrep) {
+      prep(a, cta, r0, n, team);
+    } else if (kind == rab::kDq) {
+      store_dq(a, cta, r0, n, team);
+    } else if (kind == rab::kHome) {
+      home(a, cta, s, r0, n, team);
+    } else {  // kFinish
+      finish(a, cta, r0, n, team);
     }
   }
 
@@ -186,9 +238,9 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     });
   }
 
-  // Rows [row0, row0 + rows) of slot s: reduce-added into slot s + 1 of rank r + 1 (GRAD) or slot
-  // 0 of the block's owner (HOME) by lane 0's TMA ring, then zeroed by the team (every bulk load
-  // of them has completed when copy() returns).
+  // Rows [row0, row0 + n) of slot s: reduce-added into slot s + 1 of rank r + 1 (GRAD) by lane
+  // 0's TMA ring, then zeroed by the team (every bulk load of them has completed when copy()
+  // returns).
   static __device__ void send_grad(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char* smem) {
     const Layout& l = a.layout;
@@ -197,9 +249,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     float* src = l.dkv_acc.map(cta.rank) + (s * block + args[2]) * cols;
     const long long n = (long long)args[3] * cols;
     if (team.lane == 0) {
-      const bool on = args[1] == rab::kGrad;
-      const int dst_rank = on ? (cta.rank + 1) % W : ((cta.rank - s) % W + W) % W;
-      float* dst = l.dkv_acc.map(dst_rank) + ((on ? (s + 1) * block : 0) + args[2]) * cols;
+      float* dst = l.dkv_acc.map((cta.rank + 1) % W) + ((s + 1) * block + args[2]) * cols;
       with_ring(a, smem, [&](const auto& ring) {
         ring.copy(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), n * 4,
                   Drain::kReduceAddF32);
@@ -215,9 +265,11 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   }
 
   // 64-row tiles [first, first + n) of `delta` (tile t: rows of (q chunk, head) pair t / qt): per
-  // row, lse * log2 e and delta (+inf, 0 past the chunk: those rows see nothing), a thread a row.
+  // row, lse * log2 e and delta (+inf, 0 past the chunk: those rows see nothing). G = 8 lanes a
+  // row (D / 8 columns each, summed by shuffles), kRowsAhead rows a lane group in flight.
   static __device__ void prep(const Args& a, const CtaInfo& cta, int first, int n,
                               const Team& team) {
+    constexpr int G = 8, V = D / 64, U = kRowsAhead;  // V: uint4 of dO (and of O) per lane
     const Layout& l = a.layout;
     const int lr = cta.local_rank, H = l.heads, S = l.seq;
     const int C = chunks(l, a.common.world_size), Sc = S / C;
@@ -228,65 +280,131 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const float* lse = l.lse.at(lr);
     const float* dlse = l.dlse.at(lr);
     float* packed = l.delta.map(cta.rank);
-    for (long long e = team.lane; e < (long long)n * T; e += team.size) {
-      const int t = first + (int)(e / T), j = (int)(e % T);
-      const int pair = t / qt, i = (t - pair * qt) * T + j;
-      float* tile = packed + (long long)t * 2 * T;
-      if (i >= Sc) {
-        tile[j] = INFINITY;
-        tile[T + j] = 0.f;
-        continue;
-      }
-      const int outer = pair / H, h = pair - outer * H, b = outer / C, cq = outer - b * C;
-      const long long row = (long long)b * S + (long long)cq * Sc + i;
-      const uint4* x = reinterpret_cast<const uint4*>(dout + (row * H + h) * D);
-      const uint4* y = reinterpret_cast<const uint4*>(out + (row * H + h) * D);
-      float acc = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < D / 8; ++c) {
-        const uint4 u = x[c], v = y[c];
-        const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+    const int sub = team.lane % G, groups = team.size / G;
+    const int total = n * T;  // rows; every lane of a warp runs the same trips (shuffles)
+    for (int e0 = team.lane / G; e0 - team.lane / G < total; e0 += U * groups) {
+      uint4 x[U][V], y[U][V];
+      int t[U], j[U];
+      float lv[U], dl[U];  // lane sub == 0: the row's lse and dlse
+      bool live[U];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float2 p = __bfloat1622float2(u2[k]), q = __bfloat1622float2(v2[k]);
-          acc = fmaf(p.x, q.x, fmaf(p.y, q.y, acc));
+      for (int u = 0; u < U; ++u) {
+        const int e = e0 + u * groups;
+        t[u] = first + e / T;
+        j[u] = e % T;
+        const int pair = t[u] / qt, i = (t[u] - pair * qt) * T + j[u];
+        live[u] = e < total && i < Sc;
+        const int outer = pair / H, h = pair - outer * H, b = outer / C, cq = outer - b * C;
+        const long long row = ((long long)b * S + (long long)cq * Sc + i) * H + h;  // of dO, O
+        if (live[u]) {
+          const uint4* px = reinterpret_cast<const uint4*>(dout + row * D) + sub * V;
+          const uint4* py = reinterpret_cast<const uint4*>(out + row * D) + sub * V;
+#pragma unroll
+          for (int c = 0; c < V; ++c) {
+            x[u][c] = px[c];
+            y[u][c] = py[c];
+          }
+          if (sub == 0) {
+            const long long at = ((long long)b * H + h) * S + (long long)cq * Sc + i;  // [B, H, S]
+            lv[u] = lse[at];
+            dl[u] = dlse[at];
+          }
         }
       }
-      const long long at = ((long long)b * H + h) * S + (long long)cq * Sc + i;
-      const float lv = lse[at];
-      tile[j] = lv == -INFINITY ? INFINITY : lv * kLog2e;
-      tile[T + j] = acc - dlse[at];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float acc = 0.f;
+        if (live[u]) {
+#pragma unroll
+          for (int c = 0; c < V; ++c) {
+            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&x[u][c]);
+            const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&y[u][c]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float2 f = __bfloat1622float2(u2[k]), g = __bfloat1622float2(v2[k]);
+              acc = fmaf(f.x, g.x, fmaf(f.y, g.y, acc));
+            }
+          }
+        }
+#pragma unroll
+        for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        const int e = e0 + u * groups;
+        if (sub != 0 || e >= total) continue;
+        float* tile = packed + (long long)t[u] * 2 * T;
+        if (!live[u]) {  // past the chunk
+          tile[j[u]] = INFINITY;
+          tile[T + j[u]] = 0.f;
+          continue;
+        }
+        tile[j[u]] = lv[u] == -INFINITY ? INFINITY : lv[u] * kLog2e;
+        tile[T + j[u]] = acc - dl[u];
+      }
     }
   }
 
+  // Rows [row0, row0 + n) of dq_acc: dq = bf16, the accumulator back to zero.
   static __device__ void store_dq(const Args& a, const CtaInfo& cta, int row0, int n,
                                   const Team& team) {
     const Layout& l = a.layout;
     const long long cols = (long long)l.heads * l.head_dim;
     float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank) + row0 * cols);
     uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank) + row0 * cols);
-    for (long long e = team.lane; e < n * cols / 4; e += team.size) {
-      const float4 x = acc[e];
+    const long long quads = n * cols / 4;
+    for_quads(quads, team, [&](long long e, const float4& x) {
       acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
       dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-    }
+    }, acc);
   }
 
+  // Rows [row0, row0 + n) of the block held at step s (slot s: mine and the previous holders'
+  // partials): bf16 into the owner's dkv_home, the slot back to zero.
+  static __device__ void home(const Args& a, const CtaInfo& cta, int s, int row0, int n,
+                              const Team& team) {
+    const Layout& l = a.layout;
+    const int W = a.common.world_size, owner = ((cta.rank - s) % W + W) % W;
+    const long long cols = 2LL * l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
+    float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank) + (s * block + row0) * cols);
+    uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner) + row0 * cols);
+    for_quads(n * cols / 4, team, [&](long long e, const float4& x) {
+      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+    }, acc);
+  }
+
+  // Rows [row0, row0 + n) of my block's sum (dkv_home, bf16 dK | dV): dk, dv.
   static __device__ void finish(const Args& a, const CtaInfo& cta, int row0, int n,
                                 const Team& team) {
     const Layout& l = a.layout;
-    const long long kc = (long long)l.kv_heads * l.head_dim, quads = kc / 2;  // per slot row
-    float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank) + row0 * 2 * kc);
+    const long long kc = (long long)l.kv_heads * l.head_dim, per_row = kc / 4;  // uint4 a row
+    const uint4* src = reinterpret_cast<const uint4*>(l.dkv_home.map(cta.rank) + row0 * 2 * kc);
     __nv_bfloat16* dk = l.dk.at(cta.local_rank) + row0 * kc;
     __nv_bfloat16* dv = l.dv.at(cta.local_rank) + row0 * kc;
-    for (long long e = team.lane; e < n * quads; e += team.size) {
-      const long long r = e / quads, c = (e - r * quads) * 4;
-      const float4 x = acc[e];
-      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-      __nv_bfloat16* dst = c < kc ? dk + r * kc + c : dv + r * kc + (c - kc);
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+    for_quads(n * per_row, team, [&](long long e, const uint4& x) {
+      const long long r = e / per_row, c = (e - r * per_row) * 8;
+      __nv_bfloat16* to = c < kc ? dk + r * kc + c : dv + r * kc + (c - kc);
+      *reinterpret_cast<uint4*>(to) = x;
+    }, src);
+  }
+
+  // f(e, src[e]) for every 16-byte element e < quads of the team's share, kQuadsAhead loads a
+  // lane issued before any of their uses.
+  template <class T, class F>
+  static __device__ __forceinline__ void for_quads(long long quads, const Team& team, F&& f,
+                                                   const T* src) {
+    static_assert(sizeof(T) == 16, "16-byte elements");
+    constexpr int U = kQuadsAhead;
+    for (long long e0 = team.lane; e0 < quads; e0 += (long long)U * team.size) {
+      T x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const long long e = e0 + (long long)u * team.size;
+        if (e < quads) x[u] = src[e];
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const long long e = e0 + (long long)u * team.size;
+        if (e < quads) f(e, x[u]);
+      }
     }
   }
 

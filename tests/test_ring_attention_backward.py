@@ -273,6 +273,20 @@ def _comm(plan, r: int, *kinds: int):
     return [t for t in plan.roles["comm"].tasks[r] if t.args[1] in kinds]
 
 
+def _tile_step(plan, task) -> int:
+    return ra.unpack_tag(plan.tiles[task.args[0]].tag)[1]
+
+
+def _kind(plan, task) -> int | None:
+    """The kind of a compute-role row task (PREP, DQ, FINISH: an AUX tile), else None."""
+    tile = plan.tiles[task.args[0]]
+    return ra.unpack_tag(tile.tag)[0] if tile.rows and tile.tag & rb.AUX else None
+
+
+def _rows(plan, r: int, *kinds: int):
+    return [t for t in plan.roles["compute"].tasks[r] if _kind(plan, t) in kinds]
+
+
 def test_contiguous_causal_partials_go_down_the_ring_and_home():
     W = 4
     plan = _plan(W, 20, True, "contiguous")
@@ -280,21 +294,43 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
         grads = _comm(plan, r, rb.GRAD, rb.HOME)
         dests = {(t.args[0], t.args[1], t.raises[0].rank, t.raises[0].index) for t in grads}
         want = {(s, rb.GRAD, r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
-        if r == W - 1:  # the last rank returns each block's gradient to its owner (slot 0)
-            want = {(s, rb.HOME, r - s, (0,)) for s in range(1, r + 1)}
         assert dests == want, f"rank {r}"
-        assert len(grads) == len(want) * plan.extra["tails"], "one grad send per part"
-        finishes = _comm(plan, r, rb.FINISH)
+        assert len(grads) == len(want) * plan.extra["gparts"], "one grad send per part"
+        # the last rank returns each block's sum to its owner (dkv_home, dlanded[0]): row tasks
+        homes = _rows(plan, r, rb.HOME)
+        got = {(_tile_step(plan, t), t.raises[0].rank, t.raises[0].index) for t in homes}
+        want = {(s, r - s, (0,)) for s in range(1, r + 1)} if r == W - 1 else set()
+        assert got == want, f"rank {r}: home"
+        assert len(homes) == len(want) * plan.extra["tails"], "one home task per part"
+        for t in homes:
+            s = _tile_step(plan, t)
+            n = sum(_step(plan, c) == s for c in plan.roles["compute"].tasks[r])
+            assert [(w.pad, w.index, w.value) for w in t.waits] == [
+                ("computed", (s,), n),
+                ("dlanded", (s,), plan.extra["gparts"]),
+            ]
+        finishes = _rows(plan, r, rb.FINISH)
+        direct = [
+            plan.tiles[t.args[0]].tag & rb.DIRECT != 0
+            for t in plan.roles["compute"].tasks[r]
+            if _step(plan, t) == 0 and _kind(plan, t) is None
+        ]
+        if r == W - 1:  # the last rank's block stays at home: the engine stores its dk, dv
+            assert plan.extra["direct"][r] and direct and all(direct) and finishes == []
+            continue
+        assert not plan.extra["direct"][r] and not any(direct)
         assert len(finishes) == plan.extra["tails"]
-        pad = "computed" if r == W - 1 else "dlanded"  # the last rank's block stays at home
         for finish in finishes:
-            assert [(w.pad, w.index) for w in finish.waits] == [(pad, (0,))]
+            assert [(w.pad, w.index, w.value) for w in finish.waits] == [
+                ("dlanded", (0,), plan.extra["tails"])
+            ]
 
 
 def _step(plan, task) -> int | None:
-    """The step of a compute task (its tile's tag); None for an empty task that pads a unit."""
+    """The step of a compute task (its tile's tag); None for an empty task that pads a unit or a
+    row task (prep, dq, finish)."""
     tile = plan.tiles[task.args[0]]
-    return ra.unpack_tag(tile.tag)[1] if tile.rows else None
+    return ra.unpack_tag(tile.tag)[1] if tile.rows and not tile.tag & rb.AUX else None
 
 
 def test_every_grad_send_waits_for_all_its_steps_contributions():
@@ -302,8 +338,10 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
     plan = _plan(W, 20, False, "zigzag")
     for r in range(W):
         computes = plan.roles["compute"].tasks[r]
-        for t in _comm(plan, r, rb.GRAD, rb.HOME):
-            s = t.args[0]
+        sends = [(t.args[0], t) for t in _comm(plan, r, rb.GRAD)]
+        sends += [(_tile_step(plan, t), t) for t in _rows(plan, r, rb.HOME)]
+        assert {s for s, _ in sends} == set(range(W)), "every step's partial goes on or home"
+        for s, t in sends:
             n = sum(_step(plan, c) == s for c in computes)
             (w,) = [w for w in t.waits if w.pad == "computed"]
             assert (w.index, w.value) == ((s,), n)
@@ -319,34 +357,70 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
     ],
 )
 def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, sched):
-    """Compute tasks: every K/V tile of every (q chunk, K/V chunk) pair a rank sees once, each
-    adding 1 to computed[its step], a unit step-major, its first task waiting for the prep
-    (landed[0]); comm tasks: the preps, the forward's K/V sends (the same rows, destinations and
-    signals; only the consumer counts of landed differ), the grad sends by step, then dq and the
-    finish (the order that cannot deadlock, make_plan)."""
+    """Compute role, per unit: its prep part first (row 0; each adds 1 to landed[0]), then its
+    K/V tile tasks step-major (every K/V tile of every (q chunk, K/V chunk) pair a rank sees once,
+    each adding 1 to computed[its step], the unit's first waiting for every prep), then its dq
+    part (waiting for every step's computed) and finish part (waiting for the way back, dlanded[0]),
+    unless the engine stores the block's dk, dv itself (DIRECT: never sent, one chunk); comm tasks:
+    the forward's K/V sends (the same rows, destinations and signals; only the consumer counts of
+    landed differ), then the grad sends by step (the order that cannot deadlock, make_plan)."""
     back = _plan(W, S, causal, layout, **sched)
     world = mkernel.World.emulated(W)
     fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes)
     C, tk, units = back.extra["chunks"], back.extra["kv_tile"], back.compute_units
+    tails, preps = back.extra["tails"], back.extra["preps"]
     for r in range(W):
         rows = back.roles["compute"].tasks[r]
-        seen = []
+        seen, direct = [], back.extra["direct"][r]
+        assert direct == (W == 1 or (layout == "contiguous" and causal and r == W - 1))
         for u in range(units):
             mine = [t for t in rows[u::units] if back.tiles[t.args[0]].rows]
-            steps = [_step(back, t) for t in mine]
+            kinds = [_kind(back, t) for t in mine]
+            homes = [s for s in range(1, W) if back.extra["holds"][r][s]
+                     and s not in back.extra["sends"][r]]  # fmt: skip
+            want_kinds = [rb.PREP] * (u < preps) + [None] * kinds.count(None)
+            want_kinds += [rb.HOME] * (len(homes) * (u < tails))
+            want_kinds += [rb.DQ] * (u < tails) + [rb.FINISH] * (u < tails and not direct)
+            assert kinds == want_kinds, f"rank {r} unit {u}: prep, K/V tiles, dq, finish"
+            steps = [_step(back, t) for t in mine if _kind(back, t) is None]
             assert steps == sorted(steps), f"rank {r} unit {u}: not step-major"
-            for i, t in enumerate(mine):
-                tile, s = back.tiles[t.args[0]], _step(back, t)
-                assert [(x.pad, x.rank, x.index, x.op) for x in t.raises] == [
-                    ("computed", r, (s,), "add")
-                ]
-                waits = {(w.pad, w.index) for w in t.waits}
-                want = ({("landed", (0,))} if i == 0 else set()) | (
+            first = True
+            for t in mine:
+                tile, s, kind = back.tiles[t.args[0]], _step(back, t), _kind(back, t)
+                waits = [(w.pad, w.index) for w in t.waits]
+                raises = [(x.pad, x.rank, x.index, x.op) for x in t.raises]
+                if kind == rb.PREP:
+                    assert (waits, raises) == ([], [("landed", r, (0,), "add")])
+                    continue
+                if kind == rb.DQ:
+                    assert raises == [] and waits == [
+                        ("computed", (s,)) for s in range(W) if back.extra["readers"][r][s]
+                    ]
+                    continue
+                if kind == rb.FINISH:
+                    assert (waits, raises) == ([("dlanded", (0,))], [])
+                    continue
+                if kind == rb.HOME:
+                    hs = _tile_step(back, t)
+                    assert hs in homes and waits == [("computed", (hs,)), ("dlanded", (hs,))]
+                    assert raises == [("dlanded", (r - hs) % W, (0,), "add")]
+                    continue
+                assert raises == [("computed", r, (s,), "add")]
+                want = ({("landed", (0,))} if first else set()) | (
                     {("landed", (s,))} if s else set()
                 )
-                assert waits == want, f"rank {r} unit {u} task {i}"
+                assert set(waits) == want, f"rank {r} unit {u} task {t.id}"
+                assert (tile.tag & rb.DIRECT != 0) == (direct and s == 0)
+                first = False
                 key = ra.unpack_tag(tile.tag)[0]
                 seen.append((s, rb.unpack_key(key, C, back.shapes["kv_heads"]), tile.m0))
+        for kind, n in ((rb.PREP, preps), (rb.DQ, tails), (rb.FINISH, 0 if direct else tails)):
+            parts = sorted((back.tiles[t.args[0]].m0, back.tiles[t.args[0]].rows)
+                           for t in _rows(back, r, kind))  # fmt: skip
+            total = back.sizes["delta_rows"] if kind == rb.PREP else back.sizes["rows"]
+            assert len(parts) == n and sum(m for _, m in parts) == (total if n else 0), kind
+            pairs = zip(parts, parts[1:], strict=False)
+            assert all(a + m == b for (a, m), (b, _) in pairs), "contiguous parts"
         # every K/V tile of every pair the forward computes on this rank, once
         want, pairs = [], set()  # the (step, q chunk, K/V chunk) pairs the forward computes
         for t in fwd.roles["compute"].tasks[r]:
@@ -364,13 +438,12 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
         sends = [t for t in comm if t.args[1] < rb.GRAD]
         strip = lambda t: (t.id, t.args, t.raises, [(w.pad, w.index, w.value) for w in t.waits])  # noqa: E731
         assert [strip(t) for t in sends] == [strip(t) for t in fwd.roles["comm"].tasks[r]]
-        order = [0 if k == rb.PREP else 1 if k < rb.GRAD else 2 if k in (rb.GRAD, rb.HOME) else 3
-                 for k in kinds]  # fmt: skip
+        assert set(kinds) <= set(range(rb.GRAD)) | {rb.GRAD}, "comm: K/V sends and grad sends"
+        order = [0 if k < rb.GRAD else 1 for k in kinds]
         assert order == sorted(order), f"rank {r}: comm order"
-        grad_steps = [t.args[0] for t in comm if t.args[1] in (rb.GRAD, rb.HOME)]
+        grad_steps = [t.args[0] for t in comm if t.args[1] == rb.GRAD]
         assert grad_steps == sorted(grad_steps)
-        assert kinds.count(rb.DQ) == kinds.count(rb.FINISH) == back.extra["tails"]
-        assert kinds.count(rb.PREP) == back.extra["preps"]
+        assert set(grad_steps) == {s for s in range(W) if s in back.extra["sends"][r]}
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -443,6 +516,9 @@ def _drop(pad: str, rank: int, kind: int, step: int):
         for t in tasks["comm"][rank]:
             if t.args[:2] == (step, kind):
                 t.waits = tuple(w for w in t.waits if w.pad != pad)
+        for t in tasks["compute"][rank]:  # the row tasks (prep, dq, home, finish)
+            if _kind(plan, t) == kind and ra.unpack_tag(plan.tiles[t.args[0]].tag)[1] == step:
+                t.waits = tuple(w for w in t.waits if w.pad != pad)
 
     return edit
 
@@ -481,8 +557,18 @@ def test_a_partial_sent_before_the_previous_one_landed_is_a_race(seed):
         _run(3, 20, "zigzag", True, edit=_drop("dlanded", 2, rb.GRAD, 1), seed=seed)
 
 
-def test_a_finish_that_does_not_wait_for_its_gradient_is_a_race():
+def test_a_home_sent_before_the_previous_partial_landed_is_a_race():
     with pytest.raises(RaceError, match="dkv_acc"):
+        _run(3, 20, "zigzag", True, edit=_drop("dlanded", 0, rb.HOME, 2))
+
+
+def test_a_dq_store_before_every_step_is_computed_is_a_race():
+    with pytest.raises(RaceError, match="dq_acc"):
+        _run(2, 20, "contiguous", False, edit=_drop("computed", 1, rb.DQ, 0))
+
+
+def test_a_finish_that_does_not_wait_for_its_gradient_is_a_race():
+    with pytest.raises(RaceError, match="dkv_home"):
         _run(2, 20, "contiguous", False, edit=_drop("dlanded", 0, rb.FINISH, 0))
 
 

@@ -136,8 +136,9 @@ except mkernel.RaceError as e:
 # ## 5. Backward (issue 13)
 # `ring_attention` is differentiable: `out.backward(g)` runs `ring_attention_backward`. The K/V
 # blocks travel the same ring; each rank reduce-adds its fp32 dK / dV contributions into a slot of
-# the block it holds, and the comm role sends that partial on with the block (then home to the
-# block's owner, which stores dk, dv once in bf16). dQ stays local.
+# the block it holds, and the comm role sends that partial on with the block; its last holder
+# sends the sum home in bf16 (a row task of its compute units), and the block's owner stores dk,
+# dv. dQ stays local.
 
 # %%
 from mkernel.ops import ring_attention_backward as rb  # noqa: E402
@@ -155,7 +156,17 @@ for name, leaf, want in zip("qkv", leaves, ref, strict=True):
 pads = sum(int(p.abs().sum()) for p in world.signal_pads().values())
 shapes = rb.shapes(dout, q, k, v, out, lse, world, True, "contiguous")
 plan = mkernel.Schedule().plan("ring_attention_backward", world, **shapes)
-grad = (rb.GRAD, rb.HOME)  # on to the next holder, or home to the block's owner (in row parts)
-sends = [sorted({t.args[0] for t in ts if t.args[1] in grad}) for ts in plan.roles["comm"].tasks]
+
+
+def sent(r: int) -> list[int]:
+    """Steps whose partial rank r sends: on to the next holder (comm tasks, GRAD) or home to the
+    block's owner (compute-role row tasks, HOME), in row parts."""
+    on = {t.args[0] for t in plan.roles["comm"].tasks[r] if t.args[1] == rb.GRAD}
+    tags = [plan.tiles[t.args[0]].tag for t in plan.roles["compute"].tasks[r]]
+    home = {ra.unpack_tag(x)[1] for x in tags if x & rb.AUX and ra.unpack_tag(x)[0] == rb.HOME}
+    return sorted(on | home)
+
+
+sends = [sent(r) for r in range(world.size)]
 print(f"backward: d{{q,k,v}} match the reference (autograd, fp32); pads {pads}")
 print(f"  causal contiguous plan: grad sends per rank (steps) {sends}")

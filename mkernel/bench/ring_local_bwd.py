@@ -13,20 +13,30 @@ S = 8192, full and causal; versions (``ring_local``'s rows, backward):
 Versions run INTERLEAVED in rounds (median of ROUNDS measurements of >= ~2 ms each). TFLOP/s
 counts 2.5 x the forward's 4 B H S^2 D (half for causal). Writes ring_local_bwd_<date>.json under
 $MKERNEL_BENCH_DIR.
+
+``python3 -m mkernel.bench.ring_local_bwd --trace``: where the fused kernel's time goes, one traced
+call per case (Schedule(trace=True): every task's start and end on the GPU), per rank and kind of
+task (compute: prep, K/V tile, dq, finish; comm: K/V send, grad), us from the first task's start:
+first start, last end, the sum of the spans and how many there are.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention, ring_attention_backward
+from ..ops import ring_attention as ra
+from ..ops import ring_attention_backward as rb
 from ..schedule import Schedule
+from .attention import _event_ms
 from .attention_bwd import _sdpa_backward
 from .ring_local import B, D, H, S, interleaved_rows, rank_rows
-from .timing import save
+from .timing import save, table
 
 ROUNDS = 8
 TARGET_MS = 4.0
@@ -66,5 +76,84 @@ def run(save_json: bool = True) -> list[dict]:
     return rows
 
 
+def _kind(plan, role: str, task: int) -> str:
+    if role == "comm":
+        return "kv send" if task < plan.world_size * plan.extra["parts"] else "grad"
+    tile = plan.tiles[task]
+    if tile.rows == 0:
+        return "empty"
+    if tile.tag & rb.AUX:
+        kinds = {rb.PREP: "prep", rb.DQ: "dq", rb.HOME: "home", rb.FINISH: "finish"}
+        return kinds[ra.unpack_tag(tile.tag)[0]]
+    return "kv tile"
+
+
+def trace(overlaps: tuple[str, ...] = ("intra_sm",)) -> list[dict]:
+    """One traced call of each case (W = 1; W = 2 per overlap; full and causal): per rank and kind
+    of task, us from the first task's start: first start, last end, busy (the sum of the spans:
+    K/V tiles overlap, the producer runs the next one's waits early), n."""
+    rows = []
+    for causal in (False, True):
+        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
+        out, lse = attention_ext.attention_forward(q, k, v, causal)
+        rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
+        layout = "zigzag" if causal else "contiguous"
+        w2 = World.emulated(2, device="cuda")
+        rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
+        cases = [("W=1", World.emulated(1, device="cuda"), None, (dout[None], q[None], k[None],
+                  v[None], out[None], lse[None]), "contiguous")]  # fmt: skip
+        for ov in overlaps:
+            cases.append((f"W=2 {ov}", w2, ov, (rdo, rq, rk, rv, rout, rlse), layout))
+        for name, world, ov, args, lay in cases:
+            for tr in (False, False, False, True):  # warm: the plan, the extension, the clocks
+                sched = Schedule(overlap=ov, trace=tr)
+                ring_attention_backward(*args, world, causal, None, lay, sched)
+            torch.cuda.synchronize()
+            tl = world.last_timeline
+            plan = next(p for p in world._plans.values() if p.op == rb.SPEC.name and
+                        p.extra.get("trace") and p.overlap == (ov or "intra_sm"))  # fmt: skip
+            t0 = min(x.start for x in tl.spans)
+            for r in range(world.size):
+                kinds: dict[str, list] = {}
+                for x in tl.spans:
+                    if x.rank == r:
+                        role = "comm" if x.unit.startswith("comm") else "compute"
+                        kinds.setdefault(_kind(plan, role, x.task), []).append(x)
+                for kind, spans in kinds.items():
+                    if kind == "empty":
+                        continue
+                    ends: dict[str, int] = {}  # per unit: its last span's end
+                    for x in spans:
+                        ends[x.unit] = max(ends.get(x.unit, 0), x.end)
+                    rows.append({
+                        "case": name, "causal": causal, "rank": r, "tasks": kind, "n": len(spans),
+                        "first_us": (min(x.start for x in spans) - t0) / 1e3,
+                        "last_us": (max(x.end for x in spans) - t0) / 1e3,
+                        "unit_end_min_us": (min(ends.values()) - t0) / 1e3,
+                        "busy_us": sum(x.end - x.start for x in spans) / 1e3,
+                    })  # fmt: skip
+            if name == "W=1":  # the call's time, one call between events (as the rounds) or five
+
+                def fn(args=args, world=world, causal=causal, lay=lay):
+                    return ring_attention_backward(*args, world, causal, None, lay)
+
+                t1 = sorted(_event_ms(fn, 1) for _ in range(5))[2]
+                t5 = sorted(_event_ms(fn, 5) for _ in range(3))[1]
+                torch.cuda.synchronize()
+                h0 = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                host = (time.perf_counter() - h0) / 5 * 1e3  # the queue is ahead: host time
+                torch.cuda.synchronize()
+                print(f"W=1 causal={causal}: ms/call {t1:.3f} (1 a measurement), {t5:.3f} (5); "
+                      f"host {host:.3f} ms a call")  # fmt: skip
+    cols = ["case", "causal", "rank", "tasks", "n", "first_us", "last_us", "unit_end_min_us"]
+    print(table(rows, cols + ["busy_us"]))
+    return rows
+
+
 if __name__ == "__main__":
-    run()
+    if "--trace" in sys.argv:
+        trace()
+    else:
+        run()

@@ -18,18 +18,21 @@ Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the fo
 (W - 1 slots per rank, ``landed`` counted, ``parts`` sends per step); a compute task is one K/V
 tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
 dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
-``dkv_acc`` slot s and adding 1 to ``computed[s]``; comm tasks in row ranges: the prep (delta
-rows, ``landed[0]``), the K/V sends, the grad sends (slot s on to slot s + 1 of rank r + 1, or
-home to slot 0 of the block's owner, ``dlanded``), dq (bf16 once) and the finish (dk, dv bf16
-once), each zeroing what it read.
+``dkv_acc`` slot s (or, a block nobody else adds to, storing dk, dv in bf16: ``DIRECT``) and
+adding 1 to ``computed[s]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
+consumer warpgroups): each unit's prep part first (delta rows, ``landed[0]``), its home, dq and
+finish parts last; comm tasks: the K/V sends and the grad sends (slot s on to slot s + 1 of rank
+r + 1, ``dlanded``). Home: the block's last holder stores the slot's sum in bf16 into the owner's
+``dkv_home`` (``dlanded[0]``); the finish copies it into dk, dv; dq is bf16(dq_acc) once. Each
+reader of an fp32 accumulator zeroes what it read.
 
     W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
     previous holders' partial, added into the same slot)
     step:     0                          1                             2
     rank 0:   B0 tiles; g -> r1 slot 1   -                             finish: dlanded[0]
     rank 1:   B1 tiles; g -> r2 slot 1   B0 tiles (+in); g -> r2 s 2   finish: dlanded[0]
-    rank 2:   B2 tiles (finish:          B1 tiles (+in); g -> r1 s 0   B0 tiles (+in); g -> r0 s 0
-              computed[0])
+    rank 2:   B2 tiles (dk, dv stored    B1 tiles (+in); home -> r1    B0 tiles (+in); home -> r0
+              by the engine: DIRECT)
 """
 
 from __future__ import annotations
@@ -56,9 +59,15 @@ from ..world import World
 from . import common
 from . import ring_attention as fwd
 
-# comm args[1] beyond a K/V send's part: a grad send on (to the next holder) or home (to the
-# block's owner), the finish, the prep, the dq store
+# comm args[1] beyond a K/V send's part: a grad send on (to the next holder); the kinds of the
+# compute role's row tasks (their tile's key, AUX set): the finish, the prep, the dq store, home
+# (the last holder's sum of a block, bf16, to its owner)
 GRAD, FINISH, PREP, DQ, HOME = (fwd.MAX_PARTS + i for i in range(5))
+# compute tile tag bits beyond the forward's diag: AUX, a row task (prep, dq, home or finish: kind
+# in the key, the step in the step bits, first tile / row in m0, count in rows), run by the
+# engine's consumer warpgroups between its tiles; DIRECT, a K/V tile whose dK, dV nobody else adds
+# to (W = 1, a block that is never sent), stored in bf16 into dk, dv by the engine, no finish
+AUX, DIRECT = 2, 4
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -104,6 +113,13 @@ SPEC = OpSpec(
             ("acc_rows", "acc_cols"),
             "per step: the held block's dK | dV partial, fp32 (zero between calls)",
         ),
+        Buffer(
+            "dkv_home",
+            "symmetric",
+            torch.bfloat16,
+            ("rows", "acc_cols"),
+            "my block's dK | dV, summed, bf16: stored by its last holder (HOME), read by my finish",
+        ),
     ),
     pads=(
         LANDED,
@@ -119,7 +135,7 @@ SPEC = OpSpec(
             ("step",),
             ("W",),
             counted=True,
-            doc="the previous holders' partial is in my slot (0: home)",
+            doc="the previous holders' partial is in my slot (0: my block's sum in dkv_home)",
         ),
     ),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
@@ -131,6 +147,8 @@ SPEC = OpSpec(
         ("dq", DQ),
         ("home", HOME),
         ("row_tile", ROW_TILE),
+        ("aux", AUX),
+        ("direct", DIRECT),
     ),
 )
 
@@ -166,28 +184,37 @@ def make_plan(
     """The backward's plan: the forward's K/V ring (its sends, ``landed`` counted), compute tasks
     that each own one K/V tile of a held block (the backward engine's shape: dK, dV of the tile
     in registers over a walk of every q row of one q chunk, all q heads of the tile's K/V head),
-    and the comm tasks around them, each in ``parts`` row ranges (one per comm unit):
+    row tasks of the compute role (one part per compute unit, run by the engine's consumer
+    warpgroups between its tiles) and grad sends of the comm role (one part per comm unit):
 
-    - prep (the rank's first comm tasks): delta = rowsum(dO * O) - dlse and lse * log2 e into the
-      ``delta`` workspace, a range of its 64-row tiles each; each adds 1 to its own ``landed[0]``,
-      which the first compute task of every unit waits for;
+    - prep (row task, row 0 of unit p: part p): delta = rowsum(dO * O) - dlse and lse * log2 e
+      into the ``delta`` workspace, a range of its 64-row tiles; adds 1 to its own ``landed[0]``,
+      which the first K/V tile task of every unit waits for;
     - compute (step s, K/V tile, q chunk): waits ``landed[s]`` (s > 0); reduce-adds its dQ into
-      ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s; adds 1 to ``computed[s]``;
-    - grad (step s, rows): waits ``computed[s]`` and, s > 0, ``dlanded[s]``; reduce-adds the
-      slot's rows into slot s + 1 of rank r + 1 (``dlanded[s + 1]``; args[1] GRAD) or slot 0 of
-      the block's owner (``dlanded[0]``; HOME), zeroes them;
-    - dq (rows): waits ``computed[s]`` of every step; dq = bf16(dq_acc rows), zeroes them;
-    - finish (rows): waits ``dlanded[0]`` (or, when nobody else uses my block, ``computed[0]``);
-      dk, dv = bf16(slot 0 rows), zeroes them.
+      ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s, or, when nobody else adds to the block's
+      dK, dV (never sent, one q chunk: W = 1, the last rank of a contiguous causal ring), stores
+      them in bf16 into dk, dv (the tile's ``DIRECT`` bit; that rank has no finish); adds 1 to
+      ``computed[s]``;
+    - grad (comm, step s, rows): the block goes on: waits ``computed[s]`` and, s > 0,
+      ``dlanded[s]``; reduce-adds the slot's rows into slot s + 1 of rank r + 1 (``dlanded[s +
+      1]``), zeroes them;
+    - home (row task, step s > 0, rows): I am the block's last holder: waits ``computed[s]`` and
+      ``dlanded[s]``; stores the slot's rows (the block's whole sum) in bf16 into the owner's
+      ``dkv_home`` (``dlanded[0]`` there), zeroes them;
+    - dq (row task, rows): waits ``computed[s]`` of every step; dq = bf16(dq_acc rows), zeroed;
+    - finish (row task, rows): waits ``dlanded[0]``; dk, dv = the rows of ``dkv_home``.
+
+    A unit's rows: its prep, its K/V tiles step-major, its home parts by step, dq, finish.
 
     NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a prep (0, 0), a K/V
-    send of step s (1, s), a compute task of step s (2, s), a grad send of step s (3, s), dq and
-    finish (4, 0). Each wait is for tasks of a smaller key (K/V sends and compute tasks wait for
-    K/V sends of s - 1 and preps; grad sends for compute tasks of s and grad sends of s - 1; dq
-    and finish for compute tasks and grad sends), and each unit runs its tasks in non-decreasing
-    key order (a compute unit step-major, a comm unit its rows in the order above). Were the run
-    stalled, take the waiting head t of least key: it waits for an unfinished t' of smaller key;
-    the head h of t''s unit has key(h) <= key(t') < key(t) and waits too: a contradiction."""
+    send of step s (1, s), a compute task of step s (2, s), a grad send or home of step s (3, s),
+    dq and finish (4, 0). Each wait is for tasks of a smaller key (K/V sends and compute tasks
+    wait for K/V sends of s - 1 and preps; grad sends and homes for compute tasks of s and grad
+    sends of s - 1; dq and finish for compute tasks and homes), and each unit runs its tasks in
+    non-decreasing key order (a compute unit: prep, K/V tiles step-major, homes by step, dq,
+    finish; a comm unit: K/V sends, then grad sends by step). Were the run stalled, take the
+    waiting head t of least key: it waits for an unfinished t' of smaller key; the head h of
+    t''s unit has key(h) <= key(t') < key(t) and waits too: a contradiction."""
     W, S, D, B, H, Hkv = world.size, seq, head_dim, batch, heads, kv_heads
     if W > 256 or B * Hkv * 4 >= 1 << (31 - fwd.TAG_KEY):
         raise ValueError(
@@ -201,10 +228,12 @@ def make_plan(
     tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
     parts = max(1, min(fwd.MAX_PARTS, comm_units, B * S))
-    # prep, grad, dq and finish parts: one per comm unit (their kind is args[1], not a part);
-    # a prep part is a range of 64-row tiles of the (q chunk, head) pairs' rows
+    # grad sends: one part per comm unit (their kind is args[1], not a part); prep, home, dq and
+    # finish: one part per compute unit (row tasks); a prep part is a range of 64-row tiles of the
+    # (q chunk, head) pairs' rows
     qt = -(-Sc // ROW_TILE)
-    preps, tails = min(comm_units, B * C * H * qt), max(1, min(comm_units, B * S))
+    gparts = max(1, min(comm_units, B * S))
+    preps, tails = min(units, B * C * H * qt), max(1, min(units, B * S))
 
     # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
     tiles: list[Tile] = []
@@ -238,6 +267,32 @@ def make_plan(
     sends = fwd.ring_sends(readers)
     holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
     home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0])
+    # nobody else adds to my block's dK, dV (never sent; one q chunk): the engine stores them
+    direct = [not home[r] and C == 1 for r in range(W)]
+    # NOTE: a block never sent has one q chunk: causal zigzag (C = 2, W > 1) sends every block
+    # (rank r + 1, or rank 0 for the last, sees chunk r, 2W - 1 - r); so every block is stored by
+    # the engine or comes home (the finish reads dkv_home, never an unsent fp32 slot)
+    if not all(home[r] or direct[r] for r in range(W)):
+        raise AssertionError(f"a block neither sent nor stored by the engine: {home}, {direct}")
+    for r in range(W):
+        for _, t in per_rank[r][0] if direct[r] else ():
+            x = tiles[t]
+            tiles[t] = x._replace(tag=x.tag | DIRECT)
+
+    def split(n: int, k: int) -> list[tuple[int, int]]:
+        bounds = [p * n // k for p in range(k + 1)]
+        return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
+
+    def aux_tiles(kind: int, n: int, k: int, s: int = 0) -> list[int]:  # row tasks, a tile a part
+        first = len(tiles)
+        for p0, m in split(n, k):
+            tiles.append(Tile(len(tiles), p0, 0, m, 0, fwd.pack_tag(kind, s, False, True, False)))
+        return list(range(first, len(tiles)))
+
+    prep_tiles = aux_tiles(PREP, B * C * H * qt, preps)
+    dq_tiles = aux_tiles(DQ, B * S, tails)
+    finish_tiles = aux_tiles(FINISH, B * S, tails)
+    home_tiles = {}  # step -> the home parts of the block held at that step
 
     def landed(r: int, s: int) -> tuple[Wait, ...]:
         n = readers[r][s] + (parts if s in sends[r] else 0)
@@ -246,9 +301,24 @@ def make_plan(
     compute, comm = [], []
     for r in range(W):
         nxt = (r + 1) % W
+
+        def computed(s: int, n_consumers: int, r: int = r) -> tuple[Wait, ...]:
+            n = readers[r][s]
+            # NOTE: patience 2 (3 for dlanded): these follow other waits (the compute tasks'
+            # landed, the previous holder's computed), which report a silent peer first
+            wait = Wait("computed", r, (s,), value=n, consumers=n_consumers, patience=2)
+            return (wait,) if n else ()
+
+        # the blocks I pass on (GRAD, comm parts) and those I return (HOME, row parts); the
+        # consumers of computed[s]: the grad or home parts of s, and the dq parts
+        grads = [s for s in range(W) if holds[r][s] and s in sends[r]]
+        homes = [s for s in range(1, W) if holds[r][s] and s not in sends[r]]
+        n_comp = [gparts * (s in grads) + tails * ((s in homes) + 1) for s in range(W)]
+
         # K/V tiles to units: each step's longest first onto the least loaded unit, step-major
         # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
-        # u, u + units, ... (the template's rule); empty tasks pad the shorter units.
+        # u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0 holds
+        # the preps (unit p: part p), the last rows dq and finish parts (unit p: part p).
         load, lists = [0] * units, [[] for _ in range(units)]
         for s in range(W):
             for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
@@ -258,59 +328,51 @@ def make_plan(
         busy = sum(1 for x in lists if x)
         prepped = Wait("landed", r, (0,), value=preps, consumers=busy)
         depth = max(len(x) for x in lists)
-        rows = [Task(empty, (empty,)) for _ in range(depth * units)]
+        rows = [Task(empty, (empty,)) for _ in range((depth + 3 + len(homes)) * units)]
+        for p, t in enumerate(prep_tiles):
+            rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
         for u, ids in enumerate(lists):
             for i, t in enumerate(ids):
                 s = fwd.unpack_tag(tiles[t].tag)[1]
                 waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())
-                rows[i * units + u] = Task(t, (t,), waits, (Raise("computed", r, (s,), op="add"),))
+                raises = (Raise("computed", r, (s,), op="add"),)
+                rows[(i + 1) * units + u] = Task(t, (t,), waits, raises)
+        row = depth + 1
+        for s in homes:  # the sum of the block held at step s (mine + the previous holders')
+            if s not in home_tiles:
+                home_tiles[s] = aux_tiles(HOME, B * S, tails, s)
+            waits = computed(s, n_comp[s])
+            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, patience=3),)
+            owner = Raise("dlanded", (r - s) % W, (0,), op="add")
+            for p, t in enumerate(home_tiles[s]):
+                rows[row * units + p] = Task(t, (t,), waits, (owner,))
+            row += 1
+        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
+        for p, t in enumerate(dq_tiles):
+            rows[row * units + p] = Task(t, (t,), every, ())
+        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
+        for p, t in enumerate(finish_tiles if not direct[r] else ()):
+            rows[(row + 1) * units + p] = Task(t, (t,), back)
+        while rows[-1].id == empty:
+            rows.pop()  # trailing empties pad nothing (unit u's rows are u, u + units, ...)
         compute.append(rows)
 
-        def computed(s: int, n_consumers: int, r: int = r) -> tuple[Wait, ...]:
-            n = readers[r][s]
-            # NOTE: patience 2 (3 for dlanded): these follow other waits (the compute tasks'
-            # landed, the previous holder's computed), which report a silent peer first
-            wait = Wait("computed", r, (s,), value=n, consumers=n_consumers, patience=2)
-            return (wait,) if n else ()
-
-        def split(n: int, k: int) -> list[tuple[int, int]]:
-            bounds = [p * n // k for p in range(k + 1)]
-            return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
-
-        # consumers of computed[s]: the grad parts of s (or, s = 0 not sent, the finish parts)
-        # and the dq parts
-        grads = [s for s in range(W) if holds[r][s] and (s > 0 or home[r])]
-        n_comp = [tails * ((s in grads) + (s == 0 and not home[r]) + 1) for s in range(W)]
         tasks: list[Task] = []
         tid = W * parts  # after the K/V sends' ids
-        for p0, n in split(B * C * H * qt, preps):
-            tasks.append(Task(tid, (0, PREP, p0, n), (), (Raise("landed", r, (0,), op="add"),)))
-            tid += 1
         bounds = [p * B * S // parts for p in range(parts + 1)]
         arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
         for s in sends[r]:
             for p in range(parts):
                 args = (s, p, bounds[p], bounds[p + 1] - bounds[p])
                 tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
-        rows_split = split(B * S, tails)
         for s in grads:
-            on = s in sends[r]
             waits = computed(s, n_comp[s])
             if s:
-                waits += (Wait("dlanded", r, (s,), value=tails, consumers=tails, patience=3),)
-            dest = Raise("dlanded", nxt, (s + 1,), op="add") if on else None
-            dest = dest or Raise("dlanded", (r - s) % W, (0,), op="add")
-            for r0, n in rows_split:
-                tasks.append(Task(tid, (s, GRAD if on else HOME, r0, n), waits, (dest,)))
+                waits += (Wait("dlanded", r, (s,), value=gparts, consumers=gparts, patience=3),)
+            dest = Raise("dlanded", nxt, (s + 1,), op="add")
+            for r0, n in split(B * S, gparts):
+                tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
                 tid += 1
-        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
-        for r0, n in rows_split:
-            tasks.append(Task(tid, (0, DQ, r0, n), every, ()))
-            tid += 1
-        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
-        for r0, n in rows_split:
-            tasks.append(Task(tid, (0, FINISH, r0, n), back if home[r] else computed(0, n_comp[0])))
-            tid += 1
         comm.append(tasks)
 
     shapes = dict(batch=B, seq=S, heads=H, kv_heads=Hkv, head_dim=D, causal=causal, zigzag=zigzag)
@@ -328,7 +390,7 @@ def make_plan(
         "acc_cols": 2 * Hkv * D,
     } | shapes
     extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "tails": tails}
-    extra["sends"] = sends
+    extra |= {"gparts": gparts, "sends": sends, "direct": direct}
     extra |= {"holds": holds, "readers": readers, "row_tiles": qt}
     tile = TILE_CONFIGS["64x128x64"]  # unused: the backward engine has one tile shape
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
@@ -498,6 +560,9 @@ def twins_of(plan: Plan, scale: float | None = None):
         if tile.rows == 0:  # an empty task that pads the unit's rows
             return
         key, s, _, _, _ = fwd.unpack_tag(tile.tag)
+        if tile.tag & AUX:  # a row task: the prep, dq, home or the finish (the consumers' rows)
+            yield from rows_task(ctx, key, s, tile.m0, tile.rows)
+            return
         b, hk, cq, ck = unpack_key(key, C, Hkv)
         k0, n = ck * Sc + tile.m0, tile.rows  # the tile's first row within the block
         k_buf, v_buf, base = ("k", "v", 0) if s == 0 else ("k_ring", "v_ring", (s - 1) * BS)
@@ -522,6 +587,11 @@ def twins_of(plan: Plan, scale: float | None = None):
             dq, dk_h, dv_h = grads(scores, lse, do, qv, kt, vt, delta.reshape(-1)[:Sc], scale)
             yield from twins.reduce_add(ctx, "dq_acc", ctx.rank, q_rect, dq)
             dk, dv = dk + dk_h, dv + dv_h
+        if tile.tag & DIRECT:  # nobody else adds to these rows: bf16, once
+            rect, ids = (b * S + k0, n, hk * D, D), direct_ids(tile.index)
+            yield from twins.output_store(ctx, "dk", ctx.rank, rect, dk.bfloat16(), ids[0])
+            yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv.bfloat16(), ids[1])
+            return
         acc = s * BS + b * S + k0
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, hk * D, D), dk)
         yield from twins.reduce_add(ctx, "dkv_acc", ctx.rank, (acc, n, KC + hk * D, D), dv)
@@ -545,6 +615,29 @@ def twins_of(plan: Plan, scale: float | None = None):
             value[0, T : T + m] = (do * o).sum(dim=1) - dlse
             yield from twins.tile_send(ctx, "delta", ctx.rank, (t, 1, 0, 2 * T), value)
 
+    def rows_task(ctx, kind: int, s: int, r0: int, n: int):
+        if kind == PREP:  # delta tiles [r0, r0 + n)
+            yield from prep(ctx, r0, n)
+            return
+        if kind == DQ:  # my dq rows, once in bf16; the accumulator back to zero
+            rect = (r0, n, 0, QC)
+            dq = yield from twins.tile_load(ctx, "dq_acc", ctx.rank, rect)
+            yield from twins.tile_send(ctx, "dq_acc", ctx.rank, rect, torch.zeros_like(dq))
+            yield from twins.output_store(ctx, "dq", ctx.rank, rect, dq.bfloat16(), r0)
+            return
+        if kind == HOME:  # slot s's rows (the block's sum), bf16, into its owner's dkv_home
+            rows = (s * BS + r0, n, 0, 2 * KC)
+            part = yield from twins.tile_load(ctx, "dkv_acc", ctx.rank, rows)
+            yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rows, torch.zeros_like(part))
+            owner = (ctx.rank - s) % W
+            yield from twins.peer_store(ctx, "dkv_home", owner, (r0, n, 0, 2 * KC), part.bfloat16())
+            return
+        # FINISH: my block's gradient rows, home in dkv_home: dk, dv
+        part = yield from twins.tile_load(ctx, "dkv_home", ctx.rank, (r0, n, 0, 2 * KC))
+        rect = (r0, n, 0, KC)
+        yield from twins.output_store(ctx, "dk", ctx.rank, rect, part[:, :KC], BS + r0)
+        yield from twins.output_store(ctx, "dv", ctx.rank, rect, part[:, KC:], 2 * BS + r0)
+
     def comm(ctx, task):
         s, kind, r0, n = task.args
         if kind < GRAD:  # rows of the K/V block of step s into slot s + 1 of rank r + 1
@@ -554,28 +647,12 @@ def twins_of(plan: Plan, scale: float | None = None):
                 x = yield from twins.tile_load_async(ctx, name, ctx.rank, (src_row, n, 0, KC))
                 yield from twins.tile_send_bulk(ctx, ring, nxt, (s * BS + r0, n, 0, KC), x)
             return
-        if kind == PREP:
-            yield from prep(ctx, r0, n)
-            return
-        if kind == DQ:  # my dq rows, once in bf16; the accumulator back to zero
-            rect = (r0, n, 0, QC)
-            dq = yield from twins.tile_load(ctx, "dq_acc", ctx.rank, rect)
-            yield from twins.tile_send(ctx, "dq_acc", ctx.rank, rect, torch.zeros_like(dq))
-            yield from twins.output_store(ctx, "dq", ctx.rank, rect, dq.bfloat16(), r0)
-            return
+        # GRAD: slot s's rows added into slot s + 1 of the next holder
         rows = (s * BS + r0, n, 0, 2 * KC)
         part = yield from twins.tile_load_async(ctx, "dkv_acc", ctx.rank, rows)
         yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rows, torch.zeros_like(part))
-        if kind in (GRAD, HOME):  # on to the next holder, or home to the block's owner (slot 0)
-            on = kind == GRAD
-            dst, row = ((ctx.rank + 1) % W, (s + 1) * BS) if on else ((ctx.rank - s) % W, 0)
-            yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row + r0, n, 0, 2 * KC), part)
-            return
-        # FINISH: my block's gradient rows, once in bf16
-        rect = (r0, n, 0, KC)
-        yield from twins.output_store(ctx, "dk", ctx.rank, rect, part[:, :KC].bfloat16(), BS + r0)
-        dv = part[:, KC:].bfloat16()
-        yield from twins.output_store(ctx, "dv", ctx.rank, rect, dv, 2 * BS + r0)
+        dst, row = (ctx.rank + 1) % W, (s + 1) * BS
+        yield from twins.reduce_add_bulk(ctx, "dkv_acc", dst, (row + r0, n, 0, 2 * KC), part)
 
     return {"compute": compute, "comm": comm}
 
@@ -590,19 +667,33 @@ def grads(scores, lse, do, q, k, v, delta, scale):
     return scale * ds @ k, scale * ds.T @ q, p.T @ do
 
 
+def direct_ids(tile: int) -> tuple[int, int]:
+    """The output tile ids of a DIRECT compute tile's dk and dv (after those of the row tasks)."""
+    return 1 << 30 | 2 * tile, 1 << 30 | (2 * tile + 1)
+
+
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
     """Per output buffer, the tiles the kernel end reads: the row ranges of the dq and finish
-    parts (numbered by first row: dq r0, dk B * S + r0, dv 2 * B * S + r0)."""
+    parts (numbered by first row: dq r0, dk B * S + r0, dv 2 * B * S + r0), or, where the engine
+    stores dk and dv (``DIRECT`` tiles), their K/V tiles (``direct_ids``)."""
     z, parts = plan.shapes, plan.extra["tails"]
-    BS = z["batch"] * z["seq"]
-    QC, KC = z["heads"] * z["head_dim"], z["kv_heads"] * z["head_dim"]
+    BS, S, D, C = z["batch"] * z["seq"], z["seq"], z["head_dim"], plan.extra["chunks"]
+    QC, KC = z["heads"] * D, z["kv_heads"] * D
     bounds = [p * BS // parts for p in range(parts + 1)]
     ranges = [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(parts)]
-    return {
-        "dq": {r0: (r0, n, 0, QC) for r0, n in ranges},
-        "dk": {BS + r0: (r0, n, 0, KC) for r0, n in ranges},
-        "dv": {2 * BS + r0: (r0, n, 0, KC) for r0, n in ranges},
-    }
+    got = {"dq": {r0: (r0, n, 0, QC) for r0, n in ranges}, "dk": {}, "dv": {}}
+    if not plan.extra["direct"][rank]:
+        got["dk"] = {BS + r0: (r0, n, 0, KC) for r0, n in ranges}
+        got["dv"] = {2 * BS + r0: (r0, n, 0, KC) for r0, n in ranges}
+        return got
+    for task in plan.roles["compute"].tasks[rank]:
+        tile = plan.tiles[task.args[0]]
+        if tile.tag & DIRECT:
+            b, hk, _, ck = unpack_key(fwd.unpack_tag(tile.tag)[0], C, z["kv_heads"])
+            rect = (b * S + ck * (S // C) + tile.m0, tile.rows, hk * D, D)
+            ids = direct_ids(tile.index)
+            got["dk"][ids[0]], got["dv"][ids[1]] = rect, rect
+    return got
 
 
 # -- autograd -------------------------------------------------------------------------------------

@@ -368,15 +368,16 @@ struct AttnBwdEngine {
 
     float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};  // rows lane, lane + 32 of the
     uint64_t* rows_full = bars.rows_full + 2 * (threadIdx.x / 32 - 4);  // next step (TMA_ROWS:
-    // NOTE: after the item's kv_full: the producer has run its waits (a ring item's rows were
-    // written by another CTA's prep; proxy fence: they are read by a bulk copy).  this warp's
+    // NOTE: after the item's kv_full: the producer has run its waits (in the ring kernel the rows
+    // were written in this launch by the preps of other CTAs, at every step; proxy fence: they
+    // are read by a bulk copy).                                                   this warp's
     mbar_wait(bars.kv_full, kv_phase);  // barriers)
     kv_phase ^= 1u;
     if (w.q_begin < p.q_tiles) {
       if constexpr (Cfg::TMA_ROWS) {
         __syncwarp();  // every lane has read the buffer of step - 2 (the one refilled here)
         if (lane == 0) {
-          if (w.ring) fence_proxy_async_global();
+          fence_proxy_async_global();
           fetch_rows(p, w, 0, w.q_begin, rows + (step & 1) * 2 * BQ, rows_full + (step & 1));
         }
       } else {

@@ -3,9 +3,9 @@ racecheck and synccheck; each must report 0 errors):
 
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize_ops.py
 
-Emulated worlds of W = 2 and 3 on one GPU, both overlaps, shapes with remainder tiles (ring
-attention, forward and backward: a partial q tile in each zigzag chunk; MoE: tiles past an
-expert's rows); each result
+Emulated worlds of W = 2 and 3 on one GPU (and W = 1 for the ring backward, whose engine stores
+dk and dv itself there), both overlaps, shapes with remainder tiles (ring attention, forward and
+backward: a partial q tile in each zigzag chunk; MoE: tiles past an expert's rows); each result
 is checked against the reference, so a launch that the tool perturbs still has to be right."""
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from tests.test_ring_attention_backward import _inputs as _bwd_inputs
 def main(only: list[str]) -> int:
     """``only``: op names to run (default: every op with a kernel)."""
     g = torch.Generator().manual_seed(0)
-    for W in (2, 3):
+    for W in (1, 2, 3):
         world = mkernel.World.emulated(W, device="cuda", timeout_s=20.0)
         for overlap in ("intra_sm", "inter_sm"):
             sched = mkernel.Schedule(overlap=overlap, sms=4, tile="128x128x64")
             for op in [op for op in registry.device_names() if not only or op in only]:
+                if W == 1 and op != "ring_attention_backward":
+                    continue
                 if op == "ring_attention":
                     ring(world, sched, g)
                     print(f"ok {op} W={W} {overlap}", flush=True)
@@ -76,12 +78,12 @@ def ring(world: mkernel.World, sched: mkernel.Schedule, g: torch.Generator) -> N
 
 
 def ring_backward(world: mkernel.World, sched: mkernel.Schedule) -> None:
-    """Ring attention backward, causal zigzag (two chunks, partial q and K/V tiles) and full,
-    GQA, against the fp64 formula."""
+    """Ring attention backward, causal zigzag (two chunks, partial q and K/V tiles), full, and
+    causal contiguous (the last rank's engine stores its dk, dv), GQA, against the fp64 formula."""
     W = world.size
     q, k, v, dout = _bwd_inputs(W, 1, 140, 4, 2, D=64, seed=W)
     qg, kg, vg, dg = (x.cuda() for x in (q, k, v, dout))
-    for causal, layout in ((True, "zigzag"), (False, "contiguous")):
+    for causal, layout in ((True, "zigzag"), (False, "contiguous"), (True, "contiguous")):
         out, lse = mkernel.ring_attention(qg, kg, vg, world, causal, None, layout, sched)
         got = mkernel.ring_attention_backward(dg, qg, kg, vg, out, lse, world, causal, None,
                                               layout, sched)  # fmt: skip
