@@ -35,6 +35,7 @@ AREA_TESTS = {
     "mkernel/ops/ring_attention.py": ("tests/test_ring_attention.py",),
     "mkernel/ops/moe_dispatch_gemm.py": ("tests/test_moe.py",),
     "mkernel/ops/moe_gemm_combine.py": ("tests/test_moe.py",),
+    "mkernel/ops/ring_attention_backward.py": ("tests/test_ring_attention_backward.py",),
 }
 
 ORDER = DEFAULT_TESTS + tuple(sorted({t for ts in AREA_TESTS.values() for t in ts}))
@@ -59,6 +60,7 @@ class Mutation:
 RS, AG, AR, AX = (f"mkernel/ops/{op}.py" for op in ("gemm_rs", "ag_gemm", "gemm_ar", "all_gather"))
 RA = "mkernel/ops/ring_attention.py"
 MD, MC = "mkernel/ops/moe_dispatch_gemm.py", "mkernel/ops/moe_gemm_combine.py"
+RB = "mkernel/ops/ring_attention_backward.py"
 COMMON, PROTO, SCHED = "mkernel/ops/common.py", "mkernel/protocol.py", "mkernel/schedule.py"
 PROG, MACH, TWINS, TRACE = (
     f"mkernel/interp/{f}.py" for f in ("program", "machine", "twins", "trace")
@@ -726,6 +728,51 @@ MUTATIONS = [
         "            for d, _, i, n in slots[t * k : (t + 1) * k]",
         "            for d, _, i, n in slots[t * k : t * k + 1]",
         "MoE combine: a token's reduce waits for its first slot's tile only",
+    ),
+    Mutation(
+        "ring_bwd_compute_without_prep",
+        RB,
+        "                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())",
+        "                waits = landed(r, s) if s else ()",
+        "ring backward: compute tasks do not wait for the prep (delta and lse rows read unwritten)",
+    ),
+    Mutation(
+        "ring_bwd_compute_before_landed",
+        RB,
+        "                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())",
+        "                waits = (prepped,) if i == 0 else ()",
+        "ring backward: a compute task reads a ring slot's K/V before it landed",
+    ),
+    Mutation(
+        "ring_bwd_grad_before_computed",
+        RB,
+        "            waits = computed(s, n_comp[s])\n            if s:",
+        "            waits = ()\n            if s:",
+        "ring backward: a grad send moves a block's dK/dV partial before its compute tasks "
+        "added theirs",
+    ),
+    Mutation(
+        "ring_bwd_home_before_the_previous_holders",
+        RB,
+        '            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, '
+        "patience=3),)\n",
+        "",
+        "ring backward: the last holder sends a block's sum home before the previous holders' "
+        "partials landed",
+    ),
+    Mutation(
+        "ring_bwd_dq_waits_step_zero_only",
+        RB,
+        "        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))",
+        "        every = computed(0, n_comp[0])",
+        "ring backward: dq is converted once step 0's tasks added theirs (later steps' missing)",
+    ),
+    Mutation(
+        "ring_bwd_finish_without_wait",
+        RB,
+        "            rows[(row + 1) * units + p] = Task(t, (t,), back)",
+        "            rows[(row + 1) * units + p] = Task(t, (t,))",
+        "ring backward: the owner's finish reads its block's sum before it came home",
     ),
     Mutation(
         "any_order_agents_unshared",
