@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +141,14 @@ def gloo_world(rank: int, W: int, port: int):
                     group=dist.group.WORLD)  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(cmd: list[str], timeout: float, **env: str) -> tuple[int, str]:
+    """Runs ``cmd`` from the repository root with the repository on PYTHONPATH (and ``env`` on
+    top of this process's environment); returns its exit status and its stdout + stderr."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=full, cwd=ROOT, timeout=timeout)
+    return res.returncode, res.stdout + res.stderr

@@ -7,20 +7,18 @@ scripts with torchrun directly."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import ROOT, run_script
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
 ]
-ROOT = Path(__file__).resolve().parents[2]
 
 # (script, its arguments, PASS lines it prints at least): the GEMM ops with the ring attention
 # forward and backward checks (check_ops.py), the MoE pair (check_moe.py); 60 SMs per rank so
@@ -33,16 +31,8 @@ CHECKS = [
 
 @pytest.mark.parametrize(("script", "args", "passes"), CHECKS)
 def test_the_distributed_checks_pass_with_two_processes_on_this_gpu(script, args, passes):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CHECK": script}
-    res = subprocess.run(
-        ["bash", str(ROOT / "tests/distributed/run.sh"), "2", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=900,
-    )
-    out = res.stdout + res.stderr
+    run_sh = str(ROOT / "tests/distributed/run.sh")
+    rc, out = run_script(["bash", run_sh, "2", *args], timeout=900, CHECK=script)
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert res.returncode == 0 and not fails, "\n".join(fails) or out[-4000:]
+    assert rc == 0 and not fails, "\n".join(fails) or out[-4000:]
     assert out.count("PASS ") >= passes, out[-3000:]  # every check ran and reported

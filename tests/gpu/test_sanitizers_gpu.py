@@ -5,21 +5,19 @@ unconverged passes every other test and hangs one day; synccheck finds it."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import ROOT, run_script
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer"),
 ]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 SCRIPTS = [("sanitize_ops.py", 24), ("sanitize_attention.py", 8)]  # (script, cases it prints)
@@ -29,16 +27,7 @@ SCRIPTS = [("sanitize_ops.py", 24), ("sanitize_attention.py", 8)]  # (script, ca
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
 def test_sanitizer_reports_no_errors(tool, script, runs):
     cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--print-limit", "5"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
-        [*cmd, sys.executable, str(ROOT / "tests/gpu" / script)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
+    rc, out = run_script([*cmd, sys.executable, str(ROOT / "tests/gpu" / script)], timeout=600)
+    assert rc == 0, out[-4000:]
     assert "ERROR SUMMARY: 0 errors" in out or "0 hazards displayed (0 errors" in out, out[-2000:]
     assert out.count("ok ") >= runs, out[-2000:]  # every case of the script ran
