@@ -24,6 +24,7 @@
 #include "kernels/fused_host.cuh"
 #include "primitives/attention/engine.cuh"
 #include "primitives/attention/tensor_map_nd.h"
+#include "kernels/ring_kv.cuh"
 #include "primitives/bulk_ring.cuh"
 
 namespace mk {
@@ -187,27 +188,10 @@ struct RingAttention : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> {
     return {};
   }
 
-
-  // Task (s, part, row0, rows): those rows of the K and V block held at step s into slot s + 1
-  // of rank r + 1, by TMA (lane 0 alone); the template waits for the stores to land, then raises.
+  // Task (s, part, row0, rows): the K / V send (kernels/ring_kv.cuh).
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char* smem) {
-    if (team.lane != 0) return;
-    const Layout& l = a.layout;
-    const int s = args[0];
-    const long long cols = (long long)l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
-    const long long src_row = (s == 0 ? 0 : (s - 1) * block) + args[2];
-    const long long dst_row = s * block + args[2];
-    const long long bytes = (long long)args[3] * cols * 2;
-    const int nxt = (cta.rank + 1) % a.common.world_size;
-    const __nv_bfloat16* ks = s == 0 ? l.k.at(cta.local_rank) : l.k_ring.map(cta.rank);
-    const __nv_bfloat16* vs = s == 0 ? l.v.at(cta.local_rank) : l.v_ring.map(cta.rank);
-    with_ring(a, smem, [&](const auto& ring) {
-      ring.copy(reinterpret_cast<char*>(l.k_ring.map(nxt) + dst_row * cols),
-                reinterpret_cast<const char*>(ks + src_row * cols), bytes, Drain::kStore);
-      ring.copy(reinterpret_cast<char*>(l.v_ring.map(nxt) + dst_row * cols),
-                reinterpret_cast<const char*>(vs + src_row * cols), bytes, Drain::kStore);
-    });
+    send_kv_rows<RingAttention>(a, cta, args, team, smem);
   }
 
   // Host: every served rank's maps over [B * C, Sc, H, D] views, and the engine's scalars.

@@ -34,6 +34,7 @@
 #include "kernels/fused_host.cuh"
 #include "primitives/attention/bwd_engine.cuh"
 #include "primitives/attention/tensor_map_nd.h"
+#include "kernels/ring_kv.cuh"
 #include "primitives/bulk_ring.cuh"
 
 namespace mk {
@@ -195,7 +196,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
                                    const Team& team, char* smem) {
     if (args[1] < rab::kGrad) {
-      send_kv(a, cta, args, team, smem);
+      send_kv_rows<RingAttentionBwd>(a, cta, args, team, smem);  // kernels/ring_kv.cuh
     } else {  // kGrad
       send_grad(a, cta, args, team, smem);
     }
@@ -214,28 +215,6 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     } else {  // kFinish
       finish(a, cta, r0, n, team);
     }
-  }
-
-  // The forward's K / V send: rows [row0, row0 + rows) of the block held at step s into slot
-  // s + 1 of rank r + 1.
-  static __device__ void send_kv(const Args& a, const CtaInfo& cta, const int* args,
-                                 const Team& team, char* smem) {
-    if (team.lane != 0) return;
-    const Layout& l = a.layout;
-    const int s = args[0];
-    const long long cols = (long long)l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
-    const long long src_row = (s == 0 ? 0 : (s - 1) * block) + args[2];
-    const long long dst_row = s * block + args[2];
-    const long long bytes = (long long)args[3] * cols * 2;
-    const int nxt = (cta.rank + 1) % a.common.world_size;
-    const __nv_bfloat16* ks = s == 0 ? l.k.at(cta.local_rank) : l.k_ring.map(cta.rank);
-    const __nv_bfloat16* vs = s == 0 ? l.v.at(cta.local_rank) : l.v_ring.map(cta.rank);
-    with_ring(a, smem, [&](const auto& ring) {
-      ring.copy(reinterpret_cast<char*>(l.k_ring.map(nxt) + dst_row * cols),
-                reinterpret_cast<const char*>(ks + src_row * cols), bytes, Drain::kStore);
-      ring.copy(reinterpret_cast<char*>(l.v_ring.map(nxt) + dst_row * cols),
-                reinterpret_cast<const char*>(vs + src_row * cols), bytes, Drain::kStore);
-    });
   }
 
   // Rows [row0, row0 + n) of slot s: reduce-added into slot s + 1 of rank r + 1 (GRAD) by lane
