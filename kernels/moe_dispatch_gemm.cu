@@ -100,20 +100,7 @@ struct MoeDispatchGemm : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> 
       for (long long v = threadIdx.x; v < n; v += blockDim.x) to[v] = __ldg(mine + v);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // every thread's stores, before the flags (cumulative)
-      for (int i = 0; i < W && me != c.silent_rank; ++i)
-        signal_set_release(c.pads[kPadIdsLanded].map((me + i) % W) + me, 1);
-      // Half the patience: every rank has passed the entry barrier, so its routing is due at
-      // once; a silent rank is named here before the tasks that wait for what follows it (a
-      // peer's expands for my pushes) time out naming me (GPU run 12 of 2026-12-01).
-      const WaitPolicy quick{c.wait.status, c.wait.timeout_ns / 2, c.wait.backoff_ns,
-                             c.wait.launch};
-      for (int s = 0; s < W; ++s) {
-        const WaitSite site{me, s, -1, kRoleBarrier, kPadIdsLanded, s};
-        wait_acquire_reset(c.pads[kPadIdsLanded].map(me) + s, 1, quick, site);
-      }
-    }
+    if (threadIdx.x == 0) exchange_flags<kPadIdsLanded>(c, me, W);
     __syncthreads();
     return l.ids_all.map(me);
   }

@@ -16,6 +16,24 @@ struct GroupedEngine : gemm::Engine<Cfg, /*kGroupedB=*/true, kGather> {
   }
 };
 
+// The end of a layout phase's exchange (thread 0 of CTA slot 0, after __syncthreads: every
+// thread's peer stores issued): raise flag kPad[me] on each of the W ranks, then wait for every
+// rank's here, resetting each as it is seen. Half the patience: every rank has passed the entry
+// barrier, so its part is due at once, and a silent rank is named here before the tasks that wait
+// for what follows it time out naming me (GPU run 12 of 2026-12-01). (W from the caller, read
+// before its stores: that keeps both kernels' SASS what it was when the two loops were written out.)
+template <int kPad>
+__device__ __forceinline__ void exchange_flags(const FusedCommon& c, int me, int W) {
+  __threadfence_system();  // every thread's stores, before the flags (cumulative)
+  for (int i = 0; i < W && me != c.silent_rank; ++i)
+    signal_set_release(c.pads[kPad].map((me + i) % W) + me, 1);
+  const WaitPolicy quick{c.wait.status, c.wait.timeout_ns / 2, c.wait.backoff_ns, c.wait.launch};
+  for (int s = 0; s < W; ++s) {
+    const WaitSite site{me, s, -1, kRoleBarrier, kPad, s};
+    wait_acquire_reset(c.pads[kPad].map(me) + s, 1, quick, site);
+  }
+}
+
 // The largest e < n with base[e] <= x (base non-decreasing, base[0] <= x < base[n]): the expert of
 // row x when base is a rank's expert offsets, of tile x when it is their tile prefix (an expert
 // with none has base[e] == base[e + 1] and is passed over).

@@ -48,23 +48,11 @@ struct MoeGemmCombine {
     for (int e = 0; e < E; ++e) base[e + 1] = base[e] + (offs[e + 1] - offs[e] + tr - 1) / tr;
   }
   // After every thread's peer stores of slot entries: slots_landed[me] := 1 on every rank, then
-  // wait for every rank's here (each reset as it is seen). Half the patience: every rank has
-  // passed the entry barrier, so a silent one is named here first.
+  // wait for every rank's here (moe_engine.cuh exchange_flags).
   static __device__ void exchange_done(const Args& a, const CtaInfo& cta) {
-    const FusedCommon& c = a.common;
-    const int W = c.world_size, me = cta.rank;
+    const int W = a.common.world_size;
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // every thread's stores, before the flags (cumulative)
-      for (int i = 0; i < W && me != c.silent_rank; ++i)
-        signal_set_release(c.pads[kPadSlots].map((me + i) % W) + me, 1);
-      const WaitPolicy quick{c.wait.status, c.wait.timeout_ns / 2, c.wait.backoff_ns,
-                             c.wait.launch};
-      for (int d = 0; d < W; ++d) {
-        const WaitSite site{me, d, -1, kRoleBarrier, kPadSlots, d};
-        wait_acquire_reset(c.pads[kPadSlots].map(me) + d, 1, quick, site);
-      }
-    }
+    if (threadIdx.x == 0) exchange_flags<kPadSlots>(a.common, cta.rank, W);
     __syncthreads();
   }
 
