@@ -130,8 +130,12 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     monkeypatch.setattr(common, "run_gpu", lambda w, p, ops: launched.append(shapes(ops)))
     x, w1 = torch.zeros(T, H).bfloat16(), torch.zeros(E, H, N).bfloat16()
     d = mkernel.moe_dispatch_gemm(x, ids, w1, world)
-    want = {"x": (T, H), "topk_ids": (T, k), "w1": (E * H, N), "y": (5, N), "expanded": (5, H)}
-    assert launched[0] == want | {"src": (5, 3), "expert_offsets": (1, E + 1)}
+    want = {"x": (T, H), "topk_ids": (T, k), "w1": (1, E * H, N), "y": (1, 5, N)}
+    assert launched[0] == want | {
+        "expanded": (1, 5, H),
+        "src": (1, 5, 3),
+        "expert_offsets": (1, 1, E + 1),
+    }
     assert d.buffer_rows == [5] and d.peak == 5 and len(d.src) == len(d.expert_offsets) == 1
     sizes = {}
 

@@ -325,27 +325,25 @@ def dispatch_gpu(
         per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
     else:
         per_rank = rows_per_rank(world, ids, E)  # NOTE: the host synchronize (and a collective)
-    ranks = list(range(W)) if emulated else [world.rank]
-    lead = (W,) if emulated else ()
+    ranks = list(range(W)) if emulated else [world.rank]  # this process's
+    n = len(ranks)  # one leading dimension in both worlds (a distributed rank's extent is its own)
     rows = max(1, *(per_rank[d] for d in ranks))
     dev = x.device
     out = {
-        "y": torch.full((*lead, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),
+        "y": torch.full((n, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),  # poisoned
         # workspace, every row written before it is read: not poisoned (a write of every row)
-        "expanded": torch.empty((*lead, rows, H), dtype=torch.bfloat16, device=dev),
-        "src": torch.full((*lead, rows, 3), -1, dtype=torch.int32, device=dev),
-        "expert_offsets": torch.full((*lead, 1, E + 1), -1, dtype=torch.int32, device=dev),
+        "expanded": torch.empty((n, rows, H), dtype=torch.bfloat16, device=dev),
+        "src": torch.full((n, rows, 3), -1, dtype=torch.int32, device=dev),
+        "expert_offsets": torch.full((n, 1, E + 1), -1, dtype=torch.int32, device=dev),
     }
     if T > 0:  # (a distributed world of T = 0 everywhere launches nothing either)
-        w1_rows = w1.view(*lead, -1, N)
-        common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1_rows, **out})
+        common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1.view(n, -1, N), **out})
     else:
         out["expert_offsets"].zero_()
-    mine = (lambda t, i: t[i]) if emulated else (lambda t, i: t)  # noqa: E731
     return MoeDispatch(
-        [mine(out["y"], i)[: per_rank[d]] for i, d in enumerate(ranks)],
-        [mine(out["src"], i)[: per_rank[d]] for i, d in enumerate(ranks)],
-        [mine(out["expert_offsets"], i)[0] for i in range(len(ranks))],
+        [out["y"][i, : per_rank[d]] for i, d in enumerate(ranks)],
+        [out["src"][i, : per_rank[d]] for i, d in enumerate(ranks)],
+        [out["expert_offsets"][i, 0] for i in range(n)],
         world,
         ids.clone(),
         H,
