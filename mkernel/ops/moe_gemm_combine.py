@@ -142,7 +142,8 @@ def make_plan(
 ) -> Plan:
     """Empty per-rank tables of the room any routing of these shapes needs (the layout phase, or
     its twin, fills them per call). The device cuts each row tile into BN-wide column tiles.
-    ``partial_rows``: rows of the symmetric fp32 ``partial`` (moe_common.partial_rows)."""
+    ``partial_rows``: rows of the symmetric fp32 ``partial_peers`` of a distributed world
+    (moe_common.partial_rows; 0 in an emulated one, which has no such buffer)."""
     W, T, tr = world.size, tokens, tile_rows(schedule, tokens, k, experts)
     tile = grouped_tile(tr, world)
     rows = max_rows(W, T, k, experts)
