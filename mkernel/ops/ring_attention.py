@@ -206,6 +206,13 @@ class RingTasks:
     readers: list[list[int]]
 
 
+def row_parts(n: int, k: int) -> list[tuple[int, int]]:
+    """``n`` rows cut into ``k`` consecutive parts of near-equal size: (first row, rows) each (the
+    K/V sends' parts here; the backward's row tasks and grad sends)."""
+    bounds = [p * n // k for p in range(k + 1)]
+    return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
+
+
 def ring_sends(readers: list[list[int]]) -> list[list[int]]:
     """The steps s < W - 1 at which rank r sends on the K/V block it holds, from ``readers[r][s]``
     (rank r's compute tasks on the block of step s): a block goes on only while a rank downstream
@@ -299,18 +306,12 @@ def ring_tasks(
     for r in range(W):
         nxt = (r + 1) % W
         # Comm task (s, part, row0, rows): those rows of the block held at step s (of B * S).
-        bounds = [p * B * S // parts for p in range(parts + 1)]
         arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
         comm.append(
             [
-                Task(
-                    s * parts + p,
-                    (s, p, bounds[p], bounds[p + 1] - bounds[p]),
-                    landed(r, s),
-                    arrive(s),
-                )
+                Task(s * parts + p, (s, p, r0, n), landed(r, s), arrive(s))
                 for s in sends[r]
-                for p in range(parts)
+                for p, (r0, n) in enumerate(row_parts(B * S, parts))
             ]
         )
         # q tiles to units, longest first onto the least loaded unit; a unit runs its tiles'

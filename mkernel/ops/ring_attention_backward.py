@@ -279,13 +279,9 @@ def make_plan(
             x = tiles[t]
             tiles[t] = x._replace(tag=x.tag | DIRECT)
 
-    def split(n: int, k: int) -> list[tuple[int, int]]:
-        bounds = [p * n // k for p in range(k + 1)]
-        return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
-
     def aux_tiles(kind: int, n: int, k: int, s: int = 0) -> list[int]:  # row tasks, a tile a part
         first = len(tiles)
-        for p0, m in split(n, k):
+        for p0, m in fwd.row_parts(n, k):
             tiles.append(Tile(len(tiles), p0, 0, m, 0, fwd.pack_tag(kind, s, False, True, False)))
         return list(range(first, len(tiles)))
 
@@ -359,18 +355,17 @@ def make_plan(
 
         tasks: list[Task] = []
         tid = W * parts  # after the K/V sends' ids
-        bounds = [p * B * S // parts for p in range(parts + 1)]
         arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
         for s in sends[r]:
-            for p in range(parts):
-                args = (s, p, bounds[p], bounds[p + 1] - bounds[p])
+            for p, (r0, n) in enumerate(fwd.row_parts(B * S, parts)):
+                args = (s, p, r0, n)
                 tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
         for s in grads:
             waits = computed(s, n_comp[s])
             if s:
                 waits += (Wait("dlanded", r, (s,), value=gparts, consumers=gparts, patience=3),)
             dest = Raise("dlanded", nxt, (s + 1,), op="add")
-            for r0, n in split(B * S, gparts):
+            for r0, n in fwd.row_parts(B * S, gparts):
                 tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
                 tid += 1
         comm.append(tasks)
@@ -679,8 +674,7 @@ def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, i
     z, parts = plan.shapes, plan.extra["tails"]
     BS, S, D, C = z["batch"] * z["seq"], z["seq"], z["head_dim"], plan.extra["chunks"]
     QC, KC = z["heads"] * D, z["kv_heads"] * D
-    bounds = [p * BS // parts for p in range(parts + 1)]
-    ranges = [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(parts)]
+    ranges = fwd.row_parts(BS, parts)
     got = {"dq": {r0: (r0, n, 0, QC) for r0, n in ranges}, "dk": {}, "dv": {}}
     if not plan.extra["direct"][rank]:
         got["dk"] = {BS + r0: (r0, n, 0, KC) for r0, n in ranges}
