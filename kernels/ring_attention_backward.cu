@@ -328,11 +328,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const long long cols = (long long)l.heads * l.head_dim;
     float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank) + row0 * cols);
     uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank) + row0 * cols);
-    const long long quads = n * cols / 4;
-    for_quads(quads, team, [&](long long e, const float4& x) {
-      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-      dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-    }, acc);
+    drain_bf16(acc, dst, n * cols / 4, team);
   }
 
   // Rows [row0, row0 + n) of the block held at step s (slot s: mine and the previous holders'
@@ -344,10 +340,20 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const long long cols = 2LL * l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
     float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank) + (s * block + row0) * cols);
     uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner) + row0 * cols);
-    for_quads(n * cols / 4, team, [&](long long e, const float4& x) {
-      acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-      dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-    }, acc);
+    drain_bf16(acc, dst, n * cols / 4, team);
+  }
+
+  // fp32 accumulator elements [0, quads) (4 floats each) into bf16 at dst, the accumulator back
+  // to zero (dq's store, a block's home).
+  static __device__ __forceinline__ void drain_bf16(float4* acc, uint2* dst, long long quads,
+                                                    const Team& team) {
+    for_quads(
+        quads, team,
+        [&](long long e, const float4& x) {
+          acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+          dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+        },
+        acc);
   }
 
   // Rows [row0, row0 + n) of my block's sum (dkv_home, bf16 dK | dV): dk, dv.
