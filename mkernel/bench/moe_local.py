@@ -29,7 +29,7 @@ from ..ops import common, moe_gpu
 from ..ops import moe_dispatch_gemm as mdg
 from ..ops import moe_gemm_combine as mgc
 from ..schedule import Schedule
-from .timing import interleaved_ms, save, table
+from .timing import interleaved_ms, save, span_summary, table
 
 H, INTER = 7168, 2048
 VARIANTS = {  # the fused kernels alone under these schedules
@@ -175,16 +175,7 @@ def trace(
         }
         for kind, spans in kinds.items():
             if spans:
-                rows.append(
-                    {
-                        "rank": r,
-                        "tasks": kind,
-                        "n": len(spans),
-                        "first_us": (min(s.start for s in spans) - t0) / 1e3,
-                        "last_us": (max(s.end for s in spans) - t0) / 1e3,
-                        "busy_us": sum(s.end - s.start for s in spans) / 1e3,
-                    }
-                )
+                rows.append({"rank": r, "tasks": kind, **span_summary(spans, t0)})
     print(overlap)
     print(table(rows, ["rank", "tasks", "n", "first_us", "last_us", "busy_us"]))
     return rows

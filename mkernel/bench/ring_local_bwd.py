@@ -36,7 +36,7 @@ from ..schedule import Schedule
 from .attention import _event_ms
 from .attention_bwd import _sdpa_backward
 from .ring_local import B, D, H, S, interleaved_rows, rank_rows
-from .timing import save, table
+from .timing import save, span_summary, table
 
 ROUNDS = 8
 TARGET_MS = 4.0
@@ -125,13 +125,9 @@ def trace(overlaps: tuple[str, ...] = ("intra_sm",)) -> list[dict]:
                     ends: dict[str, int] = {}  # per unit: its last span's end
                     for x in spans:
                         ends[x.unit] = max(ends.get(x.unit, 0), x.end)
-                    rows.append({
-                        "case": name, "causal": causal, "rank": r, "tasks": kind, "n": len(spans),
-                        "first_us": (min(x.start for x in spans) - t0) / 1e3,
-                        "last_us": (max(x.end for x in spans) - t0) / 1e3,
-                        "unit_end_min_us": (min(ends.values()) - t0) / 1e3,
-                        "busy_us": sum(x.end - x.start for x in spans) / 1e3,
-                    })  # fmt: skip
+                    row = {"case": name, "causal": causal, "rank": r, "tasks": kind}
+                    row |= span_summary(spans, t0)
+                    rows.append(row | {"unit_end_min_us": (min(ends.values()) - t0) / 1e3})
             if name == "W=1":  # the call's time, one call between events (as the rounds) or five
 
                 def fn(args=args, world=world, causal=causal, lay=lay):

@@ -89,6 +89,17 @@ def save(name: str, records: Sequence[dict], out_dir: str | Path | None = None) 
     return path
 
 
+def span_summary(spans: Sequence[Any], t0: int) -> dict[str, float]:
+    """A traced call's tasks of one kind (Timeline spans, ns): how many, the first start and the
+    last end (us after ``t0``), and busy: the sum of their spans (us)."""
+    return {
+        "n": len(spans),
+        "first_us": (min(x.start for x in spans) - t0) / 1e3,
+        "last_us": (max(x.end for x in spans) - t0) / 1e3,
+        "busy_us": sum(x.end - x.start for x in spans) / 1e3,
+    }
+
+
 def table(rows: Sequence[dict], cols: Sequence[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
     line = "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))
