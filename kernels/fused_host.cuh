@@ -112,6 +112,9 @@ inline int launch_persistent(const long long* rec, cudaStream_t s) {
   FusedArgs<Op> args{};
   args.common = make_common(rec);
   args.layout = Op::Layout::from(rec);
+  args.rdma = RdmaArgs{reinterpret_cast<void*>(rec[kRecRdmaRings]),
+                       reinterpret_cast<int*>(rec[kRecRdmaReserve]), (int)rec[kRecRdmaCapacity],
+                       (int)rec[kRecRanksPerNode]};
   const FusedCommon& c = args.common;
   if (c.ranks_here > kMaxLocalRanks) return kTooManyRanks;
   if (c.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;

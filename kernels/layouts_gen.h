@@ -127,6 +127,45 @@ struct Layout {
 };
 }  // namespace gemm_rs
 
+// gemm_rs_nodes: GEMM + ReduceScatter over nodes (rdma puts of node sums across them)
+namespace gemm_rs_nodes {
+enum Pad : int {
+  kPadBarrier = 0,
+  kPadPartial = 1,
+  kPadNodePart = 2,
+  kPadRailReady = 3,
+  kPadRailReadyCount = 4,
+};
+struct Layout {
+  RankPtr<const __nv_bfloat16> a;  // [m, k_local] input
+  RankPtr<const __nv_bfloat16> b;  // [k_local, n] input
+  RankPtr<__nv_bfloat16> out;  // [rows_per_rank, n] output: this rank's rows of the sum
+  SymPtr<float> stage;  // [stage_rows, n] symmetric: W - 1 slots of rows_per_rank rows (stage_slot): what I reduce, my own rows' first
+  float* stage_local;
+  SymPtr<float> xsend;  // [node_rows, n] symmetric: slot m: my node's sum for (m, l)
+  float* xsend_local;
+  int n;
+  int k_local;
+  int rows_per_rank;
+  int nodes;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.stage = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
+    l.stage_local = reinterpret_cast<float*>(rec[kRecStride3]);
+    l.xsend = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot4])};
+    l.xsend_local = reinterpret_cast<float*>(rec[kRecStride4]);
+    l.n = (int)rec[kRecScalar0];
+    l.k_local = (int)rec[kRecScalar1];
+    l.rows_per_rank = (int)rec[kRecScalar2];
+    l.nodes = (int)rec[kRecScalar3];
+    return l;
+  }
+};
+}  // namespace gemm_rs_nodes
+
 // moe_dispatch_gemm: MoE dispatch + the first grouped GEMM (x_token @ w1[e] per routed (token, slot))
 namespace moe_dispatch_gemm {
 enum Pad : int {

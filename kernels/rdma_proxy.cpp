@@ -1,6 +1,8 @@
 // The host proxy thread of one ring: see kernels/rdma_proxy.h for the protocol and why.
 #include "kernels/rdma_proxy.h"
 
+#include <cuda.h>
+
 #include <chrono>
 #include <stdexcept>
 #include <vector>
@@ -17,7 +19,41 @@ constexpr auto kIdleSleep = std::chrono::microseconds(20);
 int32_t load_acquire(const int32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void store_release(int32_t* p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
+using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// cuStreamWriteValue32 from the driver (the runtime has no such call; no -lcuda needed).
+StreamWriteValue32 stream_write_value32() {
+  static StreamWriteValue32 fn = []() -> StreamWriteValue32 {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e =
+        cudaGetDriverEntryPoint("cuStreamWriteValue32", &p, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<StreamWriteValue32>(p);
+  }();
+  return fn;
+}
+
 }  // namespace
+
+bool RingProxy::write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value) {
+  const StreamWriteValue32 write = stream_write_value32();
+  if (write == nullptr) return fail("cuStreamWriteValue32 not found in the driver");
+  // NOTE: flags 0 (not CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER): the write is preceded by a
+  // memory fence, so a device waiter that sees the value (acquire) sees the copy's bytes.
+  const CUresult r = write(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(signal),
+                           static_cast<cuuint32_t>(value), 0);
+  if (r != CUDA_SUCCESS) return fail("cuStreamWriteValue32 failed (" + std::to_string(r) + ")");
+  return true;
+}
 
 RingProxy::RingProxy(const ProxyConfig& cfg)
     : cfg_(cfg), header_(static_cast<RingHeader*>(cfg.ring)) {
@@ -111,22 +147,39 @@ bool RingProxy::drain(int32_t head, cudaStream_t stream) {
       return fail(at + "stale slot (ticket " + std::to_string(d.ticket) + ")");
     if (d.dest_rank < 0 || d.dest_rank >= cfg_.world_size)
       return fail(at + "dest_rank " + std::to_string(d.dest_rank) + " out of range");
-    if (d.signal < cfg_.signal_lo || d.signal + sizeof(int32_t) > cfg_.signal_hi || d.signal % 4)
+    if (d.op != kPutSet && d.op != kPutAdd && d.op != kPutSetDevice) return fail(at + "unknown op");
+    const bool host_signal = d.op != kPutSetDevice;
+    if (host_signal &&
+        (d.signal < cfg_.signal_lo || d.signal + sizeof(int32_t) > cfg_.signal_hi || d.signal % 4))
       return fail(at + "signal address outside the signal block");
-    if (d.op != kPutSet && d.op != kPutAdd) return fail(at + "unknown op");
-    if (d.bytes == 0 || d.dst == 0 || d.src == 0) return fail(at + "empty put");
+    if (d.signal == 0 || d.signal % 4) return fail(at + "no signal");
+    // NOTE: the fused ops' puts of no bytes (a rank's arrival) are signals only; the exchange's
+    // puts always carry bytes.
+    if (d.bytes > 0 && (d.dst == 0 || d.src == 0)) return fail(at + "no source or destination");
+    if (host_signal && d.bytes == 0) return fail(at + "empty put");
+    if (d.rows < 1 || (d.rows > 1 && (d.dst_pitch < d.bytes || d.src_pitch < d.bytes)))
+      return fail(at + "rows " + std::to_string(d.rows) + " with pitches below the row's bytes");
   }
   for (const PutDescriptor& d : batch) {
-    const cudaError_t e =
-        cudaMemcpyAsync(reinterpret_cast<void*>(d.dst), reinterpret_cast<const void*>(d.src),
-                        d.bytes, cudaMemcpyDeviceToDevice, stream);
-    if (e != cudaSuccess) return fail(std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e));
+    if (d.bytes > 0) {
+      auto* dst = reinterpret_cast<void*>(d.dst);
+      const auto* src = reinterpret_cast<const void*>(d.src);
+      const cudaError_t e =
+          d.rows == 1 ? cudaMemcpyAsync(dst, src, d.bytes, cudaMemcpyDeviceToDevice, stream)
+                      : cudaMemcpy2DAsync(dst, d.dst_pitch, src, d.src_pitch, d.bytes, d.rows,
+                                          cudaMemcpyDeviceToDevice, stream);
+      if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
+    }
+    if (d.op == kPutSetDevice) {  // ordered after the copy above on this stream, fenced
+      if (!write_device_signal(stream, d.signal, d.value)) return false;
+    }
   }
   // The copies have completed once this returns: only now may the signals say so.
   const cudaError_t e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
   for (const PutDescriptor& d : batch) {
     auto* sig = reinterpret_cast<int32_t*>(d.signal);
+    if (d.op == kPutSetDevice) continue;  // written by the stream, after its copy
     if (d.op == kPutSet) {
       __atomic_store_n(sig, d.value, __ATOMIC_RELEASE);
     } else {

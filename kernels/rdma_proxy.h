@@ -3,8 +3,9 @@
 //
 // Per batch (the descriptors published since the last one):
 //   acquire head -> copy the batch's descriptors out of the ring -> check them ->
-//   cudaMemcpyAsync each (device to device, on the proxy's own non-blocking stream) ->
-//   cudaStreamSynchronize -> raise each destination signal (host atomic, release) in count order ->
+//   cudaMemcpyAsync each (device to device, on the proxy's own non-blocking stream; 2D for a
+//   tile's rows; a device signal's cuStreamWriteValue32 right after its copy) ->
+//   cudaStreamSynchronize -> raise each host signal (host atomic, release) in count order ->
 //   release tail = last count + 1 (the slots may be rewritten).
 //
 // Why the signal lives in mapped host memory and is raised by the host thread: after the stream
@@ -59,6 +60,8 @@ class RingProxy {
   void run();
   bool drain(int32_t head, cudaStream_t stream);
   bool fail(const std::string& what);  // records the first error; returns false
+  // kPutSetDevice: the signal's value written by `stream` after what it holds (fenced).
+  bool write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value);
 
   ProxyConfig cfg_;
   RingHeader* header_;

@@ -76,11 +76,12 @@ def _op_names() -> list[str]:
 def _spec(name: str) -> P.OpSpec:
     from .ops import registry
 
-    return registry.get(name).SPEC
+    return registry.device_specs()[name]
 
 
 def _layout(spec: P.OpSpec) -> str:
-    lines = [f"// {spec.name}: {spec.doc}\n" if spec.doc else "", f"namespace {spec.name} {{\n"]
+    ns = spec.kernel_name
+    lines = [f"// {ns}: {spec.doc}\n" if spec.doc else "", f"namespace {ns} {{\n"]
     lines.append(_enum("Pad", [p.name for p in spec.all_pads()], "pad_"))
     lines.extend(f"constexpr int {_camel(n)} = {v};\n" for n, v in spec.constants)
     lines.append("struct Layout {\n")
@@ -113,7 +114,7 @@ def _layout(spec: P.OpSpec) -> str:
     for i, s in enumerate(spec.scalars):
         lines.append(f"    l.{s} = (int)rec[kRecScalar{i}];\n")
     lines.append("    return l;\n  }\n};\n")
-    lines.append(f"}}  // namespace {spec.name}\n\n")
+    lines.append(f"}}  // namespace {ns}\n\n")
     return "".join(lines)
 
 

@@ -39,7 +39,7 @@ MAX_PADS = 8  # signal pads per op, the template's barrier (id 0) included
 MAX_SLOTS = 16  # named buffers per op (the ring backward declares 16)
 MAX_SCALARS = 8  # named int scalars per op
 TASK_ARGS = 4  # int32 arguments per task
-ROLES = ("compute", "comm", "barrier")  # WaitSite::role ids
+ROLES = ("compute", "comm", "barrier", "rdma")  # WaitSite::role ids (rdma: a put's ring waits)
 OVERLAPS = ("intra_sm", "inter_sm")
 TILE_CONFIG_IDS = {"128x256x64": 0, "128x128x64": 1, "64x128x64": 2}
 STATUS_FIELDS = (
@@ -94,6 +94,11 @@ RECORD_FIELDS = (
     "timeline_stride_rank",  # elements between local ranks,
     "timeline_stride_slot",  # CTA slots,
     "timeline_stride_role",  # roles (compute, comm); consecutive tasks are 2 apart
+    # a plan over several nodes (the proxy transport, primitives/rdma/put.cuh), else 0
+    "rdma_rings",  # the W rings (mapped host memory), back to back
+    "rdma_reserve",  # [W] int32 ticket counters (device memory)
+    "rdma_capacity",  # descriptor slots per ring
+    "ranks_per_node",  # W // nodes (W with one node)
     *(f"pad{i}" for i in range(MAX_PADS)),  # [W] address table of each pad (0: the barrier)
     *(f"slot{i}" for i in range(MAX_SLOTS)),  # buffer base (operand) or [W] table (symmetric)
     *(f"stride{i}" for i in range(MAX_SLOTS)),  # operand: elements between ranks (emulated)
@@ -153,6 +158,13 @@ class OpSpec:
     # Named int constants the op's plan and its device code share (an encoding's field widths):
     # emitted into kernels/layouts_gen.h as spec::<op>::k<Name>, so neither side restates them.
     constants: tuple[tuple[str, int], ...] = ()
+    # The device kernel's name when it is not ``name``: an op's second declaration (a plan over
+    # several nodes, SPEC_NODES) has kernels/<kernel>.cu, launch_<kernel> and spec::<kernel>.
+    kernel: str = ""
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel or self.name
 
     def __post_init__(self) -> None:
         # NOTE: the pad and buffer limits are the launch record's; an op without a kernel

@@ -14,6 +14,7 @@ timed out (after which the ring is stopped and reset: ``ring.start()`` resumes).
 from __future__ import annotations
 
 import time
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +24,7 @@ from . import rdma_ext
 from .errors import CommTimeout
 from .protocol import STATUS_FIELDS
 
-__all__ = ["ProxyRing", "exchange"]
+__all__ = ["ProxyRing", "exchange", "fused_rings"]
 
 # Counters are int32 and monotonic (primitives/rdma/ring_layout.h): a ring is reset before this.
 _MAX_COUNT = 2**31 - 1
@@ -154,6 +155,24 @@ class ProxyRing:
 
     def errors(self) -> list[str]:
         return [e for e in (p.error() for p in self.proxies) if e]
+
+
+FUSED_RING_CAPACITY = 64  # descriptor slots per rank's ring for the fused ops over nodes
+
+
+def fused_rings(world: Any) -> ProxyRing:
+    """The rings of an emulated GPU world of several nodes, into which its fused ops' kernels post
+    their cross-node puts (templates/persistent.cuh run_raises_nodes): made and started on the
+    world's first such call, stopped when the world goes; ``world.reset()`` (after a timeout)
+    empties and restarts them. Their signals are the ops' pads (device memory), so no signal
+    block is needed beyond the one int the ring requires."""
+    rings = getattr(world, "_rdma", None)
+    if rings is None:
+        rings = ProxyRing(world.size, FUSED_RING_CAPACITY, device=world.device, signals_per_rank=1)
+        rings.start()
+        world._rdma = rings
+        weakref.finalize(world, rings.stop)  # the threads end before the mapped memory goes
+    return rings
 
 
 def _choice(name: str, value: str, table: tuple[tuple[str, int], ...]) -> int:

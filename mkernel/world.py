@@ -154,6 +154,9 @@ class World:
             torch.cuda.synchronize(self.device)
             if buf_handle := next((b.handle for b in self._buffers.values() if b.handle), None):
                 buf_handle.barrier()
+        rings = getattr(self, "_rdma", None)
+        if rings is not None:  # the fused ops' proxy rings (nodes > 1): emptied, restarted
+            rings.restart()
 
     # -- properties -------------------------------------------------------------------------------
     @property

@@ -47,6 +47,7 @@
 #include "templates/layout_phase.cuh"
 #include "templates/no_compute.cuh"
 #include "primitives/protocol_gen.h"
+#include "primitives/rdma/put.cuh"
 #include "primitives/signal.cuh"
 #include "primitives/sym.cuh"
 
@@ -82,6 +83,15 @@ struct FusedCommon {
   long long timeline_stride[3];
 };
 
+// A plan over several nodes (an op with kNodes, below): the `proxy` transport's rings that carry
+// its raises across nodes (primitives/rdma/put.cuh); all zero for one node.
+struct RdmaArgs {
+  void* rings;   // the rings of the ranks served, back to back (mapped host memory)
+  int* reserve;  // their ticket counters (device memory)
+  int capacity;  // descriptor slots per ring
+  int ranks_per_node;
+};
+
 template <class Op>
 struct FusedArgs {  // the __grid_constant__ kernel parameter
   FusedCommon common;
@@ -89,6 +99,7 @@ struct FusedArgs {  // the __grid_constant__ kernel parameter
   typename Op::Layout layout;
   CUtensorMap out_map[kMaxLocalRanks];  // bf16 output per served rank (TMA stores), if mapped
   bool out_mapped;
+  RdmaArgs rdma;  // NOTE: last, so the fields above keep their offsets in every op
 };
 
 struct CtaInfo {
@@ -183,6 +194,64 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
   }
 }
 
+// -- over several nodes: raises across nodes travel as rdma puts ----------------------------------
+//
+// An op whose plan spans nodes declares `static constexpr bool kNodes = true` and
+//   static __device__ PutRect put_rect(const FusedArgs<Op>&, const CtaInfo&, int role, int row,
+//                                      int dest);
+// the bytes that go with task `row`'s raise on `dest` (a rank of another node): the put carries
+// the raise (put-with-signal: the proxy sets the flag after the copy), rows = 0 for none (an
+// arrival). The interpreter's twin is program.put_on_completion; a cross-node raise is a "set"
+// (the host refuses a plan with an "add" across nodes). Every CTA of such an op ends with the
+// quiet: its rank's ring has finished every put, so the caller may rewrite their sources.
+template <class Op, class = void>
+struct op_nodes : std::false_type {};
+template <class Op>
+struct op_nodes<Op, std::void_t<decltype(Op::kNodes)>> : std::bool_constant<Op::kNodes> {};
+
+struct PutRect {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  int rows = 0;  // runs of row_bytes, the pitches apart
+  unsigned long long row_bytes = 0, dst_pitch = 0, src_pitch = 0;
+};
+
+template <class Op>
+__device__ __forceinline__ rdma::RingView ring_of(const FusedArgs<Op>& a, const CtaInfo& cta) {
+  return rdma::ring_view(a.rdma.rings, a.rdma.reserve, cta.local_rank, a.rdma.capacity);
+}
+
+// run_raises over several nodes: a raise on a rank of another node is a put into this rank's
+// ring, with the bytes the op names for it.
+template <class Op>
+__device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& cta, int role,
+                                        int row) {
+  const FusedCommon& c = a.common;
+  const RoleTables& t = c.role[role];
+  const int rank = cta.rank, per_node = a.rdma.ranks_per_node;
+  const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
+  if (first == end || rank == c.silent_rank) return;
+  if (rank == c.delay_rank) delay_ns(c.delay_ns);
+  for (int i = first; i < end; ++i) {
+    const int* r = t.raises + i * kRaiseFields;
+    int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
+    if (r[kRRank] / per_node != rank / per_node) {
+      const PutRect p = Op::put_rect(a, cta, role, row, r[kRRank]);
+      rdma::Put put{
+          r[kRRank],          p.dst, p.src, p.rows > 0 ? p.row_bytes : 0, flag, r[kRValue],
+          rdma::kPutSetDevice};
+      put.rows = p.rows > 0 ? p.rows : 1;
+      put.dst_pitch = p.dst_pitch;
+      put.src_pitch = p.src_pitch;
+      rdma::rdma_put(ring_of(a, cta), put, c.wait, kRoleRdma);  // false: recorded, carry on
+    } else if (r[kROp] == kRaiseAdd) {
+      signal_add_release(flag, r[kRValue]);
+    } else {
+      signal_set_release(flag, r[kRValue]);
+    }
+  }
+}
+
 // -- the hook contract ----------------------------------------------------------------------------
 
 template <class Op, class = void>
@@ -246,7 +315,11 @@ struct PlanHooks {
   }
   __device__ typename Op::Engine::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
   __device__ void after_store(int i) const {  // one consumer thread, the tile's writes landed
-    run_raises(c(), kRoleCompute, tasks[i], cta.rank);
+    if constexpr (op_nodes<Op>::value) {
+      run_raises_nodes<Op>(a, cta, kRoleCompute, tasks[i]);
+    } else {
+      run_raises(c(), kRoleCompute, tasks[i], cta.rank);
+    }
     stamp(i, 1);
   }
   // Nobody waits for this launch's tiles (and no timeline): skip the per-tile completion.
@@ -320,7 +393,11 @@ __device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int ro
     const int* span = c.role[kRoleComm].raise_span + 2 * row;
     if (span[1] > span[0]) {
       __threadfence_system();
-      run_raises(c, kRoleComm, row, cta.rank);
+      if constexpr (op_nodes<Op>::value) {
+        run_raises_nodes<Op>(a, cta, kRoleComm, row);
+      } else {
+        run_raises(c, kRoleComm, row, cta.rank);
+      }
     }
     if (e != nullptr) e[1] = (long long)globaltimer_ns();
   }
@@ -372,18 +449,21 @@ constexpr int claim_bytes() {
   return comm_any_order<Op>::value ? 16 : 0;
 }
 
-// CTA `slot` of this rank meets CTA `slot` of every peer. See signal.cuh for the flag protocol.
-__device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta) {
+// CTA `slot` of this rank meets CTA `slot` of every peer (kNodeScoped: of every peer in its
+// node: no memory of another node is touched). See signal.cuh for the flag protocol.
+template <bool kNodeScoped = false>
+__device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta, int per_node = 0) {
   const int W = c.world_size;
   const SymPtr<int>& barrier = c.pads[kBarrierPad];
-  for (int i = 1; i < W; ++i) {
-    const int peer = (cta.rank + i) % W;
+  const int G = kNodeScoped ? per_node : W, base = kNodeScoped ? cta.rank - cta.rank % G : 0;
+  for (int i = 1; i < G; ++i) {
+    const int peer = kNodeScoped ? base + (cta.rank - base + i) % G : (cta.rank + i) % W;
     int* f = barrier.map(peer) + cta.slot * W + cta.rank;
     const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + cta.rank};
     spin_until(c.wait, site, [&] { return cas_acq_rel_sys(f, 0, 1) == 0; });
   }
-  for (int i = 1; i < W; ++i) {
-    const int peer = (cta.rank + i) % W;
+  for (int i = 1; i < G; ++i) {
+    const int peer = kNodeScoped ? base + (cta.rank - base + i) % G : (cta.rank + i) % W;
     const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + peer};
     wait_acquire_reset(barrier.map(cta.rank) + cta.slot * W + peer, 1, c.wait, site);
   }
@@ -450,6 +530,15 @@ __device__ void layout_phase(const FusedArgs<Op>& args, const CtaInfo& cta, char
   __syncthreads();
 }
 
+// The end of every CTA of an op over several nodes (called by all of its threads): the quiet, so
+// that its rank's ring has done every put of this CTA (their sources are the caller's again).
+template <class Op>
+__device__ __forceinline__ void end_nodes(const FusedArgs<Op>& args, const CtaInfo& cta) {
+  __syncwarp();
+  __syncthreads();
+  if (threadIdx.x == 0) rdma::rdma_quiet(ring_of(args, cta), args.common.wait, kRoleRdma);
+}
+
 template <class Op>
 __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     persistent_kernel(const __grid_constant__ FusedArgs<Op> args) {
@@ -462,11 +551,12 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   cta.slot = blockIdx.x % c.ctas_per_rank;
   cta.rank = c.rank0 + cta.local_rank;
   constexpr bool kAnyOrder = comm_any_order<Op>::value;
+  constexpr bool kNodes = op_nodes<Op>::value;
   int* next = reinterpret_cast<int*>(smem + Engine::kSmemBytes + Op::kCommSmemBytes);
   if constexpr (kAnyOrder) {
     if (threadIdx.x == 0) *next = 0;  // the claim counter (the layout's scratch ends before it)
   }
-  if (threadIdx.x == 0) entry_barrier(c, cta);
+  if (threadIdx.x == 0) entry_barrier<kNodes>(c, cta, args.rdma.ranks_per_node);
   __syncwarp();  // converge warp 0 before the CTA barrier
   __syncthreads();
 
@@ -483,6 +573,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
       // NOTE: a comm CTA runs no engine, so all of the shared memory is its own.
       run_comm<Op>(args, cta, comm, Team{(int)threadIdx.x, (int)blockDim.x}, smem);
     }
+    if constexpr (kNodes) end_nodes<Op>(args, cta);
     return;
   }
   // The intra_sm communicator, on the warp the engine leaves free.
@@ -497,6 +588,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   };
   if (compute.count() == 0) {  // CTA-uniform: nothing to compute (e.g. a comm-only op)
     if (kAnyOrder || (int)threadIdx.x / 32 == Engine::kSpareWarp) spare();
+    if constexpr (kNodes) end_nodes<Op>(args, cta);
     return;
   }
   PlanHooks<Op> hooks{args, cta, compute};
@@ -507,6 +599,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     // (run 12: 309 ms against 10); nor warp 0, whose lane 0 may still be producing.
     if (c.overlap == kIntraSM && threadIdx.x >= 128) claim_comm<Op>(args, cta, comm, next);
   }
+  if constexpr (kNodes) end_nodes<Op>(args, cta);
 }
 
 }  // namespace mk

@@ -16,6 +16,7 @@ import pytest
 import mkernel
 from mkernel import codegen, jit
 from mkernel import protocol as P
+from mkernel.ops import gemm_rs as rs_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -116,6 +117,41 @@ def test_device_index_math_equals_the_twins(tmp_path):
                 r0 = (g - r * C) * cr  # as ag_gemm.twins_of computes it
                 queries.append(f"a {g} {r} {C} {cr} {ms}")
                 want.append(f"{r0} {r * ms + r0} {min(cr, ms - r0)}")
+    out = subprocess.run([exe], input="\n".join(queries), capture_output=True, text=True).stdout
+    assert out.split("\n")[: len(want)] == want
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_gemm_rs_nodes_stage_slot_equals_the_twin(tmp_path):
+    """The stage slot each contribution lands in over several nodes (kernels/gemm_rs_nodes.cu
+    rs_stage_slot against gemm_rs.stage_slot, which the interpreter's twins use), for every
+    reducer, contributor and owner of every split of W <= 8 into N >= 2 nodes; and the slots a
+    reducer reads are distinct and within its W - 1."""
+    exe = _host_binary(
+        tmp_path,
+        "stage_slot",
+        '#include "kernels/gemm_rs_nodes.cu"\n#include <cstdio>\n'
+        "int main() {\n  int R, N, me, src, o;\n"
+        '  while (std::scanf(" %d %d %d %d %d", &R, &N, &me, &src, &o) == 5)\n'
+        '    std::printf("%d\\n", mk::rs_stage_slot(R, N, me, src, o));\n}\n',
+    )
+    queries, want = [], []
+    for W in range(2, 9):
+        for N in (n for n in range(2, W + 1) if W % n == 0):
+            R = W // N
+            for me in range(W):
+                rails = [(me // R + j) % N * R + me % R for j in range(N)]  # me first
+                slots = []
+                for o in rails:  # what me reduces: its own rows, then for each rail peer's
+                    senders = [me - me % R + (me % R + j) % R for j in range(1, R)]
+                    if o == me:
+                        senders += [q for q in rails if q != me]  # the other nodes' sums
+                    for s in senders:
+                        slots.append(rs_mod.stage_slot(R, N, me, s, o))
+                        queries.append(f"{R} {N} {me} {s} {o}")
+                        want.append(str(slots[-1]))
+                assert sorted(slots) == list(range(W - 1))
+                assert slots[: R + N - 2] == list(range(R + N - 2))  # the owner's run, in order
     out = subprocess.run([exe], input="\n".join(queries), capture_output=True, text=True).stdout
     assert out.split("\n")[: len(want)] == want
 

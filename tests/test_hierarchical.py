@@ -8,6 +8,8 @@ plan of one node; planted mistakes are caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -265,7 +267,7 @@ def test_a_plan_of_one_node_in_a_world_of_two_is_a_cross_node_error():
 def _inputs(module, seed):
     """Small operands of a 4-rank world for ``module``, and where its puts land."""
     rows = {rs_mod: 4 * 16, ag_mod: 16, ar_mod: 16}[module]
-    dest = {rs_mod: "xrecv", ag_mod: "gather", ar_mod: "(?:xrecv|xout)"}[module]
+    dest = {rs_mod: "stage", ag_mod: "gather", ar_mod: "(?:xrecv|xout)"}[module]
     return gemm_inputs(4, rows, 16, 16, seed), dest
 
 
@@ -347,13 +349,50 @@ def test_missing_wait_for_a_node_peers_partial_is_a_race():
 # -- what is not there: clear errors before anything runs ------------------------------------------
 
 
-def test_gpu_world_over_nodes_is_not_built_yet():
-    # A GPU world object without a GPU: the check comes before anything touches the device.
+def test_gpu_world_over_nodes_needs_the_opt_in_and_a_kernel(monkeypatch):
+    # A GPU world object without a GPU: the checks come before anything touches the device.
     world = World(size=4, device=torch.device("cuda", 0), kind="emulated", nodes=2)
     a, b = gemm_inputs(4, 16, 16, 16, 0)
-    for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
-        with pytest.raises(NotImplementedError, match="device kernels for nodes > 1"):
+    monkeypatch.delenv("MKERNEL_GPU_NODES", raising=False)
+    with pytest.raises(NotImplementedError, match="has not run on a GPU yet.*MKERNEL_GPU_NODES=1"):
+        mkernel.gemm_rs(a, b, world=world)
+    monkeypatch.setenv("MKERNEL_GPU_NODES", "1")
+    for op in (mkernel.ag_gemm, mkernel.gemm_ar):  # their protocols run in the interpreter only
+        with pytest.raises(NotImplementedError, match="device kernel runs gemm_rs"):
             op(a, b, world=world)
+    distributed = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2)
+    with pytest.raises(NotImplementedError, match="in emulated worlds"):
+        mkernel.gemm_rs(a[0], b[0], world=distributed)
+
+
+@pytest.mark.parametrize("module", [rs_mod, ag_mod, ar_mod])
+def test_every_raise_across_nodes_is_a_set(module):
+    """A cross-node raise becomes a put whose signal the proxy's stream sets (kPutSetDevice): the
+    launch refuses a plan with an add across nodes; the three plans have none."""
+    from mkernel.ops.gpu import check_cross_node_raises
+
+    for W, N in ((2, 2), (4, 2), (8, 2), (8, 4)):
+        world = mkernel.World.emulated(W, nodes=N)
+        for overlap in ("intra_sm", "inter_sm"):
+            sched = mkernel.Schedule(overlap=overlap, sms=3)
+            rows = {rs_mod: W * 40, ag_mod: 40, ar_mod: 40}[module]
+            plan = sched.plan(
+                module.SPEC.name, world, m=rows * (1 if module is rs_mod else W), n=48, k=16 * W
+            )
+            check_cross_node_raises(plan)
+    R = plan.world_size // plan.nodes
+    rank, task = next(
+        (r, t)
+        for role in ("compute", "comm")
+        for r, ts in enumerate(plan.roles[role].tasks)
+        for t in ts
+        if any(x.rank // R != r // R for x in t.raises)
+    )
+    task.raises = tuple(
+        dataclasses.replace(x, op="add") if x.rank // R != rank // R else x for x in task.raises
+    )
+    with pytest.raises(ValueError, match="another node; a put's signal can only be set"):
+        check_cross_node_raises(plan)
 
 
 def test_ops_without_a_hierarchical_plan_refuse_several_nodes():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -50,10 +51,15 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
     return world
 
 
+GPU_NODES_ENV = "MKERNEL_GPU_NODES"  # "1": run the device kernels over nodes (not yet GPU-run)
+
+
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
-    plan moves data across nodes only by rdma puts, docs/rdma.md), and for now the CPU
-    interpreter: the device kernels for nodes > 1 are not built."""
+    plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
+    plan's kernel (``SPEC_NODES.device``: gemm_rs) and an emulated world (the proxy transport's
+    host threads serve one GPU); those kernels have not run on a GPU yet, so they run only when
+    the environment sets MKERNEL_GPU_NODES=1 (docs/rdma.md)."""
     if world.nodes == 1:
         return
     name = module.SPEC.name
@@ -62,11 +68,20 @@ def check_nodes(module: Any, world: World) -> None:
             f"{name} has no plan for a world of {world.nodes} nodes yet (nodes > 1): only "
             "gemm_rs, ag_gemm and gemm_ar span nodes"
         )
-    if world.on_gpu:
+    if not world.on_gpu:
+        return
+    spec = getattr(module, "SPEC_NODES", None)
+    if spec is None or not spec.device or not world.emulated_world:
         raise NotImplementedError(
-            f"{name} over {world.nodes} nodes: the device kernels for nodes > 1 are not built yet; "
-            "the hierarchical protocol runs in the CPU interpreter (World.emulated(W, nodes=N), "
-            "device='cpu')"
+            f"{name} over {world.nodes} nodes on a GPU: the device kernel runs gemm_rs in "
+            "emulated worlds (World.emulated(W, device='cuda', nodes=N)); the hierarchical "
+            "protocols of ag_gemm and gemm_ar run in the CPU interpreter (device='cpu')"
+        )
+    if os.environ.get(GPU_NODES_ENV) != "1":
+        raise NotImplementedError(
+            f"{name} over {world.nodes} nodes: its device kernel (kernels/{spec.kernel_name}.cu) "
+            f"has not run on a GPU yet; set {GPU_NODES_ENV}=1 to run it, or use the CPU "
+            "interpreter (World.emulated(W, device='cpu', nodes=N))"
         )
 
 

@@ -27,20 +27,20 @@ waits for: deadlock-free for any order. The default sends to rank r+1 first, the
 each moment the links carry traffic in both directions. W == 1: the engine stores bf16 tiles
 straight into out, nothing to communicate.
 
-Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
-"Hierarchical ops"), R = W / N ranks per node, rank r = (node n, local index l): a tile of an owner
-o in another node is reduced within r's node first, by o's rail peer agg = (n, local(o)): every
-other rank of node n stores its fp32 partial into agg's ``stage`` (as to an owner above), agg adds
-them to its own partial in fp32 and puts the node's sum (fp32, ``xsend`` -> slot n of o's
-``xrecv``) to o by one rdma put carrying ``node_part[tile, node=n]``. The owner adds its node
-peers' partials and the N - 1 node sums in fp32 and rounds once to bf16. Each rank first tells its
-rail peers that its previous call has ended (``rail_ready``, a put of no bytes): an aggregate
-waits for it before its put may land in the owner's ``xrecv``.
+Over several nodes (``World.emulated(W, nodes=N)``: SPEC_NODES, docs/rdma.md "Hierarchical
+ops"; on a GPU kernels/gemm_rs_nodes.cu), R = W / N ranks per node, rank r = (node n, local index
+l): a tile of an owner o in another node is reduced within r's node first, by o's rail peer
+agg = (n, local(o)): every other rank of node n stores its fp32 partial into agg's ``stage`` (as to
+an owner above), agg adds them to its own partial in fp32 and puts the node's sum (fp32,
+``xsend`` -> o's ``stage``) to o by one rdma put carrying ``node_part[tile, node=n]``. The owner
+adds its node peers' partials and the N - 1 node sums in fp32 and rounds once to bf16. Each rank
+first tells its rail peers that its previous call has ended (``rail_ready``, a put of no bytes):
+an aggregate waits for it before its put may land in the owner's ``stage``. Slots: stage_slot.
 
     W = 4, N = 2 (nodes {0, 1}, {2, 3}); tiles of owner 2 on node 0:
     rank 1 (local 1):  partial -> stage of rank 0 (local 0 = local(2))      partial[t, src=1] on 0
     rank 0 (agg):      waits partial[t, 1], rail_ready[node=1]; own + 1's -> xsend
-                       rdma put xsend -> xrecv[slot 0] of rank 2        node_part[u, node=0] on 2
+                       rdma put xsend -> stage of rank 2                 node_part[u, node=0] on 2
     rank 2 (owner):    waits partial[t, src=3], node_part[u, node=0]; own + 3's + node 0's -> out
 """
 
@@ -86,10 +86,12 @@ SPEC = OpSpec(
     pads=(Pad("partial", ("tile", "src"), ("per_owner", "W"), doc="src's partial of tile landed"),),
     scalars=("n", "k_local", "rows_per_rank"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+HIERARCHICAL = (
+    True  # over several nodes: SPEC_NODES and _make_plan_nodes (kernels/gemm_rs_nodes.cu)
+)
 SPEC_NODES = OpSpec(
     name="gemm_rs",
-    doc="GEMM + ReduceScatter over nodes (no device kernel yet)",
+    doc="GEMM + ReduceScatter over nodes (rdma puts of node sums across them)",
     buffers=(
         *SPEC.buffers[:3],
         Buffer(
@@ -97,20 +99,35 @@ SPEC_NODES = OpSpec(
             "symmetric",
             f32,
             ("stage_rows", "n"),
-            "slot local(s) * nodes + m: node peer s's fp32 partial of the rows of rank "
-            "(m, my local index), which I reduce (m = my node: my own rows)",
+            "W - 1 slots of rows_per_rank rows (stage_slot): what I reduce, my own rows' first",
         ),
         Buffer("xsend", "symmetric", f32, ("node_rows", "n"), "slot m: my node's sum for (m, l)"),
-        Buffer("xrecv", "symmetric", f32, ("node_rows", "n"), "slot m: node m's sum of my rows"),
     ),
     pads=(
         Pad("partial", ("tile", "src"), ("tiles", "W"), doc="src's partial landed at the reducer"),
         Pad("node_part", ("tile", "node"), ("per_owner", "nodes"), doc="node's sum landed (rdma)"),
         Pad("rail_ready", ("node",), ("nodes",), counted=True, doc="my rail peer's call began"),
     ),
-    scalars=SPEC.scalars,
-    device=False,
+    scalars=(*SPEC.scalars, "nodes"),
+    kernel="gemm_rs_nodes",
 )
+
+
+def stage_slot(R: int, N: int, me: int, src: int, owner: int) -> int:
+    """The slot (of rows_per_rank rows) of reducer ``me``'s stage that ``src``'s contribution to a
+    tile of ``owner`` (me or me's rail peer) lands in. Relative to me (l = local offset of src,
+    m = node offset of the owner, or of src for a node sum to me): my own rows' R - 1 node peers'
+    partials (slots 0 .. R - 2) and N - 1 node sums (R - 1 .. R + N - 3) come first, so the owner's
+    epilogue adds R + N - 2 consecutive slots; then, per other node m, the R - 1 partials of the
+    rows I reduce for my rail peer there. W - 1 slots in all. (Device twin: kernels/gemm_rs_nodes.cu
+    stage_slot.)"""
+    node, src_node = me // R, src // R
+    if src_node != node:  # a node sum, to its owner
+        return (R - 1) + (src_node - node) % N - 1
+    lo, mo = (src - me) % R, (owner // R - node) % N
+    return lo - 1 if mo == 0 else (R - 1) + (N - 1) + (mo - 1) * (R - 1) + lo - 1
+
+
 # Over several nodes, what rank r does with a tile of owner o (_kind): store its partial to the
 # owner in its node, or to the owner's rail peer in its node; reduce its node's partials and put
 # them across (r is o's rail peer); or reduce its own tile.
@@ -227,6 +244,7 @@ def _make_plan_nodes(schedule: Schedule, world: World, m: int, n: int, k: int) -
     shapes = {"m": m, "n": n, "k": k}
     sizes = {
         **_sizes(shapes, W, ms, per_owner),
+        "stage_rows": (W - 1) * ms,
         "tiles": len(tiles),
         "node_rows": N * ms,
     }
@@ -300,17 +318,17 @@ def twins_of(plan: Plan):
 
 
 def _twins_nodes(plan: Plan):
-    """The data movement over several nodes (no device code yet): fp32 partials by bulk copies
-    within a node, node sums by rdma puts across (program.put_on_completion)."""
+    """The data movement over several nodes (kernels/gemm_rs_nodes.cu): fp32 partials by bulk
+    copies within a node into the reducer's stage slot (stage_slot), node sums by rdma puts across
+    (program.put_on_completion) into the owner's; a reducer adds its slots in slot order."""
     W, N, ms, k = plan.world_size, plan.nodes, plan.sizes["rows_per_rank"], plan.sizes["k_local"]
     R = W // N
 
-    def add_stage(ctx, t, part, node):  # the node peers' partials, in local-index order
-        for s in range(node * R, node * R + R):
-            if s != ctx.rank:
-                slot = ((s % R) * N + t.tag // R) * ms + t.m0 - t.tag * ms
-                p = yield from twins.tile_load(ctx, "stage", ctx.rank, (slot, t.rows, t.n0, t.cols))
-                part = part + p
+    def add_slots(ctx, t, part, first, count):  # stage slots first .. first + count - 1
+        row0 = t.m0 - t.tag * ms
+        for slot in range(first, first + count):
+            rect = (slot * ms + row0, t.rows, t.n0, t.cols)
+            part = part + (yield from twins.tile_load(ctx, "stage", ctx.rank, rect))
         return part
 
     def compute(ctx, task):
@@ -320,21 +338,20 @@ def _twins_nodes(plan: Plan):
         b = yield from twins.tile_load_async(ctx, "b", me, (0, k, t.n0, t.cols))
         part = a.float() @ b.float()
         row0, kind, node = t.m0 - o * ms, _kind(R, me, o), me // R
-        if kind in (TO_OWNER, TO_AGG):  # fp32 partial into slot (local(me), node(o)) there
+        if kind in (TO_OWNER, TO_AGG):  # fp32 partial into my slot of the reducer's stage
             dest = o if kind == TO_OWNER else node * R + o % R
-            slot = ((me % R) * N + o // R) * ms + row0
-            yield from twins.tile_send_bulk(ctx, "stage", dest, (slot, t.rows, t.n0, t.cols), part)
+            rect = (stage_slot(R, N, dest, me, o) * ms + row0, t.rows, t.n0, t.cols)
+            yield from twins.tile_send_bulk(ctx, "stage", dest, rect, part)
             return
-        part = yield from add_stage(ctx, t, part, node)
         if kind == AGGREGATE:  # my node's sum -> xsend (lands before the put is posted) -> owner
+            first = stage_slot(R, N, me, node * R + (me + 1) % R, o) if R > 1 else 0
+            part = yield from add_slots(ctx, t, part, first, R - 1)
             src = ((o // R) * ms + row0, t.rows, t.n0, t.cols)
             yield from twins.tile_send_bulk(ctx, "xsend", me, src, part)
-            dst = (node * ms + row0, t.rows, t.n0, t.cols)
-            program.put_on_completion(ctx, task, o, "xrecv", dst, "xsend", src)
+            dst = (stage_slot(R, N, o, me, o) * ms + row0, t.rows, t.n0, t.cols)
+            program.put_on_completion(ctx, task, o, "stage", dst, "xsend", src)
             return
-        for j in range(1, N):  # own tile: the other nodes' sums, in node order from mine
-            slot = (((node + j) % N) * ms + row0, t.rows, t.n0, t.cols)
-            part = part + (yield from twins.tile_load(ctx, "xrecv", me, slot))
+        part = yield from add_slots(ctx, t, part, 0, R + N - 2)  # own tile: peers', nodes' sums
         rect = (row0, t.rows, t.n0, t.cols)
         yield from twins.output_store(ctx, "out", me, rect, part.bfloat16(), t.index)
 

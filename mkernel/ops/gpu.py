@@ -94,6 +94,8 @@ class StatusBlock:
         else:
             name = f"pad{v['pad']}[{v['index']}]"
         role = ROLES[v["role"]] if 0 <= v["role"] < len(ROLES) else "?"
+        if role == "rdma":  # a put's wait on its ring (primitives/rdma/ring_layout.h RingWait)
+            name = f"rdma_{'tail' if v['pad'] == 0 else 'head'}[{v['rank']}][0]"
         return CommTimeout(v["rank"], v["peer"], name, v["task"], role)
 
 
@@ -219,6 +221,15 @@ def _plan_record(world: World, plan: Plan) -> array:
     ws = workspace(world, plan)
     for i, p in enumerate(spec.all_pads()):
         put(f"pad{i}", ws[p.name].peer_ptrs.data_ptr())
+    put("ranks_per_node", world.size // plan.nodes)
+    if plan.nodes > 1:  # the proxy transport's rings carry the raises across nodes
+        from ..rdma import fused_rings
+
+        check_cross_node_raises(plan)
+        rings = fused_rings(world)
+        put("rdma_rings", rings.rings.ptr)
+        put("rdma_reserve", rings.reserve.data_ptr())
+        put("rdma_capacity", rings.capacity)
     operands = []
     for i, b in enumerate(spec.buffers):
         if b.kind == "symmetric":
@@ -234,6 +245,21 @@ def _plan_record(world: World, plan: Plan) -> array:
     plan.extra["_operand_slots"] = operands
     plan.extra["_workspace"] = ws  # keeps the buffers the record points at alive
     return rec
+
+
+def check_cross_node_raises(plan: Plan) -> None:
+    """A raise on a rank of another node travels as a put whose signal the proxy's stream sets
+    (kPutSetDevice): it must be a "set" (an "add" is not atomic there)."""
+    R = plan.world_size // plan.nodes
+    for role in ("compute", "comm"):
+        for rank, tasks in enumerate(plan.roles[role].tasks):
+            for task in tasks:
+                for r in task.raises:
+                    if r.rank // R != rank // R and r.op != "set":
+                        raise ValueError(
+                            f"{plan.op}: task {task.id} of rank {rank} adds to {r.pad} on rank "
+                            f"{r.rank} of another node; a put's signal can only be set"
+                        )
 
 
 def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
@@ -286,7 +312,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     rec = _record(world, plan, operands, status.launched(plan))
     launch = plan.extra.get("_launch")
     if launch is None:
-        launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.op}")
+        launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.spec.kernel_name}")
     rc = launch(rec.buffer_info()[0], _current_stream(world))
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")

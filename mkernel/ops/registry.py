@@ -9,6 +9,8 @@ import importlib
 import pkgutil
 from types import ModuleType
 
+from ..protocol import OpSpec
+
 
 @functools.cache
 def _ops() -> dict[str, ModuleType]:
@@ -26,9 +28,20 @@ def names() -> list[str]:
     return list(_ops())
 
 
+def device_specs() -> dict[str, OpSpec]:
+    """The declarations with a device kernel by kernel name (``kernels/<kernel>.cu``): each op's
+    ``SPEC``, and its ``SPEC_NODES`` (the plan over several nodes) where that has one."""
+    found = {}
+    for module in _ops().values():
+        for spec in (module.SPEC, getattr(module, "SPEC_NODES", None)):
+            if spec is not None and spec.device:
+                found[spec.kernel_name] = spec
+    return dict(sorted(found.items()))
+
+
 def device_names() -> list[str]:
-    """The ops with a device kernel (``kernels/<name>.cu``): what the build compiles and binds."""
-    return [name for name, module in _ops().items() if module.SPEC.device]
+    """The kernels the build compiles and binds (device_specs' names)."""
+    return list(device_specs())
 
 
 def get(op: str) -> ModuleType:

@@ -22,7 +22,8 @@
 //   destination's signal says the put landed (the proxy raises it after its copy completed).
 // - The destination and signal addresses: `dst` is the destination rank's device memory, `signal`
 //   an int in mapped host memory that the proxy raises with a host atomic (release) after the
-//   copy, and the receiver waits on like any signal (signal.cuh: bounded, acquire).
+//   copy, or (kPutSetDevice) an int in device memory that the proxy's stream writes after the
+//   copy; the receiver waits on it like any signal (signal.cuh: bounded, acquire).
 // - A returned false (timeout or abort): the put may or may not happen; the launch reports it in
 //   CommStatus and the host must reset the ring (stop the proxy, zero the counters) before reuse.
 #pragma once
@@ -49,17 +50,21 @@ struct Put {
   int dest_rank;
   void* dst;        // the destination rank's device memory
   const void* src;  // this rank's device memory; owned by the caller until the signal rises
-  uint64_t bytes;
-  int* signal;  // mapped host memory
+  uint64_t bytes;   // per row (0: a signal only)
+  int* signal;      // mapped host memory (kPutSet / kPutAdd) or device memory (kPutSetDevice)
   int value;
   PutOp op;
+  int rows = 1;  // > 1: a 2D copy of `rows` runs of `bytes`, the pitches apart
+  uint64_t dst_pitch = 0, src_pitch = 0;
 };
 
 // Posts `put` into `ring` (call from ONE thread). Returns once the descriptor is published, not
 // when the bytes land. False on timeout / abort (recorded in w.status; the caller carries on).
-__device__ inline bool rdma_put(const RingView& ring, const Put& put, const WaitPolicy& w,
-                                int role) {
+// `ticket` (optional) gets the put's count: the ring's tail passing it says the put is done.
+__device__ inline bool rdma_put(const RingView& ring, const Put& put, const WaitPolicy& w, int role,
+                                int* ticket = nullptr) {
   const int t = atomicAdd(ring.reserve, 1);
+  if (ticket != nullptr) *ticket = t;
   RingHeader* h = ring.header;
   const int free_from = t - ring.capacity + 1;
   if (free_from > 0) {
@@ -75,12 +80,24 @@ __device__ inline bool rdma_put(const RingView& ring, const Put& put, const Wait
   d->dest_rank = put.dest_rank;
   d->value = put.value;
   d->op = put.op;
+  d->rows = put.rows;
+  d->dst_pitch = put.dst_pitch;
+  d->src_pitch = put.src_pitch;
   d->ticket = t;
   const WaitSite site{ring.rank, ring.rank, t, role, kWaitHead, 0};
   if (!spin_until(w, site, [&] { return ld_relaxed_sys(&h->head) == t; })) return false;
   // NOTE: the release orders the descriptor's stores above before head at system scope.
   st_release_sys(&h->head, t + 1);
   return true;
+}
+
+// The quiet (call from ONE thread): every put ticketed on `ring` so far is done (copied,
+// signalled, its source read by the proxy): the tail has reached the ticket counter. A fused
+// kernel ends with it, so that its caller may rewrite a put's source. False on timeout.
+__device__ inline bool rdma_quiet(const RingView& ring, const WaitPolicy& w, int role) {
+  const int issued = atomicAdd(ring.reserve, 0);
+  const WaitSite site{ring.rank, ring.rank, issued - 1, role, kWaitTail, 0};
+  return spin_until(w, site, [&] { return ld_relaxed_sys(&ring.header->tail) >= issued; });
 }
 
 }  // namespace mk::rdma

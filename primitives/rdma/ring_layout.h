@@ -24,8 +24,11 @@
 
 namespace mk::rdma {
 
-// How the proxy raises the destination's signal after the bytes landed.
-enum PutOp : int32_t { kPutSet = 0, kPutAdd = 1 };
+// How the proxy raises the destination's signal after the bytes landed. Set / add: an int in
+// mapped host memory, by a host atomic (release) after the copy's stream synchronize. SetDevice:
+// an int in device memory (a fused op's signal pad), by a stream write ordered after the copy on
+// the proxy's stream (cuStreamWriteValue32, whose default fences the copy's writes before it).
+enum PutOp : int32_t { kPutSet = 0, kPutAdd = 1, kPutSetDevice = 2 };
 
 // Counters that one side writes and the other polls each get their own 64-byte line: the GPU's
 // writes of `head` over PCIe never invalidate the line the proxy writes `tail` into.
@@ -40,20 +43,25 @@ static_assert(offsetof(RingHeader, tail) == 64, "ring layout: tail");
 static_assert(offsetof(RingHeader, capacity) == 128, "ring layout: capacity");
 static_assert(sizeof(RingHeader) == 192, "ring layout: header size");
 
-// One put: copy `bytes` from `src` (the poster's device memory) to `dst` (the destination rank's
-// device memory), then raise the int at `signal` (mapped host memory) by `op` with `value`.
+// One put: copy `rows` runs of `bytes` from `src` (the poster's device memory, rows
+// `src_pitch` bytes apart) to `dst` (the destination rank's device memory, `dst_pitch` apart),
+// then raise the int at `signal` by `op` with `value`. A put of no bytes only signals.
 struct PutDescriptor {
   uint64_t dst;
   uint64_t src;
-  uint64_t bytes;
+  uint64_t bytes;  // per row
   uint64_t signal;
+  uint64_t dst_pitch;  // rows > 1: bytes from one row's start to the next
+  uint64_t src_pitch;
   int32_t dest_rank;
   int32_t value;
   int32_t op;      // PutOp
   int32_t ticket;  // the count this slot was written for (lets the proxy check the slot is fresh)
+  int32_t rows;    // >= 1 (a tile of an fp32 matrix: its rows)
+  int32_t unused;
 };
-static_assert(sizeof(PutDescriptor) == 48, "ring layout: descriptor size");
-static_assert(offsetof(PutDescriptor, dest_rank) == 32, "ring layout: descriptor fields");
+static_assert(sizeof(PutDescriptor) == 72, "ring layout: descriptor size");
+static_assert(offsetof(PutDescriptor, dest_rank) == 48, "ring layout: descriptor fields");
 
 // Which wait of the poster timed out: CommStatus.pad (the launch names it by these ids).
 enum RingWait : int32_t { kWaitTail = 0, kWaitHead = 1, kRingWaits = 2 };
@@ -63,7 +71,7 @@ MK_RDMA_HD constexpr size_t ring_bytes(int capacity) {
   const size_t bytes = sizeof(RingHeader) + static_cast<size_t>(capacity) * sizeof(PutDescriptor);
   return (bytes + 63) / 64 * 64;
 }
-static_assert(ring_bytes(1) == 256 && ring_bytes(4) == 384, "ring layout: ring size");
+static_assert(ring_bytes(1) == 320 && ring_bytes(4) == 512, "ring layout: ring size");
 
 MK_RDMA_HD inline RingHeader* ring_header(void* base, int rank, int capacity) {
   return reinterpret_cast<RingHeader*>(static_cast<char*>(base) + rank * ring_bytes(capacity));
