@@ -42,6 +42,47 @@ struct Layout {
 };
 }  // namespace ag_gemm
 
+// ag_gemm_nodes: AllGather + GEMM over nodes (rdma puts of chunks across them)
+namespace ag_gemm_nodes {
+enum Pad : int {
+  kPadBarrier = 0,
+  kPadChunkReady = 1,
+  kPadChunkReadyCount = 2,
+  kPadRailReady = 3,
+  kPadRailReadyCount = 4,
+};
+struct Layout {
+  RankPtr<const __nv_bfloat16> a;  // [ms, k] input: this rank's shard
+  RankPtr<const __nv_bfloat16> b;  // [k, n] input
+  RankPtr<__nv_bfloat16> out;  // [m, n] output
+  SymPtr<__nv_bfloat16> gather;  // [m, k] symmetric: the gathered A: the engine's A
+  __nv_bfloat16* gather_local;
+  int m;
+  int n;
+  int k;
+  int ms;
+  int chunks;
+  int chunk_rows;
+  int transfer_tma;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.gather = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
+    l.gather_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride3]);
+    l.m = (int)rec[kRecScalar0];
+    l.n = (int)rec[kRecScalar1];
+    l.k = (int)rec[kRecScalar2];
+    l.ms = (int)rec[kRecScalar3];
+    l.chunks = (int)rec[kRecScalar4];
+    l.chunk_rows = (int)rec[kRecScalar5];
+    l.transfer_tma = (int)rec[kRecScalar6];
+    return l;
+  }
+};
+}  // namespace ag_gemm_nodes
+
 // all_gather: AllGather, no compute
 namespace all_gather {
 enum Pad : int { kPadBarrier = 0, kPadLanded = 1 };
@@ -99,6 +140,47 @@ struct Layout {
   }
 };
 }  // namespace gemm_ar
+
+// gemm_ar_nodes: GEMM + AllReduce over nodes (rdma puts of node sums and results across them)
+namespace gemm_ar_nodes {
+enum Pad : int { kPadBarrier = 0, kPadTileFlag = 1, kPadTileReady = 2, kPadNodePart = 3 };
+struct Layout {
+  RankPtr<const __nv_bfloat16> a;  // [m, k_local] input
+  RankPtr<const __nv_bfloat16> b;  // [k_local, n] input
+  RankPtr<__nv_bfloat16> out;  // [m, n] output: the sum, on every rank
+  SymPtr<float> acc;  // [m, n] symmetric: fp32 sums of my node; tiles I reduce
+  float* acc_local;
+  SymPtr<float> xsend;  // [m, n] symmetric: my node's sum of a tile, put to its owner
+  float* xsend_local;
+  SymPtr<float> xrecv;  // [node_m, n] symmetric: slot n: node n's sum of my tiles
+  float* xrecv_local;
+  SymPtr<__nv_bfloat16> xout;  // [m, n] symmetric: the result of a tile, put by its owner
+  __nv_bfloat16* xout_local;
+  int m;
+  int n;
+  int k_local;
+  int tiles;
+  static Layout from(const long long* rec) {
+    Layout l;
+    l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
+    l.b = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot1]), rec[kRecStride1]};
+    l.out = {reinterpret_cast<__nv_bfloat16*>(rec[kRecSlot2]), rec[kRecStride2]};
+    l.acc = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot3])};
+    l.acc_local = reinterpret_cast<float*>(rec[kRecStride3]);
+    l.xsend = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot4])};
+    l.xsend_local = reinterpret_cast<float*>(rec[kRecStride4]);
+    l.xrecv = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot5])};
+    l.xrecv_local = reinterpret_cast<float*>(rec[kRecStride5]);
+    l.xout = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
+    l.xout_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
+    l.m = (int)rec[kRecScalar0];
+    l.n = (int)rec[kRecScalar1];
+    l.k_local = (int)rec[kRecScalar2];
+    l.tiles = (int)rec[kRecScalar3];
+    return l;
+  }
+};
+}  // namespace gemm_ar_nodes
 
 // gemm_rs: GEMM + ReduceScatter
 namespace gemm_rs {

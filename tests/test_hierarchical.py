@@ -354,15 +354,14 @@ def test_gpu_world_over_nodes_needs_the_opt_in_and_a_kernel(monkeypatch):
     world = World(size=4, device=torch.device("cuda", 0), kind="emulated", nodes=2)
     a, b = gemm_inputs(4, 16, 16, 16, 0)
     monkeypatch.delenv("MKERNEL_GPU_NODES", raising=False)
-    with pytest.raises(NotImplementedError, match="has not run on a GPU yet.*MKERNEL_GPU_NODES=1"):
-        mkernel.gemm_rs(a, b, world=world)
-    monkeypatch.setenv("MKERNEL_GPU_NODES", "1")
-    for op in (mkernel.ag_gemm, mkernel.gemm_ar):  # their protocols run in the interpreter only
-        with pytest.raises(NotImplementedError, match="device kernel runs gemm_rs"):
+    for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
+        with pytest.raises(NotImplementedError, match="not run on a GPU yet.*MKERNEL_GPU_NODES=1"):
             op(a, b, world=world)
+    monkeypatch.setenv("MKERNEL_GPU_NODES", "1")
     distributed = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2)
-    with pytest.raises(NotImplementedError, match="in emulated worlds"):
-        mkernel.gemm_rs(a[0], b[0], world=distributed)
+    for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
+        with pytest.raises(NotImplementedError, match="emulated worlds only.*nvshmem"):
+            op(a[0], b[0], world=distributed)
 
 
 @pytest.mark.parametrize("module", [rs_mod, ag_mod, ar_mod])

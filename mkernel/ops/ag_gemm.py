@@ -20,16 +20,16 @@ tile can span several chunks and, when M/W is not a multiple of the tile height,
     rank 0 compute: tiles of shard 0 (own, landed first), then shard 1 as its chunks land
     rank 1 compute: tiles of shard 1, then shard 0
 
-Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
-"Hierarchical ops"), R = W / N ranks per node, rank r = (node n, local index l): each own chunk
-crosses to each other node once, by an rdma put from ``a`` into the ``gather`` of the rank with the
-same local index there (its rail peer), carrying ``chunk_ready``; that rank forwards the chunk over
-NVLink to the other R - 1 ranks of its node (a forward waits for the chunk's flag, as a counted
-consumer beside the tiles). Within the node chunks move as above. A put first waits for the rail
-peer's ``rail_ready`` (a put of no bytes each rank sends its rail peers when its call begins), so
-it lands after the peer's previous call has read its gather. Comm tasks per rank: the arrival;
-per own chunk its puts, then its own copy and node pushes; then the forwards (they wait for
-remote puts, which wait only for arrivals: no cycle).
+Over several nodes (``World.emulated(W, nodes=N)``: SPEC_NODES, docs/rdma.md "Hierarchical ops";
+on a GPU kernels/ag_gemm_nodes.cu), R = W / N ranks per node, rank r = (node n, local index l):
+each own chunk crosses to each other node once, by an rdma put from ``a`` into the ``gather`` of
+the rank with the same local index there (its rail peer), carrying ``chunk_ready``; that rank
+forwards the chunk over NVLink to the other R - 1 ranks of its node (a forward waits for the
+chunk's flag, as a counted consumer beside the tiles). Within the node chunks move as above. A put
+first waits for the rail peer's ``rail_ready`` (a put of no bytes each rank sends its rail peers
+when its call begins), so it lands after the peer's previous call has read its gather. Comm tasks
+per rank: the arrival; per own chunk its puts, then its own copy and node pushes; then the
+forwards (they wait for remote puts, which wait only for arrivals: no cycle).
 
     W = 4, N = 2 (nodes {0, 1}, {2, 3}); chunk g of shard 0:
     rank 0: rdma put a -> gather of rank 2 (chunk_ready[g] on 2); stores -> gather of 0, 1
@@ -71,17 +71,17 @@ SPEC = OpSpec(
     pads=(Pad("chunk_ready", ("chunk",), ("chunks_total",), counted=True, doc="chunk g landed"),),
     scalars=("m", "n", "k", "ms", "chunks", "chunk_rows", "transfer_tma"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (ag_gemm_nodes.cu)
 SPEC_NODES = OpSpec(
     name="ag_gemm",
-    doc="AllGather + GEMM over nodes (no device kernel yet)",
+    doc="AllGather + GEMM over nodes (rdma puts of chunks across them)",
     buffers=SPEC.buffers,
     pads=(
         *SPEC.pads,
         Pad("rail_ready", ("node",), ("nodes",), counted=True, doc="my rail peer's call began"),
     ),
     scalars=SPEC.scalars,
-    device=False,
+    kernel="ag_gemm_nodes",
 )
 PUSH, PUT, FORWARD, ARRIVE = range(4)  # comm task kinds over several nodes (args[2])
 

@@ -57,9 +57,9 @@ GPU_NODES_ENV = "MKERNEL_GPU_NODES"  # "1": run the device kernels over nodes (n
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
     plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
-    plan's kernel (``SPEC_NODES.device``: gemm_rs) and an emulated world (the proxy transport's
-    host threads serve one GPU); those kernels have not run on a GPU yet, so they run only when
-    the environment sets MKERNEL_GPU_NODES=1 (docs/rdma.md)."""
+    plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu) and an emulated world (the
+    proxy transport's host threads serve one GPU); those kernels have not run on a GPU yet, so
+    they run only when the environment sets MKERNEL_GPU_NODES=1 (docs/rdma.md)."""
     if world.nodes == 1:
         return
     name = module.SPEC.name
@@ -73,9 +73,9 @@ def check_nodes(module: Any, world: World) -> None:
     spec = getattr(module, "SPEC_NODES", None)
     if spec is None or not spec.device or not world.emulated_world:
         raise NotImplementedError(
-            f"{name} over {world.nodes} nodes on a GPU: the device kernel runs gemm_rs in "
-            "emulated worlds (World.emulated(W, device='cuda', nodes=N)); the hierarchical "
-            "protocols of ag_gemm and gemm_ar run in the CPU interpreter (device='cpu')"
+            f"{name} over {world.nodes} nodes on a GPU runs in emulated worlds only "
+            "(World.emulated(W, device='cuda', nodes=N): the proxy transport serves one GPU); "
+            "a distributed world of several nodes needs the nvshmem transport, not built yet"
         )
     if os.environ.get(GPU_NODES_ENV) != "1":
         raise NotImplementedError(

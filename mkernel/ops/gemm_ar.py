@@ -23,19 +23,19 @@ whole result has landed.
 In a distributed world the peers write into a symmetric ``result`` buffer, copied into ``out`` after
 the kernel (one extra [M, N] device copy per call); an emulated world writes ``out`` directly.
 
-Over several nodes (``World.emulated(W, nodes=N)``, CPU interpreter only: SPEC_NODES, docs/rdma.md
-"Hierarchical ops"), R = W / N ranks per node: tile t (owner o = t % W) is reduced in each node n
-by its reducer (n, local(o)) (o itself on o's node): the node's ranks red.add their fp32 partials
-into the reducer's ``acc``; a reducer on another node moves the node's sum into ``xsend``, zeroes
-``acc`` and puts the sum into slot n of o's ``xrecv`` (rdma, ``node_part[t, node=n]``); o adds
-its ``acc`` and the N - 1 node sums in fp32, rounds once to bf16, stores the tile into its node's
-results and puts it into the ``xout`` of its rail peers (the reducers of t elsewhere,
+Over several nodes (``World.emulated(W, nodes=N)``: SPEC_NODES, docs/rdma.md "Hierarchical ops"; on
+a GPU kernels/gemm_ar_nodes.cu), R = W / N ranks per node: tile t (owner o = t % W) is reduced in
+each node n by its reducer (n, local(o)) (o itself on o's node): the node's ranks red.add their fp32
+partials into the reducer's ``acc``; a reducer on another node moves the node's sum into ``xsend``,
+zeroes ``acc`` and puts the sum into slot n of o's ``xrecv`` (rdma, ``node_part[t, node=n]``); o
+adds its ``acc`` and the N - 1 node sums in fp32, rounds once to bf16, stores the tile into its
+node's results and puts it into the ``xout`` of its rail peers (the reducers of t elsewhere,
 ``tile_ready[t]``), which forward it into their node's results. Comm tasks per rank, in this order
-(no cycle: each class waits only on the ones before it): the reducers' puts, the owner's
-finalizes, the forwards, the waits for the tiles of others. No rail arrival (gemm_rs, ag_gemm):
-data flows both ways along each rail, so a put of the next call already follows the previous
-call's reads of its destination (o's finalize waits for the next call's node sum; the reducer's
-next call follows its forward of o's result).
+(no cycle: each class waits only on the ones before it): the reducers' puts, the owner's finalizes,
+the forwards, the waits for the tiles of others. No rail arrival (gemm_rs, ag_gemm): data flows both
+ways along each rail, so a put of the next call already follows the previous call's reads of its
+destination (o's finalize waits for the next call's node sum; the reducer's next call follows its
+forward of o's result).
 
     W = 4, N = 2 (nodes {0, 1}, {2, 3}); tile t of owner 2:
     ranks 0, 1: red.add -> acc of 0 (tile_flag[t, src] on 0); ranks 2, 3: -> acc of 2
@@ -90,10 +90,10 @@ SPEC = OpSpec(
     ),
     scalars=("m", "n", "k_local", "tiles"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (CPU interpreter only)
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (gemm_ar_nodes.cu)
 SPEC_NODES = OpSpec(
     name="gemm_ar",
-    doc="GEMM + AllReduce over nodes (no device kernel yet)",
+    doc="GEMM + AllReduce over nodes (rdma puts of node sums and results across them)",
     buffers=(
         *SPEC.buffers[:3],
         Buffer("acc", "symmetric", f32, ("m", "n"), "fp32 sums of my node; tiles I reduce"),
@@ -106,7 +106,7 @@ SPEC_NODES = OpSpec(
         Pad("node_part", ("tile", "node"), ("tiles", "nodes"), doc="node's sum landed (rdma)"),
     ),
     scalars=SPEC.scalars,
-    device=False,
+    kernel="gemm_ar_nodes",
 )
 SEND, FINALIZE, FORWARD, LANDED = range(4)  # comm task kinds over several nodes (args[1])
 
@@ -247,7 +247,7 @@ def gemm_ar(
 
 def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
     """A distributed world's peers wrote the symmetric result buffer: copy it into out."""
-    result = plan.extra["_workspace"]["result"]  # (the launch cached the plan's workspace)
+    result = plan.extra["_workspace"].get("result")  # (the launch cached the plan's workspace)
     if result is not None:
         out.copy_(result.local)
 
@@ -285,8 +285,8 @@ def twins_of(plan: Plan):
 
 
 def _twins_nodes(plan: Plan):
-    """The data movement over several nodes (no device code yet): red.add within a node, fp32
-    node sums and bf16 results across by rdma puts (program.put_on_completion)."""
+    """The data movement over several nodes (kernels/gemm_ar_nodes.cu): red.add within a node,
+    fp32 node sums and bf16 results across by rdma puts (program.put_on_completion)."""
     W, N, M, k = plan.world_size, plan.nodes, plan.sizes["m"], plan.sizes["k_local"]
     R = W // N
 

@@ -1,6 +1,7 @@
-"""gemm_rs over several nodes on one GPU (kernels/gemm_rs_nodes.cu; issue 14): an emulated world
-split into virtual nodes, whose cross-node node sums and arrivals travel as rdma puts through each
-rank's ring and host proxy thread (mkernel/rdma.py fused_rings). Fresh random inputs, poisoned
+"""gemm_rs, ag_gemm and gemm_ar over several nodes on one GPU (kernels/<op>_nodes.cu; issue 14):
+an emulated world split into virtual nodes, whose cross-node data (node sums, chunks, results) and
+arrivals travel as rdma puts through each rank's ring and host proxy thread (mkernel/rdma.py
+fused_rings). Fresh random inputs, poisoned
 outputs, the fp32 reference; the rings drained after every call (reserve == head == tail)."""
 
 from __future__ import annotations
@@ -27,11 +28,23 @@ def _gpu_nodes(monkeypatch):
     monkeypatch.setenv("MKERNEL_GPU_NODES", "1")  # the opt-in (mkernel/ops/common.py)
 
 
+OPS = ["gemm_rs", "ag_gemm", "gemm_ar"]
+
+
 def _inputs(W, m, n, kl, seed):
     g = torch.Generator().manual_seed(seed)
     return randn_bf16(W, m, kl, device="cuda", generator=g), randn_bf16(
         W, kl, n, device="cuda", generator=g
     )
+
+
+def _op_inputs(op, W, rows, n, k, seed):
+    """Operands of ``op`` with ``rows`` rows per rank's a (gemm_rs: W * rows), ``k`` columns per
+    rank's a (ag_gemm: the whole K), and its result's per-rank shape."""
+    if op == "ag_gemm":
+        return _inputs(W, rows, n, k, seed), (W * rows, n)
+    m = W * rows if op == "gemm_rs" else rows
+    return _inputs(W, m, n, k, seed), ((rows if op == "gemm_rs" else m), n)
 
 
 def _assert_rings_drained(world) -> None:
@@ -43,81 +56,95 @@ def _assert_rings_drained(world) -> None:
     assert rings.errors() == []
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("W,N", WORLDS)
 @pytest.mark.parametrize("overlap", OVERLAPS)
 @pytest.mark.parametrize("seed", range(2))
-def test_random_shapes(W, N, overlap, seed):
+def test_random_shapes(op, W, N, overlap, seed):
     rng = random.Random(seed * 100 + W * 10 + N)
-    m, n, kl = W * rng.randint(1, 300), 8 * rng.randint(1, 80), 8 * rng.randint(1, 64)
+    rows, n, k = rng.randint(1, 300), 8 * rng.randint(1, 80), 8 * rng.randint(1, 64)
     world = mkernel.World.emulated(W, device="cuda", nodes=N)
-    a, b = _inputs(W, m, n, kl, seed)
-    sched = mkernel.Schedule(overlap=overlap, tile=rng.choice([None, "128x128x64"]))
-    for call in range(2):  # the second call reuses stage, xsend and the rings
-        out = poisoned((W, m // W, n), "cuda")
-        got = mkernel.gemm_rs(a, b, world=world, schedule=sched, out=out)
-        what = f"W={W} N={N} {m}x{n}x{kl} call {call}"
-        assert_close_bf16(got, mkernel.reference.gemm_rs(a, b, world=world), what)
+    (a, b), shape = _op_inputs(op, W, rows, n, k, seed)
+    sched = mkernel.Schedule(
+        overlap=overlap,
+        tile=rng.choice([None, "128x128x64"]),
+        chunk_rows=rng.choice([None, 7]) if op == "ag_gemm" else None,
+        transfer=rng.choice([None, "tma"]) if op == "ag_gemm" else None,
+    )
+    for call in range(2):  # the second call reuses the workspaces and the rings
+        out = poisoned((W, *shape), "cuda")
+        got = getattr(mkernel, op)(a, b, world=world, schedule=sched, out=out)
+        what = f"{op} W={W} N={N} rows={rows} n={n} k={k} call {call}"
+        assert_close_bf16(got, getattr(mkernel.reference, op)(a, b, world=world), what)
         _assert_rings_drained(world)
         assert_pads_zero(world)
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("overlap", OVERLAPS)
-def test_loop_1000_and_graph_replay(overlap):
+def test_loop_1000_and_graph_replay(op, overlap):
     W, N = 4, 2
     world = mkernel.World.emulated(W, device="cuda", nodes=N)
-    a, b = _inputs(W, 4 * 256, 512, 128, 7)
+    (a, b), shape = _op_inputs(op, W, 256, 512, 128, 7)
+    call = getattr(mkernel, op)
+    ref = lambda: getattr(mkernel.reference, op)(a, b, world=world)  # noqa: E731
     sched = mkernel.Schedule(overlap=overlap)
-    ref = mkernel.reference.gemm_rs(a, b, world=world)
+    want = ref()
     world.sync_checks = False
     for _ in range(1000):
-        out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
+        out = call(a, b, world=world, schedule=sched)
     world.check()
-    assert_close_bf16(out, ref, "after 1000 calls")
+    assert_close_bf16(out, want, "after 1000 calls")
     _assert_rings_drained(world)
     # CUDA graphs: the proxy threads keep serving whatever the replays post; nothing per call.
-    out = poisoned((W, 256, 512), "cuda")
-    mkernel.gemm_rs(a, b, world=world, schedule=sched, out=out)
+    out = poisoned((W, *shape), "cuda")
+    call(a, b, world=world, schedule=sched, out=out)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        mkernel.gemm_rs(a, b, world=world, schedule=sched, out=out)
+        call(a, b, world=world, schedule=sched, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     for i in range(30):
         out.fill_(float("nan"))
-        a.copy_(randn_bf16(W, 4 * 256, 128, device="cuda"))
+        a.copy_(randn_bf16(*a.shape, device="cuda"))
         graph.replay()
         if i % 10 == 0 or i == 29:
             torch.cuda.synchronize()
-            assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), f"replay {i}")
+            assert_close_bf16(out, ref(), f"replay {i}")
     world.check()
     _assert_rings_drained(world)
     assert_pads_zero(world)
 
 
-def test_stalled_proxy_times_out_names_the_signal_and_recovers():
+@pytest.mark.parametrize("op", OPS)
+def test_stalled_proxy_times_out_names_the_signal_and_recovers(op):
     W, N = 4, 2
     world = mkernel.World.emulated(W, device="cuda", nodes=N, timeout_s=1.0)
-    a, b = _inputs(W, 4 * 128, 256, 64, 3)
-    ref = mkernel.reference.gemm_rs(a, b, world=world)
-    assert_close_bf16(mkernel.gemm_rs(a, b, world=world), ref, "before")  # starts the rings
+    (a, b), _ = _op_inputs(op, W, 128, 256, 64, 3)
+    call = getattr(mkernel, op)
+    ref = getattr(mkernel.reference, op)(a, b, world=world)
+    assert_close_bf16(call(a, b, world=world), ref, "before")  # starts the rings
     world._rdma.set_stalled(True)
-    with pytest.raises(mkernel.CommTimeout, match=r"node_part|rail_ready|rdma_tail"):
-        mkernel.gemm_rs(a, b, world=world)
+    names = r"node_part|rail_ready|chunk_ready|tile_ready|rdma_tail"
+    with pytest.raises(mkernel.CommTimeout, match=names):
+        call(a, b, world=world)
     # the emulated world reset itself (workspace, pads, rings emptied and restarted)
     assert world._rdma.running
-    assert_close_bf16(mkernel.gemm_rs(a, b, world=world), ref, "after the timeout")
+    assert_close_bf16(call(a, b, world=world), ref, "after the timeout")
     _assert_rings_drained(world)
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("overlap", OVERLAPS)
-def test_silent_rank_times_out_and_the_next_call_is_right(overlap):
+def test_silent_rank_times_out_and_the_next_call_is_right(op, overlap):
     W, N = 4, 2
     world = mkernel.World.emulated(W, device="cuda", nodes=N, timeout_s=1.0)
-    a, b = _inputs(W, 4 * 128, 256, 64, 5)
+    (a, b), _ = _op_inputs(op, W, 128, 256, 64, 5)
+    call = getattr(mkernel, op)
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=2))
     with pytest.raises(mkernel.CommTimeout, match="peer 2|rank 2"):
-        mkernel.gemm_rs(a, b, world=world, schedule=sched)
-    out = mkernel.gemm_rs(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap))
-    assert_close_bf16(out, mkernel.reference.gemm_rs(a, b, world=world), "after")
+        call(a, b, world=world, schedule=sched)
+    out = call(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap))
+    assert_close_bf16(out, getattr(mkernel.reference, op)(a, b, world=world), "after")
     _assert_rings_drained(world)
