@@ -50,15 +50,6 @@ struct AgGemmNodes : AgGemmMoves<EngineT> {
     p.row_bytes = (unsigned long long)c.rows * l.k * sizeof(__nv_bfloat16);
     return p;
   }
-
-  static bool prepare(const long long* rec, Args& args) {
-    const int W = args.common.world_size;
-    if (args.rdma.rings == nullptr || args.rdma.reserve == nullptr || args.rdma.capacity < 1 ||
-        args.rdma.ranks_per_node < 1 || W % args.rdma.ranks_per_node ||
-        args.rdma.ranks_per_node == W)
-      return false;
-    return AgGemmMoves<EngineT>::prepare(rec, args);
-  }
 };
 
 int launch_ag_gemm_nodes(const long long* rec, cudaStream_t s) {

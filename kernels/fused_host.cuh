@@ -118,6 +118,9 @@ inline int launch_persistent(const long long* rec, cudaStream_t s) {
   const FusedCommon& c = args.common;
   if (c.ranks_here > kMaxLocalRanks) return kTooManyRanks;
   if (c.ctas_per_rank > kMaxBarrierSlots) return kBadConfig;
+  if constexpr (op_nodes<Op>::value) {
+    if (!rdma_args_ok(args.rdma, c.world_size)) return kBadConfig;
+  }
   if (!Op::prepare(rec, args)) return kBadConfig;
   const int smem = Engine::kSmemBytes + Op::kCommSmemBytes + claim_bytes<Op>();
   auto kernel = persistent_kernel<Op>;

@@ -107,10 +107,6 @@ struct GemmARNodes {
 
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
-    const int W = args.common.world_size, R = args.rdma.ranks_per_node;
-    if (args.rdma.rings == nullptr || args.rdma.reserve == nullptr || args.rdma.capacity < 1 ||
-        R < 1 || W % R || R == W)
-      return false;
     args.out_mapped = false;  // the engine reduce-adds fp32; results are the comm role's stores
     return fill_engine_params<Engine>(args.common.ranks_here, args.engine, l.a.base,
                                       l.a.rank_stride, l.b.base, l.b.rank_stride, l.m, l.n,

@@ -41,7 +41,7 @@ struct GemmRSNodes {
 
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
-    const int R = a.rdma.ranks_per_node, N = l.nodes, me = cta.rank, o = t.tag;
+    const int R = a.rdma.ranks_per_node, N = a.common.world_size / R, me = cta.rank, o = t.tag;
     const long long slot = (long long)l.rows_per_rank * l.n;  // elements per stage slot
     const int row0 = t.m0 - o * l.rows_per_rank;
     const long long off = (long long)row0 * l.n + t.n0;
@@ -78,7 +78,7 @@ struct GemmRSNodes {
     if (role != kRoleCompute) return p;
     const Layout& l = a.layout;
     const Tile t = load_tile(a.common, task_id(a.common, kRoleCompute, row));
-    const int R = a.rdma.ranks_per_node, N = l.nodes, me = cta.rank;
+    const int R = a.rdma.ranks_per_node, N = a.common.world_size / R, me = cta.rank;
     const long long slot = (long long)l.rows_per_rank * l.n;
     const long long off = (long long)(t.m0 - t.tag * l.rows_per_rank) * l.n + t.n0;
     p.src = l.xsend.map(me) + (t.tag / R) * slot + off;
@@ -95,9 +95,6 @@ struct GemmRSNodes {
   static bool prepare(const long long*, Args& args) {
     const Layout& l = args.layout;
     const int W = args.common.world_size, here = args.common.ranks_here;
-    if (args.rdma.rings == nullptr || args.rdma.reserve == nullptr || args.rdma.capacity < 1 ||
-        l.nodes < 2 || args.rdma.ranks_per_node * l.nodes != W)
-      return false;
     if (!fill_engine_params<Engine>(here, args.engine, l.a.base, l.a.rank_stride, l.b.base,
                                     l.b.rank_stride, l.rows_per_rank * W, l.n, l.k_local))
       return false;

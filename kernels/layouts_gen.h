@@ -229,7 +229,6 @@ struct Layout {
   int n;
   int k_local;
   int rows_per_rank;
-  int nodes;
   static Layout from(const long long* rec) {
     Layout l;
     l.a = {reinterpret_cast<const __nv_bfloat16*>(rec[kRecSlot0]), rec[kRecStride0]};
@@ -242,7 +241,6 @@ struct Layout {
     l.n = (int)rec[kRecScalar0];
     l.k_local = (int)rec[kRecScalar1];
     l.rows_per_rank = (int)rec[kRecScalar2];
-    l.nodes = (int)rec[kRecScalar3];
     return l;
   }
 };

@@ -92,6 +92,12 @@ struct RdmaArgs {
   int ranks_per_node;
 };
 
+// Host: what an op over several nodes needs from the launch (its launch refuses it otherwise).
+inline bool rdma_args_ok(const RdmaArgs& r, int world_size) {
+  return r.rings != nullptr && r.reserve != nullptr && r.capacity >= 1 && r.ranks_per_node >= 1 &&
+         world_size % r.ranks_per_node == 0 && r.ranks_per_node < world_size;
+}
+
 template <class Op>
 struct FusedArgs {  // the __grid_constant__ kernel parameter
   FusedCommon common;

@@ -108,7 +108,7 @@ SPEC_NODES = OpSpec(
         Pad("node_part", ("tile", "node"), ("per_owner", "nodes"), doc="node's sum landed (rdma)"),
         Pad("rail_ready", ("node",), ("nodes",), counted=True, doc="my rail peer's call began"),
     ),
-    scalars=(*SPEC.scalars, "nodes"),
+    scalars=SPEC.scalars,
     kernel="gemm_rs_nodes",
 )
 
