@@ -38,7 +38,10 @@ AREA_TESTS = {
     "mkernel/ops/ring_attention_backward.py": ("tests/test_ring_attention_backward.py",),
 }
 
-ORDER = DEFAULT_TESTS + tuple(sorted({t for ts in AREA_TESTS.values() for t in ts}))
+NODES_TESTS = ("tests/test_hierarchical.py",)  # the plans over several nodes (docs/rdma.md)
+ORDER = DEFAULT_TESTS + tuple(
+    sorted({t for ts in AREA_TESTS.values() for t in ts} | {*NODES_TESTS})
+)
 
 
 @dataclass(frozen=True)
@@ -773,6 +776,39 @@ MUTATIONS = [
         "            rows[(row + 1) * units + p] = Task(t, (t,), back)",
         "            rows[(row + 1) * units + p] = Task(t, (t,))",
         "ring backward: the owner's finish reads its block's sum before it came home",
+    ),
+    # -- over several nodes (the hierarchical plans, docs/rdma.md) --------------------------------
+    Mutation(
+        "rs_nodes_owner_drops_a_node_sum",
+        RS,
+        "part = yield from add_slots(ctx, t, part, 0, R + N - 2)",
+        "part = yield from add_slots(ctx, t, part, 0, R + N - 3)",
+        "gemm_rs over nodes: the owner adds one stage slot too few (the last node's sum)",
+        tests=NODES_TESTS,
+    ),
+    Mutation(
+        "rs_nodes_slot_ignores_the_owner_node",
+        RS,
+        "lo, mo = (src - me) % R, (owner // R - node) % N",
+        "lo, mo = (src - me) % R, 0",
+        "gemm_rs over nodes: partials for other nodes' owners land in the reducer's own slots",
+        tests=NODES_TESTS,
+    ),
+    Mutation(
+        "ag_nodes_forward_before_the_put_landed",
+        AG,
+        "tasks.append(Task(g * W + p, (g, p, FORWARD), waits=landed, raises=flag(g, p)))",
+        "tasks.append(Task(g * W + p, (g, p, FORWARD), raises=flag(g, p)))",
+        "ag_gemm over nodes: a chunk is forwarded within the node before its rdma put landed",
+        tests=NODES_TESTS,
+    ),
+    Mutation(
+        "ar_nodes_finalize_without_the_node_sums",
+        AR,
+        "            waits = (*node_flags(t), *arrived)",
+        "            waits = node_flags(t)",
+        "gemm_ar over nodes: the owner finalizes before the other nodes' sums landed",
+        tests=NODES_TESTS,
     ),
     Mutation(
         "any_order_agents_unshared",
