@@ -70,7 +70,7 @@ def protocol_header() -> str:
 def _op_names() -> list[str]:
     from .ops import registry
 
-    return registry.device_names()
+    return registry.kernel_names()
 
 
 def _spec(name: str) -> P.OpSpec:

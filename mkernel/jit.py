@@ -80,7 +80,7 @@ def _fused_op_sources() -> tuple[str, ...]:
     """kernels/<op>.cu of every fused op (mkernel/ops/registry.py: the modules with a SPEC)."""
     from mkernel.ops import registry
 
-    return tuple(f"kernels/{name}.cu" for name in registry.device_names())
+    return tuple(f"kernels/{name}.cu" for name in registry.kernel_names())
 
 
 EXTENSION = ExtensionSpec(

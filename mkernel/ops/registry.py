@@ -39,9 +39,14 @@ def device_specs() -> dict[str, OpSpec]:
     return dict(sorted(found.items()))
 
 
-def device_names() -> list[str]:
+def kernel_names() -> list[str]:
     """The kernels the build compiles and binds (device_specs' names)."""
     return list(device_specs())
+
+
+def device_names() -> list[str]:
+    """The ops with a device kernel for a world of one node (each op's ``SPEC``)."""
+    return [name for name, module in _ops().items() if module.SPEC.device]
 
 
 def get(op: str) -> ModuleType:
