@@ -148,15 +148,21 @@ class World:
         a distributed world (call it on every rank); an emulated world resets itself then."""
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+        rings = getattr(self, "_rdma", None)
+        if rings is not None:
+            # The fused ops' proxy rings (nodes > 1): stopped first (stop() drains the copies and
+            # signal writes the proxies issued), so no put of the timed-out call lands in what is
+            # zeroed below; emptied and restarted after.
+            rings.stop()
         for buf in self._buffers.values():
             buf.local.zero_()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             if buf_handle := next((b.handle for b in self._buffers.values() if b.handle), None):
                 buf_handle.barrier()
-        rings = getattr(self, "_rdma", None)
-        if rings is not None:  # the fused ops' proxy rings (nodes > 1): emptied, restarted
-            rings.restart()
+        if rings is not None:
+            rings.reset()
+            rings.start()
 
     # -- properties -------------------------------------------------------------------------------
     @property

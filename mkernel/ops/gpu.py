@@ -130,6 +130,19 @@ def raise_timeout(world: World, status: StatusBlock | None = None) -> None:
         return
     torch.cuda.synchronize(world.device)  # every wait has returned (abort): the kernel ends
     exc = status.timeout()
+    rings = getattr(world, "_rdma", None)
+    if rings is not None and isinstance(exc, CommTimeout) and rings.errors():
+        # a proxy that stopped on a bad descriptor or a CUDA error: its waiters timed out; say
+        # why before world.reset() restarts it (and clears the error)
+        exc = CommTimeout(
+            exc.rank,
+            exc.peer,
+            exc.signal,
+            exc.task,
+            exc.role,
+            "; ".join(rings.errors()),
+            unit=exc.unit,
+        )
     status.t.zero_()
     status.reported = False
     if world.emulated_world:
@@ -225,7 +238,7 @@ def _plan_record(world: World, plan: Plan) -> array:
     if plan.nodes > 1:  # the proxy transport's rings carry the raises across nodes
         from ..rdma import fused_rings
 
-        check_cross_node_raises(plan)
+        plan.extra["_puts_per_ring"] = check_cross_node_raises(plan)
         rings = fused_rings(world)
         put("rdma_rings", rings.rings.ptr)
         put("rdma_reserve", rings.reserve.data_ptr())
@@ -247,19 +260,43 @@ def _plan_record(world: World, plan: Plan) -> array:
     return rec
 
 
-def check_cross_node_raises(plan: Plan) -> None:
+def check_cross_node_raises(plan: Plan) -> int:
     """A raise on a rank of another node travels as a put whose signal the proxy's stream sets
-    (kPutSetDevice): it must be a "set" (an "add" is not atomic there)."""
+    (kPutSetDevice): it must be a "set" (an "add" is not atomic there). Returns the most puts a
+    rank's ring takes per call (one per cross-node raise)."""
     R = plan.world_size // plan.nodes
-    for role in ("compute", "comm"):
-        for rank, tasks in enumerate(plan.roles[role].tasks):
-            for task in tasks:
+    most = 0
+    for rank in range(plan.world_size):
+        puts = 0
+        for role in ("compute", "comm"):
+            for task in plan.roles[role].tasks[rank]:
                 for r in task.raises:
-                    if r.rank // R != rank // R and r.op != "set":
+                    if r.rank // R == rank // R:
+                        continue
+                    if r.op != "set":
                         raise ValueError(
                             f"{plan.op}: task {task.id} of rank {rank} adds to {r.pad} on rank "
                             f"{r.rank} of another node; a put's signal can only be set"
                         )
+                    puts += 1
+        most = max(most, puts)
+    return most
+
+
+def count_puts(world: World, plan: Plan) -> None:
+    """Counts a launch's puts per ring: the tickets are int32 and monotonic, so before they could
+    pass 2^31 the idle rings are emptied and restarted (a synchronize, once in ~2^31 puts).
+    Replays of a captured graph are not seen here: a graph replayed that often needs
+    ``fused_rings(world).restart()`` between replays, on an idle GPU."""
+    from ..rdma import _MAX_COUNT
+
+    rings, puts = world._rdma, plan.extra["_puts_per_ring"]
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if rings.posted + puts > _MAX_COUNT:
+        torch.cuda.synchronize(world.device)
+        rings.restart()
+    rings.count_posted(puts)
 
 
 def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
@@ -310,6 +347,8 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
+    if plan.nodes > 1:
+        count_puts(world, plan)
     launch = plan.extra.get("_launch")
     if launch is None:
         launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.spec.kernel_name}")

@@ -99,6 +99,9 @@ def test_loop_1000_and_graph_replay(op, overlap):
     # CUDA graphs: the proxy threads keep serving whatever the replays post; nothing per call.
     out = poisoned((W, *shape), "cuda")
     call(a, b, world=world, schedule=sched, out=out)
+    # NOTE: no global-mode capture while puts are in flight (docs/rdma.md): the proxy threads'
+    # stream calls would fail it
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -148,3 +151,37 @@ def test_silent_rank_times_out_and_the_next_call_is_right(op, overlap):
     out = call(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap))
     assert_close_bf16(out, getattr(mkernel.reference, op)(a, b, world=world), "after")
     _assert_rings_drained(world)
+
+
+def test_ticket_counters_restart_before_they_overflow():
+    """The rings' int32 tickets: the host counts each launch's puts and, before they could pass
+    2^31, empties and restarts the idle rings (mkernel/ops/gpu.py count_puts)."""
+    from mkernel.rdma import _MAX_COUNT, fused_rings
+
+    W, N = 4, 2
+    world = mkernel.World.emulated(W, device="cuda", nodes=N)
+    (a, b), _ = _op_inputs("gemm_rs", W, 128, 256, 64, 9)
+    ref = mkernel.reference.gemm_rs(a, b, world=world)
+    assert_close_bf16(mkernel.gemm_rs(a, b, world=world), ref, "first")
+    rings = fused_rings(world)
+    per_call = rings.posted
+    assert per_call > 0 and rings.counters(0)["reserve"] <= per_call
+    rings.posted = _MAX_COUNT - per_call + 1  # as if 2^31 puts had gone by: the next call restarts
+    assert_close_bf16(mkernel.gemm_rs(a, b, world=world), ref, "after the restart")
+    assert rings.posted == per_call
+    _assert_rings_drained(world)
+
+
+def test_stopped_proxy_times_out_and_the_world_restarts_it():
+    from mkernel.rdma import fused_rings
+
+    W, N = 4, 2
+    world = mkernel.World.emulated(W, device="cuda", nodes=N, timeout_s=1.0)
+    (a, b), _ = _op_inputs("ag_gemm", W, 64, 128, 64, 11)
+    ref = mkernel.reference.ag_gemm(a, b, world=world)
+    assert_close_bf16(mkernel.ag_gemm(a, b, world=world), ref, "before")
+    fused_rings(world).stop()
+    with pytest.raises(mkernel.CommTimeout, match=r"chunk_ready|rail_ready|rdma_tail"):
+        mkernel.ag_gemm(a, b, world=world)
+    assert fused_rings(world).running
+    assert_close_bf16(mkernel.ag_gemm(a, b, world=world), ref, "after")
