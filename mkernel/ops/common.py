@@ -98,15 +98,29 @@ def check_schedule(schedule: Any) -> Schedule:
     return schedule
 
 
-def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tuple[int, ...]:
-    """Checks a per-rank operand and returns its per-rank shape. ``form`` names the expected
-    shape."""
+def check_operand(
+    name: str,
+    t: Any,
+    world: World,
+    ndim: int,
+    form: str,
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    aligned: bool = True,
+) -> tuple[int, ...]:
+    """Checks a per-rank operand (emulated world: stacked, [W, *form]; distributed: this rank's)
+    and returns its per-rank shape. ``form`` names the expected shape, ``dtypes`` the accepted
+    element types (default bf16, a GEMM operand), ``aligned`` whether its TMA loads need a
+    16-byte aligned start."""
     emulated = world.emulated_world
     lead = f"[W={world.size}, {form[1:]}" if emulated else form
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} must be torch.bfloat16 (fp32 accumulation inside), got {t.dtype}")
+    if t.dtype not in dtypes:
+        if dtypes == (torch.bfloat16,):
+            raise TypeError(
+                f"{name} must be torch.bfloat16 (fp32 accumulation inside), got {t.dtype}"
+            )
+        raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
     dev, wdev = t.device, world.device
     if dev != wdev and not (dev.type == wdev.type == "cuda" and dev.index == wdev.index):
         raise ValueError(f"{name} is on {dev}, but the world's device is {wdev}")
@@ -120,7 +134,7 @@ def check_operand(name: str, t: Any, world: World, ndim: int, form: str) -> tupl
         )
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {lead}")
-    if t.numel() and t.data_ptr() % 16:
+    if aligned and t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{name} must be 16-byte aligned")
     return tuple(t.shape[1:]) if world.emulated_world else tuple(t.shape)
 

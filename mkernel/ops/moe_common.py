@@ -264,33 +264,6 @@ def on_gpu_path(spec: Any, world: Any) -> bool:
     return check_world_for(spec, world).on_gpu
 
 
-def check_tensor(
-    name: str, t: Any, world: World, form: str, dtypes: tuple[torch.dtype, ...]
-) -> tuple[int, ...]:
-    """A per-rank tensor (emulated world: stacked, [W, *form]; distributed: this rank's, form) of
-    one of ``dtypes``: the operand checks of common.check_operand (device, dims, leading W,
-    contiguous) for any dtype; returns the per-rank shape."""
-    emulated = world.emulated_world
-    lead = f"[W={world.size}, {form[1:]}" if emulated else form
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {lead}, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device != world.device:
-        raise ValueError(f"{name} is on {t.device}, but the world's device is {world.device}")
-    want = form.count(",") + 1 + emulated
-    if t.dim() != want:
-        raise ValueError(f"{name} must have shape {lead} ({want} dims), got {tuple(t.shape)}")
-    if emulated and t.shape[0] != world.size:
-        raise ValueError(
-            f"{name} has leading dimension {t.shape[0]}, but this world has {world.size} ranks: "
-            f"expected {lead} (a tensor of another world?)"
-        )
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {lead}")
-    return tuple(t.shape[1:]) if emulated else tuple(t.shape)
-
-
 def capturing(t: torch.Tensor) -> bool:
     """A CUDA graph is being captured on the current stream (no host reads of device data)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()

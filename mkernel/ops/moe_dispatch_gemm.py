@@ -68,7 +68,6 @@ from .moe_common import (
     check_capture,
     check_columns,
     check_ids,
-    check_tensor,
     dispatch_result,
     gemm_tasks,
     grouped_tile,
@@ -189,7 +188,8 @@ def make_plan(
 
 def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
     T, H = common.check_operand("x", x, world, 2, "[T, H]")
-    Ti, k = check_tensor("topk_ids", topk_ids, world, "[T, k]", (torch.int32, torch.int64))
+    ids_types = (torch.int32, torch.int64)
+    Ti, k = common.check_operand("topk_ids", topk_ids, world, 2, "[T, k]", ids_types, False)
     E, Hw, N = common.check_operand("w1", w1, world, 3, "[E_local, H, I]")
     if Ti != T:
         raise ValueError(f"topk_ids has {Ti} tokens (rows), x has {T}")

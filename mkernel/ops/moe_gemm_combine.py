@@ -56,7 +56,6 @@ from .moe_common import (
     Twins,
     check_capture,
     check_columns,
-    check_tensor,
     gemm_tasks,
     gemm_tiles,
     grouped_tile,
@@ -208,7 +207,8 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
             f"H={H} and h has I={inter}"
         )
     check_columns("I (columns of h)", inter)
-    Tw, kw = check_tensor("topk_weights", topk_weights, world, "[T, k]", (torch.float32,))
+    f32 = (torch.float32,)
+    Tw, kw = common.check_operand("topk_weights", topk_weights, world, 2, "[T, k]", f32, False)
     if (Tw, kw) != (T, k):
         raise ValueError(f"topk_weights is [T, k] = {[Tw, kw]}, the dispatch's topk_ids {[T, k]}")
     return {
