@@ -387,11 +387,21 @@ def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], de
     return order
 
 
+# SMs an emulated GPU world of several nodes leaves free: the proxy's device-to-device copies run
+# as kernels (measured on the H200: with every SM holding a persistent CTA, puts waited until
+# CTAs timed out; with 4 SMs free every call passed), so they need SMs the fused kernel does not
+# hold while its CTAs wait for those very puts.
+PROXY_COPY_SMS = 4
+
+
 def rank_sms(schedule: Schedule, world: Any) -> int:
-    """SMs per rank: the GPU's SMs (split among an emulated world's ranks), or 8 virtual SMs per
-    rank in the CPU interpreter; ``schedule.sms`` may lower it."""
+    """SMs per rank: the GPU's SMs (split among an emulated world's ranks; a world of several
+    nodes leaves PROXY_COPY_SMS free), or 8 virtual SMs per rank in the CPU interpreter;
+    ``schedule.sms`` may lower it."""
     if world.on_gpu:
         total_sms = torch.cuda.get_device_properties(world.device).multi_processor_count
+        if world.emulated_world and getattr(world, "nodes", 1) > 1:
+            total_sms -= PROXY_COPY_SMS
         per_rank = total_sms // world.size if world.emulated_world else total_sms
     else:
         per_rank = 8

@@ -65,11 +65,12 @@ def test_random_shapes(op, W, N, overlap, seed):
     rows, n, k = rng.randint(1, 300), 8 * rng.randint(1, 80), 8 * rng.randint(1, 64)
     world = mkernel.World.emulated(W, device="cuda", nodes=N)
     (a, b), shape = _op_inputs(op, W, rows, n, k, seed)
+    tma = op == "ag_gemm" and overlap == "inter_sm"  # TMA pushes: comm CTAs only
     sched = mkernel.Schedule(
         overlap=overlap,
         tile=rng.choice([None, "128x128x64"]),
         chunk_rows=rng.choice([None, 7]) if op == "ag_gemm" else None,
-        transfer=rng.choice([None, "tma"]) if op == "ag_gemm" else None,
+        transfer=rng.choice([None, "tma"]) if tma else None,
     )
     for call in range(2):  # the second call reuses the workspaces and the rings
         out = poisoned((W, *shape), "cuda")
@@ -78,6 +79,22 @@ def test_random_shapes(op, W, N, overlap, seed):
         assert_close_bf16(got, getattr(mkernel.reference, op)(a, b, world=world), what)
         _assert_rings_drained(world)
         assert_pads_zero(world)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("overlap", OVERLAPS)
+def test_every_cta_waits_for_puts(op, overlap):
+    """Shapes where every CTA has tiles that wait for puts, so none leaves early: the proxy's
+    copies (kernels) must find SMs the fused kernel leaves free (schedule.PROXY_COPY_SMS)."""
+    W, N = 4, 2
+    world = mkernel.World.emulated(W, device="cuda", nodes=N)
+    rows = {"gemm_rs": 2048, "ag_gemm": 2048, "gemm_ar": 8192}[op]
+    (a, b), shape = _op_inputs(op, W, rows, 4096, 512, 13)
+    sched = mkernel.Schedule(overlap=overlap)
+    out = getattr(mkernel, op)(a, b, world=world, schedule=sched, out=poisoned((W, *shape), "cuda"))
+    world.check()
+    assert_close_bf16(out, getattr(mkernel.reference, op)(a, b, world=world), f"{op} {overlap}")
+    _assert_rings_drained(world)
 
 
 @pytest.mark.parametrize("op", OPS)
