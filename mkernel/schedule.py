@@ -12,6 +12,8 @@ the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -391,7 +393,7 @@ def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], de
 # as kernels (measured on the H200: with every SM holding a persistent CTA, puts waited until
 # CTAs timed out; with 4 SMs free every call passed), so they need SMs the fused kernel does not
 # hold while its CTAs wait for those very puts.
-PROXY_COPY_SMS = 4
+PROXY_COPY_SMS = 4  # MKERNEL_PROXY_COPY_SMS overrides it (probes)
 
 
 def rank_sms(schedule: Schedule, world: Any) -> int:
@@ -401,7 +403,7 @@ def rank_sms(schedule: Schedule, world: Any) -> int:
     if world.on_gpu:
         total_sms = torch.cuda.get_device_properties(world.device).multi_processor_count
         if world.emulated_world and getattr(world, "nodes", 1) > 1:
-            total_sms -= PROXY_COPY_SMS
+            total_sms -= int(os.environ.get("MKERNEL_PROXY_COPY_SMS", PROXY_COPY_SMS))
         per_rank = total_sms // world.size if world.emulated_world else total_sms
     else:
         per_rank = 8
