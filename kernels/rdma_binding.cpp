@@ -98,6 +98,7 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
       .def("stop", &RingProxy::stop, py::call_guard<py::gil_scoped_release>())
       .def("set_stalled", &RingProxy::set_stalled, py::arg("stalled"))
       .def_property_readonly("running", &RingProxy::running)
+      .def_property_readonly("ready", &RingProxy::ready)
       .def_property_readonly("done", &RingProxy::done)
       .def("error", &RingProxy::error);
 

@@ -61,13 +61,17 @@ RingProxy::RingProxy(const ProxyConfig& cfg)
     throw std::invalid_argument("RingProxy: the ring must be allocated with capacity >= 1");
 }
 
-RingProxy::~RingProxy() { stop(); }
+RingProxy::~RingProxy() {
+  stop();
+  if (scratch_ != nullptr) cudaFree(scratch_);
+}
 
 void RingProxy::start(bool stalled) {
   if (thread_.joinable()) throw std::logic_error("RingProxy: already running");
   stop_.store(false);
   stalled_.store(stalled);
   failed_.store(false);
+  ready_.store(false);
   done_.store(0);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -105,6 +109,7 @@ void RingProxy::run() {
   // default stream, where the posting kernel may run for as long as its puts take.
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
+  if (e == cudaSuccess && warm_up(stream)) ready_.store(true);
   int idle = 0;
   while (!stop_.load(std::memory_order_relaxed)) {
     if (stalled_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) {
@@ -127,6 +132,27 @@ void RingProxy::run() {
     cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
   }
+}
+
+// One of each operation a drain issues, on the proxy's own bytes, before any put: measured on
+// the H200, a fused kernel's first call could wait seconds for a new proxy's first copy while
+// its CTAs held every SM it could run on (same-device copies run as kernels); done here, before
+// the launch that needs them, nothing of the first put waits for that kernel.
+bool RingProxy::warm_up(cudaStream_t stream) {
+  constexpr size_t kBytes = 4096;
+  if (scratch_ == nullptr) {
+    const cudaError_t e = cudaMalloc(&scratch_, 2 * kBytes);
+    if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
+  }
+  char* a = static_cast<char*>(scratch_);
+  cudaError_t e = cudaMemcpyAsync(a + kBytes, a, kBytes, cudaMemcpyDeviceToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpy2DAsync(a + kBytes, 256, a, 256, 128, 8, cudaMemcpyDeviceToDevice, stream);
+  if (e != cudaSuccess) return fail(std::string("warm-up copy: ") + cudaGetErrorString(e));
+  if (!write_device_signal(stream, reinterpret_cast<uint64_t>(a), 0)) return false;
+  e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
+  return true;
 }
 
 bool RingProxy::drain(int32_t head, cudaStream_t stream) {

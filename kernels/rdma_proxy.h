@@ -53,12 +53,16 @@ class RingProxy {
   void stop();
   void set_stalled(bool stalled) { stalled_.store(stalled, std::memory_order_relaxed); }
   bool running() const { return thread_.joinable(); }
+  // The thread has made its stream and run one of each of its operations (warm_up): a launch
+  // that waits for its puts may begin.
+  bool ready() const { return ready_.load(); }
   long long done() const { return done_.load(std::memory_order_relaxed); }  // puts since start
   std::string error() const;
 
  private:
   void run();
   bool drain(int32_t head, cudaStream_t stream);
+  bool warm_up(cudaStream_t stream);
   bool fail(const std::string& what);  // records the first error; returns false
   // kPutSetDevice: the signal's value written by `stream` after what it holds (fenced).
   bool write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value);
@@ -66,7 +70,8 @@ class RingProxy {
   ProxyConfig cfg_;
   RingHeader* header_;
   std::thread thread_;
-  std::atomic<bool> stop_{false}, stalled_{false}, failed_{false};
+  std::atomic<bool> stop_{false}, stalled_{false}, failed_{false}, ready_{false};
+  void* scratch_ = nullptr;  // warm_up's device bytes, freed by the destructor
   std::atomic<long long> done_{0};
   int32_t next_ = 0;  // the first count not yet done (the proxy thread's own)
   mutable std::mutex mu_;

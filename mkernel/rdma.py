@@ -88,6 +88,17 @@ class ProxyRing:
             if not p.running:
                 p.start(stalled)
 
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Waits until every started proxy thread has its stream and has run one of each of its
+        operations (RingProxy::warm_up), so that a launch that waits for puts finds them ready;
+        raises RuntimeError naming the proxies that are not (or failed) by ``timeout_s``."""
+        deadline = time.perf_counter() + timeout_s
+        while not all(p.ready for p in self.proxies):
+            if self.errors() or time.perf_counter() > deadline:
+                late = [r for r, p in enumerate(self.proxies) if not p.ready]
+                raise RuntimeError(f"rdma proxies of ranks {late} not ready: {self.errors()}")
+            time.sleep(1e-4)
+
     def stop(self) -> None:
         """Stops and joins every proxy thread (bounded: a thread ends after its current batch)."""
         for p in self.proxies:
@@ -170,6 +181,7 @@ def fused_rings(world: Any) -> ProxyRing:
     if rings is None:
         rings = ProxyRing(world.size, FUSED_RING_CAPACITY, device=world.device, signals_per_rank=1)
         rings.start()
+        rings.wait_ready()
         world._rdma = rings
         weakref.finalize(world, rings.stop)  # the threads end before the mapped memory goes
     return rings

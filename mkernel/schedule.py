@@ -13,7 +13,6 @@ the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction

@@ -163,6 +163,7 @@ class World:
         if rings is not None:
             rings.reset()
             rings.start()
+            rings.wait_ready()
 
     # -- properties -------------------------------------------------------------------------------
     @property

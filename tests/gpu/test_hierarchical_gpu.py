@@ -149,6 +149,7 @@ def test_stalled_proxy_times_out_names_the_signal_and_recovers(op):
     names = r"node_part|rail_ready|chunk_ready|tile_ready|rdma_tail"
     with pytest.raises(mkernel.CommTimeout, match=names):
         call(a, b, world=world)
+        world.check()  # (calls are asynchronous: the timeout is raised here)
     # the emulated world reset itself (workspace, pads, rings emptied and restarted)
     assert world._rdma.running
     assert_close_bf16(call(a, b, world=world), ref, "after the timeout")
@@ -165,6 +166,7 @@ def test_silent_rank_times_out_and_the_next_call_is_right(op, overlap):
     sched = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=2))
     with pytest.raises(mkernel.CommTimeout, match="peer 2|rank 2"):
         call(a, b, world=world, schedule=sched)
+        world.check()
     out = call(a, b, world=world, schedule=mkernel.Schedule(overlap=overlap))
     assert_close_bf16(out, getattr(mkernel.reference, op)(a, b, world=world), "after")
     _assert_rings_drained(world)
@@ -200,5 +202,6 @@ def test_stopped_proxy_times_out_and_the_world_restarts_it():
     fused_rings(world).stop()
     with pytest.raises(mkernel.CommTimeout, match=r"chunk_ready|rail_ready|rdma_tail"):
         mkernel.ag_gemm(a, b, world=world)
+        world.check()
     assert fused_rings(world).running
     assert_close_bf16(mkernel.ag_gemm(a, b, world=world), ref, "after")
