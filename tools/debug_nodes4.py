@@ -3,8 +3,8 @@ os.environ["MKERNEL_GPU_NODES"] = "1"
 import mkernel
 from tests.helpers import randn_bf16
 
-conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-for op, rows, reps in (("gemm_rs", 2048, 6), ("gemm_ar", 8192, 6), ("ag_gemm", 2048, 10)):
+conn = os.environ.get("MKERNEL_PROXY_COPY_SMS")
+for op, rows, reps in (("gemm_ar", 8192, 25), ("gemm_rs", 2048, 15)):
     W, N = 4, 2
     world = mkernel.World.emulated(W, device="cuda", nodes=N, timeout_s=2.0)
     m = W * rows if op == "gemm_rs" else rows
@@ -19,4 +19,4 @@ for op, rows, reps in (("gemm_rs", 2048, 6), ("gemm_ar", 8192, 6), ("ag_gemm", 2
             world.check(); ok += 1
         except Exception as e:
             pass
-    print(f"conn={conn} {op}: ok {ok}/{reps} ms {ts}", flush=True)
+    print(f"free={conn} {op}: ok {ok}/{reps} ms {ts}", flush=True)
