@@ -15,6 +15,10 @@ namespace {
 // a microsecond, an idle one costs no core.
 constexpr int kSpinPolls = 4096;
 constexpr auto kIdleSleep = std::chrono::microseconds(20);
+// NOTE: an idle proxy's sleeps double up to this: at 20 us each of many idle proxies (an
+// emulated world's W, times the worlds alive) woke 50000 times a second, and on a 16-core host
+// the one proxy with work was starved for seconds (GPU tests: waits for its puts timed out).
+constexpr auto kLongIdleSleep = std::chrono::microseconds(640);
 
 int32_t load_acquire(const int32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void store_release(int32_t* p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -111,6 +115,7 @@ void RingProxy::run() {
   if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
   if (e == cudaSuccess && warm_up(stream)) ready_.store(true);
   int idle = 0;
+  auto sleep = kIdleSleep;
   while (!stop_.load(std::memory_order_relaxed)) {
     if (stalled_.load(std::memory_order_relaxed) || failed_.load(std::memory_order_relaxed)) {
       std::this_thread::sleep_for(kIdleSleep);
@@ -121,11 +126,13 @@ void RingProxy::run() {
       if (++idle < kSpinPolls) {
         std::this_thread::yield();
       } else {
-        std::this_thread::sleep_for(kIdleSleep);
+        std::this_thread::sleep_for(sleep);
+        if (sleep < kLongIdleSleep) sleep *= 2;
       }
       continue;
     }
     idle = 0;
+    sleep = kIdleSleep;
     drain(head, stream);  // on failure the loop idles until stop()
   }
   if (stream != nullptr) {
