@@ -169,6 +169,16 @@ class ProxyRing:
 
 
 FUSED_RING_CAPACITY = 64  # descriptor slots per rank's ring for the fused ops over nodes
+# The rings of worlds that went: stopped, never freed. NOTE: freeing them (cudaFreeHost, the
+# proxies' cudaFree) synchronizes the device; a world collected by the garbage collector while
+# another world's kernel waits for its proxies' copies then held the driver until that kernel
+# timed out (GPU tests, 5 s stalls). A few KB per world.
+_RETIRED: list[ProxyRing] = []
+
+
+def _retire(rings: ProxyRing) -> None:
+    rings.stop()
+    _RETIRED.append(rings)
 
 
 def fused_rings(world: Any) -> ProxyRing:
@@ -183,7 +193,7 @@ def fused_rings(world: Any) -> ProxyRing:
         rings.start()
         rings.wait_ready()
         world._rdma = rings
-        weakref.finalize(world, rings.stop)  # the threads end before the mapped memory goes
+        weakref.finalize(world, _retire, rings)  # the threads end; the memory is kept
     return rings
 
 
