@@ -141,31 +141,6 @@ void RingProxy::run() {
   }
 }
 
-// Every row of every put of the batch as one cudaMemcpyBatchAsync, with the hint to overlap with
-// compute (copy engines): measured on the H200, plain same-device copies run as kernels, which
-// need SMs that a persistent kernel waiting for these very puts holds.
-bool RingProxy::copy_batch(const std::vector<PutDescriptor>& batch, cudaStream_t stream) {
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  for (const PutDescriptor& d : batch) {
-    for (int32_t r = 0; d.bytes > 0 && r < d.rows; ++r) {
-      dsts.push_back(reinterpret_cast<char*>(d.dst) + r * d.dst_pitch);
-      srcs.push_back(reinterpret_cast<const char*>(d.src) + r * d.src_pitch);
-      sizes.push_back(d.bytes);
-    }
-  }
-  if (dsts.empty()) return true;
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t first = 0;
-  const cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
-                                             &attr, &first, 1, stream);
-  if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
-  return true;
-}
-
 // One of each operation a drain issues, on the proxy's own bytes, before any put: measured on
 // the H200, a fused kernel's first call could wait seconds for a new proxy's first copy while
 // its CTAs held every SM it could run on (same-device copies run as kernels); done here, before
@@ -177,15 +152,12 @@ bool RingProxy::warm_up(cudaStream_t stream) {
     if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
   }
   char* a = static_cast<char*>(scratch_);
-  PutDescriptor d{};
-  d.dst = reinterpret_cast<uint64_t>(a + kBytes);
-  d.src = reinterpret_cast<uint64_t>(a);
-  d.bytes = 128;
-  d.rows = 8;
-  d.dst_pitch = d.src_pitch = 256;
-  if (!copy_batch({d}, stream)) return false;
+  cudaError_t e = cudaMemcpyAsync(a + kBytes, a, kBytes, cudaMemcpyDeviceToDevice, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpy2DAsync(a + kBytes, 256, a, 256, 128, 8, cudaMemcpyDeviceToDevice, stream);
+  if (e != cudaSuccess) return fail(std::string("warm-up copy: ") + cudaGetErrorString(e));
   if (!write_device_signal(stream, reinterpret_cast<uint64_t>(a), 0)) return false;
-  const cudaError_t e = cudaStreamSynchronize(stream);
+  e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
   return true;
 }
@@ -221,9 +193,17 @@ bool RingProxy::drain(int32_t head, cudaStream_t stream) {
     if (d.rows < 1 || (d.rows > 1 && (d.dst_pitch < d.bytes || d.src_pitch < d.bytes)))
       return fail(at + "rows " + std::to_string(d.rows) + " with pitches below the row's bytes");
   }
-  if (!copy_batch(batch, stream)) return false;
   for (const PutDescriptor& d : batch) {
-    if (d.op == kPutSetDevice) {  // ordered after the batch's copies on this stream, fenced
+    if (d.bytes > 0) {
+      auto* dst = reinterpret_cast<void*>(d.dst);
+      const auto* src = reinterpret_cast<const void*>(d.src);
+      const cudaError_t e =
+          d.rows == 1 ? cudaMemcpyAsync(dst, src, d.bytes, cudaMemcpyDeviceToDevice, stream)
+                      : cudaMemcpy2DAsync(dst, d.dst_pitch, src, d.src_pitch, d.bytes, d.rows,
+                                          cudaMemcpyDeviceToDevice, stream);
+      if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
+    }
+    if (d.op == kPutSetDevice) {  // ordered after the copy above on this stream, fenced
       if (!write_device_signal(stream, d.signal, d.value)) return false;
     }
   }

@@ -27,7 +27,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "primitives/rdma/ring_layout.h"
 
@@ -64,7 +63,6 @@ class RingProxy {
   void run();
   bool drain(int32_t head, cudaStream_t stream);
   bool warm_up(cudaStream_t stream);
-  bool copy_batch(const std::vector<PutDescriptor>& batch, cudaStream_t stream);
   bool fail(const std::string& what);  // records the first error; returns false
   // kPutSetDevice: the signal's value written by `stream` after what it holds (fenced).
   bool write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value);
