@@ -355,7 +355,7 @@ def test_gpu_world_over_nodes_needs_the_opt_in_and_a_kernel(monkeypatch):
     a, b = gemm_inputs(4, 16, 16, 16, 0)
     monkeypatch.delenv("MKERNEL_GPU_NODES", raising=False)
     for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
-        with pytest.raises(NotImplementedError, match="not run on a GPU yet.*MKERNEL_GPU_NODES=1"):
+        with pytest.raises(NotImplementedError, match="stalls now and then.*MKERNEL_GPU_NODES=1"):
             op(a, b, world=world)
     monkeypatch.setenv("MKERNEL_GPU_NODES", "1")
     distributed = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2)
