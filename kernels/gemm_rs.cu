@@ -14,14 +14,9 @@
 //   W = 2, owners' tiles 0a 0b (rank 0's rows), 1a 1b; t = time ->
 //   rank 0 compute:  1a 1b  -- fp32 --> stage[1] slot 0 | 0a 0b + stage[0] slot 1 -> out[0]
 //   rank 1 compute:  0a 0b  -- fp32 --> stage[0] slot 1 | 1a 1b + stage[1] slot 0 -> out[1]
-#include "kernels/fused_host.cuh"
+#include "kernels/gemm_rs.cuh"
 
 namespace mk {
-
-// Offset of a tile's element (0, 0) in its owner's [Ms, N] rows (host-tested against the twin).
-MK_HD inline long long owned_offset(int m0, int n0, int owner, int ms, int n) {
-  return (long long)(m0 - owner * ms) * n + n0;
-}
 
 template <class EngineT>
 struct GemmRS {
@@ -50,16 +45,7 @@ struct GemmRS {
   // No comm role: the owner's own compute tasks wait for the partials and finish the tiles.
   static __device__ void comm_move(const Args&, const CtaInfo&, const int*, const Team&, char*) {}
 
-  static bool prepare(const long long*, Args& args) {
-    const Layout& l = args.layout;
-    const int W = args.common.world_size, here = args.common.ranks_here;
-    if (!fill_engine_params<Engine>(here, args.engine, l.a.base, l.a.rank_stride, l.b.base,
-                                    l.b.rank_stride, l.rows_per_rank * W, l.n, l.k_local))
-      return false;
-    // Every rank's own tiles store into its out (through the map, full tiles), at any W.
-    args.out_mapped = fill_out_maps<Engine>(here, args.out_map, l.out, l.rows_per_rank, l.n);
-    return true;
-  }
+  static bool prepare(const long long*, Args& args) { return prepare_rs<Engine>(args); }
 };
 
 int launch_gemm_rs(const long long* rec, cudaStream_t s) { return launch_fused<GemmRS>(rec, s); }

@@ -11,7 +11,7 @@
 //                slots of my stage (stage_slot), added in the epilogue before the one bf16 store
 // No memory of another node is touched: the entry barrier spans the node (kNodes), and every
 // byte or flag that crosses goes through the rank's ring to the host proxy.
-#include "kernels/fused_host.cuh"
+#include "kernels/gemm_rs.cuh"
 
 namespace mk {
 
@@ -92,15 +92,7 @@ struct GemmRSNodes {
   // No comm data movement: the comm role only arrives at the rail peers (raises, as puts).
   static __device__ void comm_move(const Args&, const CtaInfo&, const int*, const Team&, char*) {}
 
-  static bool prepare(const long long*, Args& args) {
-    const Layout& l = args.layout;
-    const int W = args.common.world_size, here = args.common.ranks_here;
-    if (!fill_engine_params<Engine>(here, args.engine, l.a.base, l.a.rank_stride, l.b.base,
-                                    l.b.rank_stride, l.rows_per_rank * W, l.n, l.k_local))
-      return false;
-    args.out_mapped = fill_out_maps<Engine>(here, args.out_map, l.out, l.rows_per_rank, l.n);
-    return true;
-  }
+  static bool prepare(const long long*, Args& args) { return prepare_rs<Engine>(args); }
 };
 
 int launch_gemm_rs_nodes(const long long* rec, cudaStream_t s) {
