@@ -183,8 +183,11 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
   fence_proxy_async_global();  // the data is read next, possibly by TMA (the async proxy)
 }
 
-// The raises of task `row`, once its writes are complete and fenced at system scope.
-__device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank) {
+// The raises of task `row`, once its writes are complete and fenced at system scope. `across(r,
+// flag)` may take a raise over (an op over several nodes: a put), returning true.
+template <class Across>
+__device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank,
+                                  Across&& across) {
   const RoleTables& t = c.role[role];
   const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
   if (first == end || rank == c.silent_rank) return;
@@ -192,12 +195,17 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
   for (int i = first; i < end; ++i) {
     const int* r = t.raises + i * kRaiseFields;
     int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
+    if (across(r, flag)) continue;
     if (r[kROp] == kRaiseAdd) {
       signal_add_release(flag, r[kRValue]);
     } else {
       signal_set_release(flag, r[kRValue]);
     }
   }
+}
+
+__device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank) {
+  run_raises(c, role, row, rank, [](const int*, int*) { return false; });
 }
 
 // -- over several nodes: raises across nodes travel as rdma puts ----------------------------------
@@ -232,30 +240,18 @@ __device__ __forceinline__ rdma::RingView ring_of(const FusedArgs<Op>& a, const 
 template <class Op>
 __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& cta, int role,
                                         int row) {
-  const FusedCommon& c = a.common;
-  const RoleTables& t = c.role[role];
-  const int rank = cta.rank, per_node = a.rdma.ranks_per_node;
-  const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
-  if (first == end || rank == c.silent_rank) return;
-  if (rank == c.delay_rank) delay_ns(c.delay_ns);
-  for (int i = first; i < end; ++i) {
-    const int* r = t.raises + i * kRaiseFields;
-    int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
-    if (r[kRRank] / per_node != rank / per_node) {
-      const PutRect p = Op::put_rect(a, cta, role, row, r[kRRank]);
-      rdma::Put put{
-          r[kRRank],          p.dst, p.src, p.rows > 0 ? p.row_bytes : 0, flag, r[kRValue],
-          rdma::kPutSetDevice};
-      put.rows = p.rows > 0 ? p.rows : 1;
-      put.dst_pitch = p.dst_pitch;
-      put.src_pitch = p.src_pitch;
-      rdma::rdma_put(ring_of(a, cta), put, c.wait, kRoleRdma);  // false: recorded, carry on
-    } else if (r[kROp] == kRaiseAdd) {
-      signal_add_release(flag, r[kRValue]);
-    } else {
-      signal_set_release(flag, r[kRValue]);
-    }
-  }
+  const int per_node = a.rdma.ranks_per_node;
+  run_raises(a.common, role, row, cta.rank, [&](const int* r, int* flag) {
+    if (r[kRRank] / per_node == cta.rank / per_node) return false;
+    const PutRect p = Op::put_rect(a, cta, role, row, r[kRRank]);
+    rdma::Put put{r[kRRank],          p.dst, p.src, p.rows > 0 ? p.row_bytes : 0, flag, r[kRValue],
+                  rdma::kPutSetDevice};
+    put.rows = p.rows > 0 ? p.rows : 1;
+    put.dst_pitch = p.dst_pitch;
+    put.src_pitch = p.src_pitch;
+    rdma::rdma_put(ring_of(a, cta), put, a.common.wait, kRoleRdma);  // false: recorded, carry on
+    return true;
+  });
 }
 
 // -- the hook contract ----------------------------------------------------------------------------
