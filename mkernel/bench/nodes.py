@@ -27,7 +27,10 @@ from ..ops.common import GPU_NODES_ENV
 from .timing import interleaved_ms, save, table
 
 W, NODES = 4, 2
-SHAPES = [(4096, 4096, 4096), (8192, 8192, 2048), (2048, 8192, 8192)]  # global M x N x K
+SHAPES = [(2048, 4096, 2048), (8192, 4096, 2048)]  # global M x N x K
+# NOTE: few calls: a put through the host proxy costs ~0.1-0.4 ms (nodes_probe_2026-12-01.json),
+# so a call over nodes at these shapes takes tens of ms
+ROUNDS, PER_ROUND = 3, 4
 OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 
 
@@ -68,7 +71,7 @@ def measure(op: str, m: int, n: int, k: int) -> dict:
             raise AssertionError(f"{op} {name} {m}x{n}x{k}: relative error {err:.3g}")
         fns[name] = lambda _, world=world: call(a, b, world=world)
     fns["unfused"] = unfused(op, a, b)
-    ms = interleaved_ms(fns, sets=1)
+    ms = interleaved_ms(fns, sets=1, rounds=ROUNDS, per=PER_ROUND, warmup=1)
     for world in worlds.values():
         world.check()
     rec = {"op": op, "m": m, "n": n, "k": k, "W": W, "nodes": NODES}
