@@ -46,7 +46,6 @@ struct AgGemmNodes : AgGemmMoves<EngineT> {
     const ChunkSpan c = span_of(l, args[0]);
     p.src = l.a.at(cta.local_rank) + (long long)c.shard_row * l.k;
     p.dst = l.gather.map(dest) + (long long)c.gather_row * l.k;
-    p.rows = 1;
     p.row_bytes = (unsigned long long)c.rows * l.k * sizeof(__nv_bfloat16);
     return p;
   }

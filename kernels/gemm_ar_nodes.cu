@@ -25,18 +25,13 @@ struct GemmARNodes {
   static __device__ gemm::Dest dest(const Args& a, const CtaInfo& cta, const Tile& t) {
     const Layout& l = a.layout;
     const int R = a.rdma.ranks_per_node;
-    const int reducer = cta.rank - cta.rank % R + t.tag % R;
+    const int reducer = node_rank(cta.rank, R, t.tag % R);
     return gemm::Dest{l.acc.map(reducer) + (long long)t.m0 * l.n + t.n0, l.n, gemm::kReduceF32};
-  }
-
-  static __device__ uint32_t pack2(float x, float y) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&h);
   }
 
   // 8 bf16 (one 16-byte vector) into the results of my node's ranks, mine first.
   static __device__ void store_node(const Layout& l, int me, int R, long long at, uint4 v) {
-    for (int j = 0; j < R; ++j) peer_store_v4(l.out.at(me - me % R + (me + j) % R) + at, v);
+    for (int j = 0; j < R; ++j) peer_store_v4(l.out.at(node_rank(me, R, (me + j) % R)) + at, v);
   }
 
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
@@ -75,7 +70,8 @@ struct GemmARNodes {
         y = make_float4(y.x + w.x, y.y + w.y, y.z + w.z, y.w + w.w);
       }
       store_node(l, me, R, base + off,
-                 make_uint4(pack2(x.x, x.y), pack2(x.z, x.w), pack2(y.x, y.y), pack2(y.z, y.w)));
+                 make_uint4(gemm::pack_bf16x2(x.x, x.y), gemm::pack_bf16x2(x.z, x.w),
+                            gemm::pack_bf16x2(y.x, y.y), gemm::pack_bf16x2(y.z, y.w)));
     }
   }
 

@@ -47,7 +47,7 @@ struct GemmRSNodes {
     const long long off = (long long)row0 * l.n + t.n0;
     const int k = kind(R, me, o);
     if (k == kToOwner || k == kToAgg) {
-      const int reducer = k == kToOwner ? o : me - me % R + o % R;
+      const int reducer = k == kToOwner ? o : node_rank(me, R, o % R);
       float* to = l.stage.map(reducer) + rs_stage_slot(R, N, reducer, me, o) * slot + off;
       return gemm::Dest{to, l.n, gemm::kStoreF32Bulk};
     }
@@ -55,7 +55,7 @@ struct GemmRSNodes {
     if (k == kAggregate) {  // my node's sum, in fp32, into my xsend slot of o's node
       gemm::Dest d{l.xsend.map(me) + (o / R) * slot + off, l.n, gemm::kStoreF32Bulk};
       if (R > 1) {
-        const int first = rs_stage_slot(R, N, me, me - me % R + (me + 1) % R, o);
+        const int first = rs_stage_slot(R, N, me, node_rank(me, R, (me + 1) % R), o);
         d.add_from = stage + first * slot + off;
         d.add_stride = slot;
         d.add_count = R - 1;

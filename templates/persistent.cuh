@@ -223,12 +223,17 @@ struct op_nodes : std::false_type {};
 template <class Op>
 struct op_nodes<Op, std::void_t<decltype(Op::kNodes)>> : std::bool_constant<Op::kNodes> {};
 
-struct PutRect {
+struct PutRect {  // as rdma::Put: `rows` runs of `row_bytes`, the pitches apart (0 bytes: none)
   void* dst = nullptr;
   const void* src = nullptr;
-  int rows = 0;  // runs of row_bytes, the pitches apart
+  int rows = 1;
   unsigned long long row_bytes = 0, dst_pitch = 0, src_pitch = 0;
 };
+
+// The rank of `rank`'s node with local index `local` (its rail peer of that index).
+__device__ __forceinline__ int node_rank(int rank, int per_node, int local) {
+  return rank - rank % per_node + local;
+}
 
 template <class Op>
 __device__ __forceinline__ rdma::RingView ring_of(const FusedArgs<Op>& a, const CtaInfo& cta) {
@@ -244,14 +249,24 @@ __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& c
   run_raises(a.common, role, row, cta.rank, [&](const int* r, int* flag) {
     if (r[kRRank] / per_node == cta.rank / per_node) return false;
     const PutRect p = Op::put_rect(a, cta, role, row, r[kRRank]);
-    rdma::Put put{r[kRRank],          p.dst, p.src, p.rows > 0 ? p.row_bytes : 0, flag, r[kRValue],
-                  rdma::kPutSetDevice};
-    put.rows = p.rows > 0 ? p.rows : 1;
+    rdma::Put put{r[kRRank], p.dst, p.src, p.row_bytes, flag, r[kRValue], rdma::kPutSetDevice};
+    put.rows = p.rows;
     put.dst_pitch = p.dst_pitch;
     put.src_pitch = p.src_pitch;
     rdma::rdma_put(ring_of(a, cta), put, a.common.wait, kRoleRdma);  // false: recorded, carry on
     return true;
   });
+}
+
+// The raises of task `row` of an op: as puts across nodes for an op over several nodes.
+template <class Op>
+__device__ __forceinline__ void run_raises_of(const FusedArgs<Op>& a, const CtaInfo& cta, int role,
+                                              int row) {
+  if constexpr (op_nodes<Op>::value) {
+    run_raises_nodes<Op>(a, cta, role, row);
+  } else {
+    run_raises(a.common, role, row, cta.rank);
+  }
 }
 
 // -- the hook contract ----------------------------------------------------------------------------
@@ -317,11 +332,7 @@ struct PlanHooks {
   }
   __device__ typename Op::Engine::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
   __device__ void after_store(int i) const {  // one consumer thread, the tile's writes landed
-    if constexpr (op_nodes<Op>::value) {
-      run_raises_nodes<Op>(a, cta, kRoleCompute, tasks[i]);
-    } else {
-      run_raises(c(), kRoleCompute, tasks[i], cta.rank);
-    }
+    run_raises_of<Op>(a, cta, kRoleCompute, tasks[i]);
     stamp(i, 1);
   }
   // Nobody waits for this launch's tiles (and no timeline): skip the per-tile completion.
@@ -395,11 +406,7 @@ __device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int ro
     const int* span = c.role[kRoleComm].raise_span + 2 * row;
     if (span[1] > span[0]) {
       __threadfence_system();
-      if constexpr (op_nodes<Op>::value) {
-        run_raises_nodes<Op>(a, cta, kRoleComm, row);
-      } else {
-        run_raises(c, kRoleComm, row, cta.rank);
-      }
+      run_raises_of<Op>(a, cta, kRoleComm, row);
     }
     if (e != nullptr) e[1] = (long long)globaltimer_ns();
   }
@@ -457,15 +464,17 @@ template <bool kNodeScoped = false>
 __device__ inline void entry_barrier(const FusedCommon& c, const CtaInfo& cta, int per_node = 0) {
   const int W = c.world_size;
   const SymPtr<int>& barrier = c.pads[kBarrierPad];
+  // the group met: the world, or the node (ranks base .. base + G - 1); peer i of this rank
   const int G = kNodeScoped ? per_node : W, base = kNodeScoped ? cta.rank - cta.rank % G : 0;
+  auto peer_at = [&](int i) { return base + (cta.rank - base + i) % G; };
   for (int i = 1; i < G; ++i) {
-    const int peer = kNodeScoped ? base + (cta.rank - base + i) % G : (cta.rank + i) % W;
+    const int peer = peer_at(i);
     int* f = barrier.map(peer) + cta.slot * W + cta.rank;
     const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + cta.rank};
     spin_until(c.wait, site, [&] { return cas_acq_rel_sys(f, 0, 1) == 0; });
   }
   for (int i = 1; i < G; ++i) {
-    const int peer = kNodeScoped ? base + (cta.rank - base + i) % G : (cta.rank + i) % W;
+    const int peer = peer_at(i);
     const WaitSite site{cta.rank, peer, -1, kRoleBarrier, kBarrierPad, cta.slot * W + peer};
     wait_acquire_reset(barrier.map(cta.rank) + cta.slot * W + peer, 1, c.wait, site);
   }

@@ -60,11 +60,9 @@ struct Put {
 
 // Posts `put` into `ring` (call from ONE thread). Returns once the descriptor is published, not
 // when the bytes land. False on timeout / abort (recorded in w.status; the caller carries on).
-// `ticket` (optional) gets the put's count: the ring's tail passing it says the put is done.
-__device__ inline bool rdma_put(const RingView& ring, const Put& put, const WaitPolicy& w, int role,
-                                int* ticket = nullptr) {
+__device__ inline bool rdma_put(const RingView& ring, const Put& put, const WaitPolicy& w,
+                                int role) {
   const int t = atomicAdd(ring.reserve, 1);
-  if (ticket != nullptr) *ticket = t;
   RingHeader* h = ring.header;
   const int free_from = t - ring.capacity + 1;
   if (free_from > 0) {
