@@ -283,45 +283,40 @@ def check_cross_node_raises(plan: Plan) -> int:
     return most
 
 
-NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (bound_in_flight)
+NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (before_nodes_launch)
 
 
-def bound_in_flight(world: World) -> None:
-    """Before a launch over nodes: wait for the launch NODES_IN_FLIGHT back. NOTE: a hypothesis,
-    not yet checked on a GPU: in loops of 1000 asynchronous calls every run stalled, while the
-    same calls synchronized one by one completed; with hundreds of launches queued the host
-    threads that post the proxies' copies may wait behind the launch queue, while the kernel in
-    front waits for those copies. Graph capture and replays are not bounded here."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    queue = world.__dict__.setdefault("_nodes_launches", [])
-    while len(queue) >= NODES_IN_FLIGHT:
-        queue.pop(0).synchronize()
-
-
-def launched_over_nodes(world: World) -> None:
-    """After a launch over nodes: its completion event, for bound_in_flight."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    done = torch.cuda.Event()
-    done.record()
-    world.__dict__.setdefault("_nodes_launches", []).append(done)
-
-
-def count_puts(world: World, plan: Plan) -> None:
-    """Counts a launch's puts per ring: the tickets are int32 and monotonic, so before they could
-    pass 2^31 the idle rings are emptied and restarted (a synchronize, once in ~2^31 puts).
-    Replays of a captured graph are not seen here: a graph replayed that often needs
-    ``fused_rings(world).restart()`` between replays, on an idle GPU."""
+def before_nodes_launch(world: World, plan: Plan) -> bool:
+    """Before a launch over nodes (nothing under graph capture, whose replays the host does not
+    see): count its puts per ring (the tickets are int32 and monotonic: before they could pass
+    2^31 the idle rings are emptied and restarted, a synchronize once in ~2^31 puts; a graph
+    replayed that often needs ``fused_rings(world).restart()`` between replays, on an idle GPU),
+    and wait for the launch NODES_IN_FLIGHT back.
+    NOTE: that bound is a hypothesis, not yet checked on a GPU: in loops of 1000 asynchronous
+    calls every run stalled, while the same calls synchronized one by one completed; with
+    hundreds of launches queued the host threads that post the proxies' copies may wait behind
+    the launch queue, while the kernel in front waits for those copies.
+    Returns whether the launch is to be recorded (after_nodes_launch): not under capture."""
     from ..rdma import _MAX_COUNT
 
-    rings, puts = world._rdma, plan.extra["_puts_per_ring"]
     if torch.cuda.is_current_stream_capturing():
-        return
+        return False
+    rings, puts = world._rdma, plan.extra["_puts_per_ring"]
     if rings.posted + puts > _MAX_COUNT:
         torch.cuda.synchronize(world.device)
         rings.restart()
     rings.count_posted(puts)
+    queue = world.__dict__.setdefault("_nodes_launches", [])
+    while len(queue) >= NODES_IN_FLIGHT:
+        queue.pop(0).synchronize()
+    return True
+
+
+def after_nodes_launch(world: World) -> None:
+    """After a launch over nodes: its completion event, for before_nodes_launch's bound."""
+    done = torch.cuda.Event()
+    done.record()
+    world._nodes_launches.append(done)
 
 
 def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
@@ -372,17 +367,15 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
-    if plan.nodes > 1:
-        count_puts(world, plan)
-        bound_in_flight(world)
+    tracked = plan.nodes > 1 and before_nodes_launch(world, plan)
     launch = plan.extra.get("_launch")
     if launch is None:
         launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.spec.kernel_name}")
     rc = launch(rec.buffer_info()[0], _current_stream(world))
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
-    if plan.nodes > 1:
-        launched_over_nodes(world)
+    if tracked:
+        after_nodes_launch(world)
     trace = world._pending_trace
     if (world.sync_checks or trace) and not torch.cuda.is_current_stream_capturing():
         torch.cuda.current_stream(world.device).synchronize()
