@@ -17,11 +17,6 @@
 
 namespace mk {
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float x, float y) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 template <class EngineT>
 struct GemmAR {
   using Engine = EngineT;
@@ -57,8 +52,8 @@ struct GemmAR {
       const long long off = (long long)(v / per_row) * l.n + (v % per_row) * 8;
       const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + off));
       const float4 y = __ldcg(reinterpret_cast<const float4*>(acc + off + 4));
-      const uint4 packed = make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w),
-                                      pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
+      const uint4 packed = make_uint4(gemm::pack_bf16x2(x.x, x.y), gemm::pack_bf16x2(x.z, x.w),
+                                      gemm::pack_bf16x2(y.x, y.y), gemm::pack_bf16x2(y.z, y.w));
       for (int j = 0; j < W; ++j) peer_store_v4(out_of(l, (me + j) % W) + base + off, packed);
       __stcg(reinterpret_cast<float4*>(acc + off), make_float4(0.f, 0.f, 0.f, 0.f));
       __stcg(reinterpret_cast<float4*>(acc + off + 4), make_float4(0.f, 0.f, 0.f, 0.f));
