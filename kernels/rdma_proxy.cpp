@@ -3,6 +3,8 @@
 
 #include <cuda.h>
 
+#include "primitives/host/driver_entry.h"
+
 #include <chrono>
 #include <stdexcept>
 #include <vector>
@@ -27,22 +29,8 @@ using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsig
 
 // cuStreamWriteValue32 from the driver (the runtime has no such call; no -lcuda needed).
 StreamWriteValue32 stream_write_value32() {
-  static StreamWriteValue32 fn = []() -> StreamWriteValue32 {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &q);
-#else
-    const cudaError_t e =
-        cudaGetDriverEntryPoint("cuStreamWriteValue32", &p, cudaEnableDefault, &q);
-#endif
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<StreamWriteValue32>(p);
-  }();
+  static const auto fn =
+      reinterpret_cast<StreamWriteValue32>(host::driver_entry_point("cuStreamWriteValue32"));
   return fn;
 }
 
@@ -151,15 +139,39 @@ bool RingProxy::warm_up(cudaStream_t stream) {
     const cudaError_t e = cudaMalloc(&scratch_, 2 * kBytes);
     if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
   }
+  // as a drain issues them: a copy, a 2D copy and its device signal (into the scratch itself)
   char* a = static_cast<char*>(scratch_);
-  cudaError_t e = cudaMemcpyAsync(a + kBytes, a, kBytes, cudaMemcpyDeviceToDevice, stream);
-  if (e == cudaSuccess)
-    e = cudaMemcpy2DAsync(a + kBytes, 256, a, 256, 128, 8, cudaMemcpyDeviceToDevice, stream);
-  if (e != cudaSuccess) return fail(std::string("warm-up copy: ") + cudaGetErrorString(e));
-  if (!write_device_signal(stream, reinterpret_cast<uint64_t>(a), 0)) return false;
-  e = cudaStreamSynchronize(stream);
+  PutDescriptor copy{};
+  copy.dst = reinterpret_cast<uint64_t>(a + kBytes);
+  copy.src = reinterpret_cast<uint64_t>(a);
+  copy.bytes = kBytes;
+  copy.rows = 1;
+  PutDescriptor copy_2d = copy;
+  copy_2d.bytes = 128;
+  copy_2d.rows = 8;
+  copy_2d.dst_pitch = copy_2d.src_pitch = 256;
+  copy_2d.op = kPutSetDevice;
+  copy_2d.signal = reinterpret_cast<uint64_t>(a);
+  if (!issue(copy, stream) || !issue(copy_2d, stream)) return false;
+  const cudaError_t e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return fail(std::string("warm-up: ") + cudaGetErrorString(e));
   return true;
+}
+
+// One put on the proxy's stream: its copy (2D for several rows) and, for a device signal, the
+// signal's write after it.
+bool RingProxy::issue(const PutDescriptor& d, cudaStream_t stream) {
+  if (d.bytes > 0) {
+    auto* dst = reinterpret_cast<void*>(d.dst);
+    const auto* src = reinterpret_cast<const void*>(d.src);
+    const cudaError_t e = d.rows == 1
+                              ? cudaMemcpyAsync(dst, src, d.bytes, cudaMemcpyDeviceToDevice, stream)
+                              : cudaMemcpy2DAsync(dst, d.dst_pitch, src, d.src_pitch, d.bytes,
+                                                  d.rows, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
+  }
+  // ordered after the copy above on this stream, fenced
+  return d.op != kPutSetDevice || write_device_signal(stream, d.signal, d.value);
 }
 
 bool RingProxy::drain(int32_t head, cudaStream_t stream) {
@@ -194,18 +206,7 @@ bool RingProxy::drain(int32_t head, cudaStream_t stream) {
       return fail(at + "rows " + std::to_string(d.rows) + " with pitches below the row's bytes");
   }
   for (const PutDescriptor& d : batch) {
-    if (d.bytes > 0) {
-      auto* dst = reinterpret_cast<void*>(d.dst);
-      const auto* src = reinterpret_cast<const void*>(d.src);
-      const cudaError_t e =
-          d.rows == 1 ? cudaMemcpyAsync(dst, src, d.bytes, cudaMemcpyDeviceToDevice, stream)
-                      : cudaMemcpy2DAsync(dst, d.dst_pitch, src, d.src_pitch, d.bytes, d.rows,
-                                          cudaMemcpyDeviceToDevice, stream);
-      if (e != cudaSuccess) return fail(std::string("copy: ") + cudaGetErrorString(e));
-    }
-    if (d.op == kPutSetDevice) {  // ordered after the copy above on this stream, fenced
-      if (!write_device_signal(stream, d.signal, d.value)) return false;
-    }
+    if (!issue(d, stream)) return false;
   }
   // The copies have completed once this returns: only now may the signals say so.
   const cudaError_t e = cudaStreamSynchronize(stream);

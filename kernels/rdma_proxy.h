@@ -63,6 +63,7 @@ class RingProxy {
   void run();
   bool drain(int32_t head, cudaStream_t stream);
   bool warm_up(cudaStream_t stream);
+  bool issue(const PutDescriptor& d, cudaStream_t stream);
   bool fail(const std::string& what);  // records the first error; returns false
   // kPutSetDevice: the signal's value written by `stream` after what it holds (fenced).
   bool write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value);

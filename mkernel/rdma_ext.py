@@ -21,6 +21,7 @@ SPEC = jit.ExtensionSpec(
         "primitives/comm.cuh",
         "primitives/protocol_gen.h",
         "primitives/host/device.h",
+        "primitives/host/driver_entry.h",
         "kernels/rdma_*.h",
     ),
 )

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "primitives/host/driver_entry.h"
+
 namespace mk::host {
 
 enum TensorMapError : int {
@@ -51,21 +53,8 @@ inline const char* tensor_map_error_string(int e) {
 }
 
 inline PFN_cuTensorMapEncodeTiled_v12000 get_encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                     cudaEnableDefault, &q);
-#else
-    cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
-#endif
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
+  static const auto fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(
+      driver_entry_point("cuTensorMapEncodeTiled"));
   return fn;
 }
 
