@@ -87,11 +87,13 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
       py::arg("base"), py::arg("rank"), py::arg("capacity"));
 
   py::class_<RingProxy>(m, "RingProxy", "The host proxy thread of one ring (kernels/rdma_proxy.h).")
-      .def(py::init([](uintptr_t ring, int device, int world_size, uintptr_t lo, uintptr_t hi) {
-             return new RingProxy({reinterpret_cast<void*>(ring), device, world_size, lo, hi});
+      .def(py::init([](uintptr_t ring, int device, int world_size, uintptr_t lo, uintptr_t hi,
+                       int priority) {
+             return new RingProxy(
+                 {reinterpret_cast<void*>(ring), device, world_size, lo, hi, priority});
            }),
            py::arg("ring"), py::arg("device"), py::arg("world_size"), py::arg("signal_lo"),
-           py::arg("signal_hi"))
+           py::arg("signal_hi"), py::arg("priority") = 0)
       .def("start", &RingProxy::start, py::arg("stalled") = false)
       // NOTE: join without the GIL: the thread never takes it, but a caller holding it while
       // joining would block every other Python thread for the length of a batch.

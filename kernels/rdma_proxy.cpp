@@ -99,7 +99,8 @@ void RingProxy::run() {
   cudaError_t e = cudaSetDevice(cfg_.device);
   // NOTE: non-blocking: the proxy's copies must never wait for (or be waited on by) the legacy
   // default stream, where the posting kernel may run for as long as its puts take.
-  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, cfg_.priority);
   if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
   if (e == cudaSuccess && warm_up(stream)) ready_.store(true);
   int idle = 0;

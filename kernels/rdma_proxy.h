@@ -38,6 +38,9 @@ struct ProxyConfig {
   int world_size = 1;    // dest_rank must lie in [0, world_size)
   uintptr_t signal_lo = 0, signal_hi = 0;  // signals must lie in [lo, hi): the only host memory
                                            // the proxy writes besides the ring's tail
+  // The copy stream's priority (cudaStreamCreateWithPriority; lower is higher, clamped to the
+  // device's range): see RingProxy::run for why the proxy asks for the highest.
+  int priority = 0;
 };
 
 class RingProxy {

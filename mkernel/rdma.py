@@ -13,6 +13,7 @@ timed out (after which the ring is stopped and reset: ``ring.start()`` resumes).
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from types import ModuleType
@@ -28,6 +29,16 @@ __all__ = ["ProxyRing", "exchange", "fused_rings"]
 
 # Counters are int32 and monotonic (primitives/rdma/ring_layout.h): a ring is reset before this.
 _MAX_COUNT = 2**31 - 1
+
+
+def proxy_priority() -> int:
+    """The priority of the proxies' copy streams: ``MKERNEL_PROXY_PRIORITY`` (an int; lower is
+    higher, clamped by CUDA to the device's range), by default the highest."""
+    raw = os.environ.get("MKERNEL_PROXY_PRIORITY", "-1000")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"MKERNEL_PROXY_PRIORITY must be an int, got {raw!r}") from None
 
 
 class ProxyRing:
@@ -69,7 +80,12 @@ class ProxyRing:
         lo, hi = self.signals.ptr, self.signals.ptr + self.signals.bytes
         self.proxies = [
             ext.RingProxy(
-                ext.ring_ptr(self.rings.ptr, r, capacity), self.device.index, world_size, lo, hi
+                ext.ring_ptr(self.rings.ptr, r, capacity),
+                self.device.index,
+                world_size,
+                lo,
+                hi,
+                priority=proxy_priority(),
             )
             for r in range(world_size)
         ]

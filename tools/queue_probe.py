@@ -1,0 +1,125 @@
+"""Probe: do the rdma proxies' copies wait behind work queued after a fused kernel over nodes?
+(docs/rdma.md "On the GPU"). CUDA feeds streams to the GPU through a few hardware queues
+(CUDA_DEVICE_MAX_CONNECTIONS, default 8); a command that must wait (the next launch, an event
+record, a copy of the result, all behind the fused kernel in its stream) holds up every later
+command of its queue, whatever their stream. A proxy stream sharing that queue cannot run the copy
+the kernel waits for: a deadlock until the deadline.
+
+Each configuration (connections x proxy stream priority) runs in its own process, because the
+connections are read when CUDA starts. Per configuration and mode it prints how many calls
+completed and how many timed out:
+
+    sync    calls with world.sync_checks (the host waits after each)
+    queued  each call followed at once by a matmul on the same stream, then a synchronize
+    async   200 calls without waiting (world.sync_checks = False), then world.check()
+    w8      as async, W = 8 ranks on 2 nodes (8 proxy streams)
+
+    python3 tools/queue_probe.py            # all configurations
+    python3 tools/queue_probe.py --child    # one, from the environment
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONNECTIONS = ["1", "", "32"]  # "" = CUDA's default (8)
+PRIORITIES = ["0", "-1000"]  # the proxy copy stream's priority (-1000: clamped to the highest)
+
+
+def _mode(name: str, W: int, calls: int, how: str) -> dict:
+    import torch
+
+    import mkernel
+    from tests.helpers import randn_bf16
+
+    world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=1.0)
+    a = randn_bf16(W, W * 256, 128, device="cuda")
+    b = randn_bf16(W, 128, 512, device="cuda")
+    side = torch.randn(1024, 1024, device="cuda")
+    world.sync_checks = how == "sync"
+    ok = timeouts = 0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        try:
+            mkernel.gemm_rs(a, b, world=world)
+            if how == "queued":
+                side = side @ side / 32
+            if how != "async":
+                torch.cuda.synchronize()
+                world.check()
+            ok += 1
+        except mkernel.CommTimeout:
+            timeouts += 1
+            if timeouts >= 3:
+                break
+    if how == "async":
+        try:
+            world.check()
+        except mkernel.CommTimeout:
+            timeouts += 1
+            ok = 0
+    return {
+        "mode": name,
+        "calls": calls,
+        "ok": ok,
+        "timeouts": timeouts,
+        "s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def child() -> None:
+    os.environ["MKERNEL_GPU_NODES"] = "1"
+    rows = [
+        _mode("sync", 4, 20, "sync"),
+        _mode("queued", 4, 20, "queued"),
+        _mode("async", 4, 200, "async"),
+        _mode("w8", 8, 100, "async"),
+    ]
+    print(json.dumps(rows))
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        child()
+        return
+    table = []
+    for conn, prio in itertools.product(CONNECTIONS, PRIORITIES):
+        env = dict(os.environ, MKERNEL_PROXY_PRIORITY=prio)
+        env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        if conn:
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = conn
+        p = subprocess.run(
+            [sys.executable, __file__, "--child"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        last = p.stdout.strip().splitlines()[-1:] or ["[]"]
+        try:
+            rows = json.loads(last[0])
+        except json.JSONDecodeError:
+            rows = []
+            print(p.stdout[-2000:], p.stderr[-3000:], flush=True)
+        for r in rows:
+            table.append({"connections": conn or "default", "priority": prio, **r})
+            print(table[-1], flush=True)
+    print("\nconnections priority mode ok/calls timeouts seconds")
+    for r in table:
+        print(
+            f"{r['connections']:>11} {r['priority']:>8} {r['mode']:>6} "
+            f"{r['ok']}/{r['calls']} {r['timeouts']} {r['s']}"
+        )
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "queue_probe.json"), "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
