@@ -17,6 +17,7 @@
 
 #include "kernels/rdma_host_mem.h"
 #include "kernels/rdma_proxy.h"
+#include "kernels/rdma_streams.h"
 #include "kernels/rdma_test.h"
 #include "primitives/protocol_gen.h"
 
@@ -88,12 +89,16 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
 
   py::class_<RingProxy>(m, "RingProxy", "The host proxy thread of one ring (kernels/rdma_proxy.h).")
       .def(py::init([](uintptr_t ring, int device, int world_size, uintptr_t lo, uintptr_t hi,
-                       int priority) {
-             return new RingProxy(
-                 {reinterpret_cast<void*>(ring), device, world_size, lo, hi, priority});
+                       uintptr_t stream) {
+             return new RingProxy({reinterpret_cast<void*>(ring), device, world_size, lo, hi,
+                                   reinterpret_cast<cudaStream_t>(stream)});
            }),
            py::arg("ring"), py::arg("device"), py::arg("world_size"), py::arg("signal_lo"),
-           py::arg("signal_hi"), py::arg("priority") = 0)
+           py::arg("signal_hi"), py::arg("stream") = 0)
+      .def(
+          "set_stream",
+          [](RingProxy& p, uintptr_t s) { p.set_stream(reinterpret_cast<cudaStream_t>(s)); },
+          py::arg("stream"))
       .def("start", &RingProxy::start, py::arg("stalled") = false)
       // NOTE: join without the GIL: the thread never takes it, but a caller holding it while
       // joining would block every other Python thread for the length of a batch.
@@ -103,6 +108,12 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
       .def_property_readonly("ready", &RingProxy::ready)
       .def_property_readonly("done", &RingProxy::done)
       .def("error", &RingProxy::error);
+
+  m.def("copy_stream_create", &copy_stream_create, py::arg("device"));
+  m.def("copy_stream_destroy", &copy_stream_destroy, py::arg("stream"));
+  // NOTE: without the GIL: the probe spins for up to timeout_us
+  m.def("stream_independent", &stream_independent, py::arg("copy"), py::arg("compute"),
+        py::arg("device"), py::arg("timeout_us"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<RdmaTestArgs> c(m, "RdmaTestArgs",
                              "Arguments of launch_rdma_test (addresses as ints).");

@@ -73,6 +73,11 @@ void RingProxy::start(bool stalled) {
   thread_ = std::thread([this] { run(); });
 }
 
+void RingProxy::set_stream(cudaStream_t stream) {
+  if (thread_.joinable()) throw std::logic_error("RingProxy: set_stream while running");
+  cfg_.stream = stream;
+}
+
 void RingProxy::stop() {
   if (!thread_.joinable()) return;
   stop_.store(true);
@@ -95,12 +100,12 @@ bool RingProxy::fail(const std::string& what) {
 }
 
 void RingProxy::run() {
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = cfg_.stream;
+  const bool own = stream == nullptr;
   cudaError_t e = cudaSetDevice(cfg_.device);
   // NOTE: non-blocking: the proxy's copies must never wait for (or be waited on by) the legacy
   // default stream, where the posting kernel may run for as long as its puts take.
-  if (e == cudaSuccess)
-    e = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, cfg_.priority);
+  if (e == cudaSuccess && own) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
   if (e == cudaSuccess && warm_up(stream)) ready_.store(true);
   int idle = 0;
@@ -126,7 +131,7 @@ void RingProxy::run() {
   }
   if (stream != nullptr) {
     cudaStreamSynchronize(stream);
-    cudaStreamDestroy(stream);
+    if (own) cudaStreamDestroy(stream);
   }
 }
 

@@ -38,9 +38,9 @@ struct ProxyConfig {
   int world_size = 1;    // dest_rank must lie in [0, world_size)
   uintptr_t signal_lo = 0, signal_hi = 0;  // signals must lie in [lo, hi): the only host memory
                                            // the proxy writes besides the ring's tail
-  // The copy stream's priority (cudaStreamCreateWithPriority; lower is higher, clamped to the
-  // device's range): see RingProxy::run for why the proxy asks for the highest.
-  int priority = 0;
+  // The stream the copies run on (kernels/rdma_streams.h: the caller checks that it shares no
+  // hardware queue with the launching streams); null: the proxy makes its own.
+  cudaStream_t stream = nullptr;
 };
 
 class RingProxy {
@@ -55,6 +55,8 @@ class RingProxy {
   // Asks the thread to end and joins it (bounded: at most the copies of one batch).
   void stop();
   void set_stalled(bool stalled) { stalled_.store(stalled, std::memory_order_relaxed); }
+  // Another stream for the copies (ProxyConfig::stream); only while stopped.
+  void set_stream(cudaStream_t stream);
   bool running() const { return thread_.joinable(); }
   // The thread has made its stream and run one of each of its operations (warm_up): a launch
   // that waits for its puts may begin.

@@ -29,16 +29,11 @@ __all__ = ["ProxyRing", "exchange", "fused_rings"]
 
 # Counters are int32 and monotonic (primitives/rdma/ring_layout.h): a ring is reset before this.
 _MAX_COUNT = 2**31 - 1
-
-
-def proxy_priority() -> int:
-    """The priority of the proxies' copy streams: ``MKERNEL_PROXY_PRIORITY`` (an int; lower is
-    higher, clamped by CUDA to the device's range), by default the highest."""
-    raw = os.environ.get("MKERNEL_PROXY_PRIORITY", "-1000")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"MKERNEL_PROXY_PRIORITY must be an int, got {raw!r}") from None
+# The stream probe (ensure_independent): its deadline per candidate, in microseconds (a write
+# that needs no SM lands in microseconds when its queue is free), and the candidates per proxy
+# before giving up (more than the 32 hardware queues CUDA can have).
+_PROBE_US = 50_000
+_PROBE_TRIES = 33
 
 
 class ProxyRing:
@@ -78,6 +73,9 @@ class ProxyRing:
             self.reserve = torch.zeros(world_size, dtype=torch.int32, device=self.device)
         ext.init_rings(self.rings.ptr, world_size, capacity)
         lo, hi = self.signals.ptr, self.signals.ptr + self.signals.bytes
+        # the proxies' copy streams (ours: destroyed with the ring), checked against each stream
+        # that launches kernels waiting for their puts (ensure_independent)
+        self.streams = [ext.copy_stream_create(self.device.index) for _ in range(world_size)]
         self.proxies = [
             ext.RingProxy(
                 ext.ring_ptr(self.rings.ptr, r, capacity),
@@ -85,10 +83,12 @@ class ProxyRing:
                 world_size,
                 lo,
                 hi,
-                priority=proxy_priority(),
+                stream=self.streams[r],
             )
             for r in range(world_size)
         ]
+        self._independent_of: set[int] = set()
+        self._stalled = False
         self.posted = 0  # puts per ring since the last reset
         self.launches = 0
 
@@ -100,6 +100,7 @@ class ProxyRing:
     def start(self, stalled: bool = False) -> None:
         """Starts every ring's proxy thread (``stalled``: alive but draining nothing, the dead
         proxy of the timeout tests)."""
+        self._stalled = stalled
         for p in self.proxies:
             if not p.running:
                 p.start(stalled)
@@ -121,8 +122,53 @@ class ProxyRing:
             p.stop()
 
     def set_stalled(self, stalled: bool) -> None:
+        self._stalled = stalled
         for p in self.proxies:
             p.set_stalled(stalled)
+
+    def ensure_independent(self, compute: int) -> None:
+        """Makes sure that no proxy's copy stream shares a hardware queue with ``compute`` (the
+        handle of a stream about to launch a kernel that waits for the proxies' puts; 0 = the
+        legacy default stream; not capturing a graph), moving a proxy that does to a new stream.
+        Once per compute stream. Raises RuntimeError when no stream is free of it (one hardware
+        queue: CUDA_DEVICE_MAX_CONNECTIONS=1).
+
+        Why (kernels/rdma_streams.h; measured, tools/queue_probe.py): a command queued behind a
+        running kernel (the next launch, an event, a copy of its result) holds up every later
+        command of its hardware queue; a proxy copy there waits for the kernel that waits for it.
+        """
+        if compute in self._independent_of:
+            return
+        moved = False
+        for r in range(self.world_size):
+            moved |= self._settle(r, compute)
+        if moved:
+            # NOTE: a verified stream may share a queue with a proxy's new one: check again
+            self._independent_of.clear()
+            self.wait_ready()
+        self._independent_of.add(compute)
+
+    def _settle(self, r: int, compute: int) -> bool:
+        """Gives proxy ``r`` a copy stream independent of ``compute``; returns whether it moved."""
+        ext, dev = self.ext, self.device.index
+        for tries in range(_PROBE_TRIES):
+            if ext.stream_independent(self.streams[r], compute, dev, _PROBE_US):
+                return tries > 0
+            proxy = self.proxies[r]
+            running = proxy.running
+            proxy.stop()  # it continues from its ring's tail on the new stream
+            ext.copy_stream_destroy(self.streams[r])
+            self.streams[r] = ext.copy_stream_create(dev)
+            proxy.set_stream(self.streams[r])
+            if running:
+                proxy.start(self._stalled)
+        conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)")
+        raise RuntimeError(
+            f"rdma proxy of rank {r}: none of {_PROBE_TRIES} copy streams is free of the launching "
+            f"stream's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS={conn}); its copies would wait "
+            "behind the kernel that waits for them. Emulated worlds over nodes need at least 2 "
+            "connections (set CUDA_DEVICE_MAX_CONNECTIONS before CUDA starts; 32 is best)"
+        )
 
     def reset(self) -> None:
         """Zeroes counters, slots, signals and status, once the GPU and the proxies are idle.
@@ -166,6 +212,8 @@ class ProxyRing:
         # NOTE: the threads read the rings: they must end before the mapped memory is freed.
         for p in getattr(self, "proxies", ()):
             p.stop()
+        for s in getattr(self, "streams", ()):
+            self.ext.copy_stream_destroy(s)
 
     # -- state -----------------------------------------------------------------------------------
     def counters(self, rank: int) -> dict[str, int]:
@@ -334,6 +382,8 @@ def exchange(
     a.op, a.receive, a.launch = op_id, receive_id, ring.launches
     with torch.cuda.device(ring.device):
         stream = torch.cuda.current_stream()
+        if not torch.cuda.is_current_stream_capturing():
+            ring.ensure_independent(stream.cuda_stream)
         rc = ext.launch_rdma_test(a, stream.cuda_stream)
         if rc != 0:
             raise RuntimeError(f"launch_rdma_test: {ext.rdma_test_status_string(rc)}")

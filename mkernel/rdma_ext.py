@@ -1,6 +1,6 @@
 """The ``proxy`` transport of rdma_put (issue 14) as its own extension, ``_mkernel_rdma``.
 
-Built from kernels/rdma_test.cu, kernels/rdma_proxy.cpp and kernels/rdma_binding.cpp with
+Built from kernels/rdma_test.cu, rdma_proxy.cpp, rdma_streams.cpp and rdma_binding.cpp with
 mkernel.jit (cached on disk like the main extension, never part of it). ``load()`` returns the
 module; mkernel/rdma.py is the Python API over it.
 """
@@ -13,7 +13,12 @@ __all__ = ["SPEC", "load"]
 
 SPEC = jit.ExtensionSpec(
     name="_mkernel_rdma",
-    sources=("kernels/rdma_test.cu", "kernels/rdma_proxy.cpp", "kernels/rdma_binding.cpp"),
+    sources=(
+        "kernels/rdma_test.cu",
+        "kernels/rdma_proxy.cpp",
+        "kernels/rdma_streams.cpp",
+        "kernels/rdma_binding.cpp",
+    ),
     headers=(
         "primitives/rdma/*.h",
         "primitives/rdma/*.cuh",

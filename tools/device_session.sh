@@ -30,6 +30,9 @@ for cmd in "$@"; do
   tail -n 25 "$OUT/step$i.log"
   summary+=("step $i rc=$rc $(($(date +%s) - t0))s: $cmd")
 done
-(cd "$(dirname "$MKERNEL_CACHE_DIR")" && tar czf "$OUT/mkcache.tgz" .mkcache 2>/dev/null)
+# Only the newest build of each extension goes back (files come back at most 16 MiB each).
+(cd "$(dirname "$MKERNEL_CACHE_DIR")" &&
+  keep=$(ls -td .mkcache/*/ | awk -F/ '{n=$2; sub(/-[0-9a-f]+$/, "", n); if (!(n in s)) {s[n]=1; print}}') &&
+  tar czf "$OUT/mkcache.tgz" $keep 2>/dev/null)
 echo "=== summary"
 printf '%s\n' "${summary[@]}"

@@ -286,22 +286,22 @@ def check_cross_node_raises(plan: Plan) -> int:
 NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (before_nodes_launch)
 
 
-def before_nodes_launch(world: World, plan: Plan) -> bool:
-    """Before a launch over nodes (nothing under graph capture, whose replays the host does not
-    see): count its puts per ring (the tickets are int32 and monotonic: before they could pass
-    2^31 the idle rings are emptied and restarted, a synchronize once in ~2^31 puts; a graph
-    replayed that often needs ``fused_rings(world).restart()`` between replays, on an idle GPU),
-    and wait for the launch NODES_IN_FLIGHT back.
-    NOTE: that bound is a hypothesis, not yet checked on a GPU: in loops of 1000 asynchronous
-    calls every run stalled, while the same calls synchronized one by one completed; with
-    hundreds of launches queued the host threads that post the proxies' copies may wait behind
-    the launch queue, while the kernel in front waits for those copies.
+def before_nodes_launch(world: World, plan: Plan, stream: int) -> bool:
+    """Before a launch over nodes on ``stream`` (nothing under graph capture, whose replays the
+    host does not see): no proxy copies on a stream of ``stream``'s hardware queue
+    (ProxyRing.ensure_independent: there they would wait behind whatever is queued after the
+    kernel, as the kernel waits for them); count the launch's puts per ring (the tickets are int32
+    and monotonic: before they could pass 2^31 the idle rings are emptied and restarted, a
+    synchronize once in ~2^31 puts; a graph replayed that often needs
+    ``fused_rings(world).restart()`` between replays, on an idle GPU); and wait for the launch
+    NODES_IN_FLIGHT back (the proxies' stream calls must not find their queue's buffer full).
     Returns whether the launch is to be recorded (after_nodes_launch): not under capture."""
     from ..rdma import _MAX_COUNT
 
     if torch.cuda.is_current_stream_capturing():
         return False
     rings, puts = world._rdma, plan.extra["_puts_per_ring"]
+    rings.ensure_independent(stream)
     if rings.posted + puts > _MAX_COUNT:
         torch.cuda.synchronize(world.device)
         rings.restart()
@@ -367,11 +367,12 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
-    tracked = plan.nodes > 1 and before_nodes_launch(world, plan)
+    stream = _current_stream(world)
+    tracked = plan.nodes > 1 and before_nodes_launch(world, plan, stream)
     launch = plan.extra.get("_launch")
     if launch is None:
         launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.spec.kernel_name}")
-    rc = launch(rec.buffer_info()[0], _current_stream(world))
+    rc = launch(rec.buffer_info()[0], stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
     if tracked:

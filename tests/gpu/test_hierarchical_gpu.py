@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import pytest
 import torch
 
 import mkernel
-from tests.helpers import assert_close_bf16, assert_pads_zero, poisoned, randn_bf16
+from tests.helpers import assert_close_bf16, assert_pads_zero, poisoned, randn_bf16, run_script
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,6 +79,7 @@ def test_random_shapes(op, W, N, overlap, seed):
     for call in range(2):  # the second call reuses the workspaces and the rings
         out = poisoned((W, *shape), "cuda")
         got = getattr(mkernel, op)(a, b, world=world, schedule=sched, out=out)
+        world.check()  # a timeout first, as itself (calls are asynchronous)
         what = f"{op} W={W} N={N} rows={rows} n={n} k={k} call {call}"
         assert_close_bf16(got, getattr(mkernel.reference, op)(a, b, world=world), what)
         _assert_rings_drained(world)
@@ -138,6 +140,57 @@ def test_loop_1000_and_graph_replay(op, overlap):
     world.check()
     _assert_rings_drained(world)
     assert_pads_zero(world)
+
+
+@pytest.mark.parametrize("W", [8, 16])
+def test_many_proxies_with_work_queued_behind_the_kernel(W):
+    """W proxy streams (8 fill CUDA's default 8 hardware queues, so one shares the launching
+    stream's; 16 twice) under asynchronous calls, each followed at once by other work on the same
+    stream: the proxies' copies must never sit behind that work (ProxyRing.ensure_independent;
+    before it, W = 8 stalled every time: benchmarks/results/queue_probe_2026-12-01.json)."""
+    world = mkernel.World.emulated(W, device="cuda", nodes=2)
+    (a, b), _ = _op_inputs("gemm_rs", W, 64, 256, 64, 17)
+    want = mkernel.reference.gemm_rs(a, b, world=world)
+    side = torch.randn(512, 512, device="cuda")
+    for _ in range(100):
+        out = mkernel.gemm_rs(a, b, world=world)
+        side = side @ side / 16  # queued behind the fused kernel on its stream
+    world.check()
+    assert_close_bf16(out, want, f"W={W} after 100 calls")
+    _assert_rings_drained(world)
+    # a second launching stream: checked on its first call, the proxies still right for both
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = mkernel.gemm_rs(a, b, world=world)
+        side = side @ side / 16
+    torch.cuda.current_stream().wait_stream(s)
+    out2 = mkernel.gemm_rs(a, b, world=world)
+    world.check()
+    assert_close_bf16(out, want, f"W={W} side stream")
+    assert_close_bf16(out2, want, f"W={W} back on the default stream")
+
+
+def test_one_hardware_queue_is_refused_before_launch():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1: every stream shares the one queue, so the proxies' copies
+    would wait behind the kernel: the first call raises a clear RuntimeError, not a timeout."""
+    code = (
+        "import os, torch, mkernel\n"
+        "w = mkernel.World.emulated(4, device='cuda', nodes=2)\n"
+        "a = torch.randn(4, 256, 64, device='cuda').bfloat16()\n"
+        "b = torch.randn(4, 64, 128, device='cuda').bfloat16()\n"
+        "try:\n"
+        "    mkernel.gemm_rs(a, b, world=w)\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+        "else:\n"
+        "    print('LAUNCHED')\n"
+    )
+    rc, out = run_script(
+        [sys.executable, "-c", code], 300, CUDA_DEVICE_MAX_CONNECTIONS="1", MKERNEL_GPU_NODES="1"
+    )
+    assert rc == 0, out[-3000:]
+    assert "REFUSED" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("op", OPS)
