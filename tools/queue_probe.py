@@ -16,6 +16,10 @@ default) changed nothing.
     queued  each call followed at once by a matmul on the same stream, then a synchronize
     async   200 calls without waiting (world.sync_checks = False), then world.check()
     w8      as async, W = 8 ranks on 2 nodes (8 proxy streams)
+    w8s     as w8, launched from a stream of torch's pool instead of the legacy default stream
+    w16     as async, W = 16
+    reprobe8  W = 8, synchronized calls, each followed by a probe of every proxy stream against
+            the legacy default stream: "shared" counts the probes that found one in its queue
 
     python3 tools/queue_probe.py            # all configurations
     python3 tools/queue_probe.py --child    # one, from the environment
@@ -29,10 +33,32 @@ import subprocess
 import sys
 import time
 
-CONNECTIONS = ["1", "", "32"]  # "" = CUDA's default (8)
+CONNECTIONS = ["", "16", "32"]  # "" = CUDA's default (8); 1 is refused (ensure_independent)
 
 
-def _mode(name: str, W: int, calls: int, how: str) -> dict:
+def _reprobe(W: int, calls: int) -> dict:
+    """Calls one by one (synchronized), and after each the probe of every proxy stream against
+    the legacy default stream again: counts the probes that find a proxy stream in its queue
+    (a queue binding that changes after ensure_independent settled it)."""
+    import mkernel
+    from tests.helpers import randn_bf16
+
+    world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=1.0)
+    a = randn_bf16(W, W * 256, 128, device="cuda")
+    b = randn_bf16(W, 128, 512, device="cuda")
+    world.sync_checks = True
+    shared = 0
+    for _ in range(calls):
+        mkernel.gemm_rs(a, b, world=world)
+        rings = world._rdma
+        for s in rings.streams:
+            shared += not rings.ext.stream_independent(s, 0, 0, 20_000)
+    return {"mode": f"reprobe{W}", "calls": calls, "ok": calls, "timeouts": 0, "shared": shared}
+
+
+def _mode(name: str, W: int, calls: int, how: str, side_stream: bool = False) -> dict:
+    import contextlib
+
     import torch
 
     import mkernel
@@ -43,6 +69,13 @@ def _mode(name: str, W: int, calls: int, how: str) -> dict:
     b = randn_bf16(W, 128, 512, device="cuda")
     side = torch.randn(1024, 1024, device="cuda")
     world.sync_checks = how == "sync"
+    stream = torch.cuda.Stream() if side_stream else None
+    ctx = torch.cuda.stream(stream) if side_stream else contextlib.nullcontext()
+    with ctx:
+        return _loop(name, world, a, b, side, calls, how, mkernel, torch)
+
+
+def _loop(name, world, a, b, side, calls, how, mkernel, torch) -> dict:  # noqa: ANN001
     ok = timeouts = 0
     t0 = time.perf_counter()
     try:
@@ -85,6 +118,9 @@ def child() -> None:
         _mode("queued", 4, 20, "queued"),
         _mode("async", 4, 200, "async"),
         _mode("w8", 8, 100, "async"),
+        _mode("w8s", 8, 100, "async", side_stream=True),
+        _mode("w16", 16, 100, "async"),
+        _reprobe(8, 30),
     ]
     print(json.dumps(rows))
 
@@ -119,7 +155,7 @@ def main() -> None:
     for r in table:
         print(
             f"{r['connections']:>11} {r['mode']:>6} {r['ok']}/{r['calls']} {r['timeouts']} "
-            f"{r['s']}{' refused' if 'refused' in r else ''}"
+            f"{r.get('s', '')}{' refused' if 'refused' in r else ''} {r.get('shared', '')}"
         )
     out = os.environ.get("OUT")
     if out:
