@@ -7,8 +7,9 @@
 // behind a running fused kernel in its stream) holds up every later command of its queue,
 // whatever their stream. A proxy stream in that queue cannot run the copies the kernel waits for:
 // deadlock until the deadline. Measured on the H200 (tools/queue_probe.py): with one connection
-// every asynchronous loop stalled; with 8, W = 8 proxies (one stream each) stalled; with 32 none.
-// Stream priority changed nothing.
+// every asynchronous loop stalled; with 8, W = 8 proxies (one stream each) stalled; with 32 none;
+// stream priority changed nothing. Two proxy streams in one queue stalled as well, so the proxies
+// of a device share one copy stream (mkernel/rdma_streams.py).
 //
 // The probe: `compute` waits (cuStreamWaitValue32) for a host word while `copy` writes another
 // (cuStreamWriteValue32). If the write lands while `compute` still waits, the two do not share a

@@ -13,7 +13,6 @@ timed out (after which the ring is stopped and reset: ``ring.start()`` resumes).
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from types import ModuleType
@@ -24,16 +23,12 @@ import torch
 from . import rdma_ext
 from .errors import CommTimeout
 from .protocol import STATUS_FIELDS
+from .rdma_streams import copy_stream
 
 __all__ = ["ProxyRing", "exchange", "fused_rings"]
 
 # Counters are int32 and monotonic (primitives/rdma/ring_layout.h): a ring is reset before this.
 _MAX_COUNT = 2**31 - 1
-# The stream probe (ensure_independent): its deadline per candidate, in microseconds (a write
-# that needs no SM lands in microseconds when its queue is free), and the candidates per proxy
-# before giving up (more than the 32 hardware queues CUDA can have).
-_PROBE_US = 50_000
-_PROBE_TRIES = 33
 
 
 class ProxyRing:
@@ -73,9 +68,8 @@ class ProxyRing:
             self.reserve = torch.zeros(world_size, dtype=torch.int32, device=self.device)
         ext.init_rings(self.rings.ptr, world_size, capacity)
         lo, hi = self.signals.ptr, self.signals.ptr + self.signals.bytes
-        # the proxies' copy streams (ours: destroyed with the ring), checked against each stream
-        # that launches kernels waiting for their puts (ensure_independent)
-        self.streams = [ext.copy_stream_create(self.device.index) for _ in range(world_size)]
+        # the device's one copy stream, shared by every proxy on it (mkernel/rdma_streams.py)
+        self.copy_stream = copy_stream(ext, self.device.index)
         self.proxies = [
             ext.RingProxy(
                 ext.ring_ptr(self.rings.ptr, r, capacity),
@@ -83,11 +77,11 @@ class ProxyRing:
                 world_size,
                 lo,
                 hi,
-                stream=self.streams[r],
+                stream=self.copy_stream.handle,
             )
             for r in range(world_size)
         ]
-        self._independent_of: set[int] = set()
+        self.copy_stream.rings.add(self)
         self._stalled = False
         self.posted = 0  # puts per ring since the last reset
         self.launches = 0
@@ -127,48 +121,10 @@ class ProxyRing:
             p.set_stalled(stalled)
 
     def ensure_independent(self, compute: int) -> None:
-        """Makes sure that no proxy's copy stream shares a hardware queue with ``compute`` (the
-        handle of a stream about to launch a kernel that waits for the proxies' puts; 0 = the
-        legacy default stream; not capturing a graph), moving a proxy that does to a new stream.
-        Once per compute stream. Raises RuntimeError when no stream is free of it (one hardware
-        queue: CUDA_DEVICE_MAX_CONNECTIONS=1).
-
-        Why (kernels/rdma_streams.h; measured, tools/queue_probe.py): a command queued behind a
-        running kernel (the next launch, an event, a copy of its result) holds up every later
-        command of its hardware queue; a proxy copy there waits for the kernel that waits for it.
-        """
-        if compute in self._independent_of:
-            return
-        moved = False
-        for r in range(self.world_size):
-            moved |= self._settle(r, compute)
-        if moved:
-            # NOTE: a verified stream may share a queue with a proxy's new one: check again
-            self._independent_of.clear()
-            self.wait_ready()
-        self._independent_of.add(compute)
-
-    def _settle(self, r: int, compute: int) -> bool:
-        """Gives proxy ``r`` a copy stream independent of ``compute``; returns whether it moved."""
-        ext, dev = self.ext, self.device.index
-        for tries in range(_PROBE_TRIES):
-            if ext.stream_independent(self.streams[r], compute, dev, _PROBE_US):
-                return tries > 0
-            proxy = self.proxies[r]
-            running = proxy.running
-            proxy.stop()  # it continues from its ring's tail on the new stream
-            ext.copy_stream_destroy(self.streams[r])
-            self.streams[r] = ext.copy_stream_create(dev)
-            proxy.set_stream(self.streams[r])
-            if running:
-                proxy.start(self._stalled)
-        conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8 (CUDA's default)")
-        raise RuntimeError(
-            f"rdma proxy of rank {r}: none of {_PROBE_TRIES} copy streams is free of the launching "
-            f"stream's hardware queue (CUDA_DEVICE_MAX_CONNECTIONS={conn}); its copies would wait "
-            "behind the kernel that waits for them. Emulated worlds over nodes need at least 2 "
-            "connections (set CUDA_DEVICE_MAX_CONNECTIONS before CUDA starts; 32 is best)"
-        )
+        """Before a launch on stream ``compute`` (a handle; 0 = the legacy default stream; not
+        capturing) of a kernel that waits for these proxies' puts: their copy stream shares no
+        hardware queue with it (mkernel/rdma_streams.py CopyStream.ensure_independent)."""
+        self.copy_stream.ensure_independent(compute)
 
     def reset(self) -> None:
         """Zeroes counters, slots, signals and status, once the GPU and the proxies are idle.
@@ -212,8 +168,6 @@ class ProxyRing:
         # NOTE: the threads read the rings: they must end before the mapped memory is freed.
         for p in getattr(self, "proxies", ()):
             p.stop()
-        for s in getattr(self, "streams", ()):
-            self.ext.copy_stream_destroy(s)
 
     # -- state -----------------------------------------------------------------------------------
     def counters(self, rank: int) -> dict[str, int]:

@@ -1,7 +1,8 @@
-"""ProxyRing.ensure_independent on the CPU, over a fake extension whose streams are dealt to a few
-hardware queues in turn (as CUDA deals them): every proxy ends on a stream outside the launching
-stream's queue, a moved proxy is restarted as it was (stalled or not) and continues, checks are
-made once per launching stream, and one queue gives a clear RuntimeError instead of a hang."""
+"""ProxyRing.ensure_independent (mkernel/rdma_streams.py) on the CPU, over a fake extension whose
+streams are dealt to a few hardware queues in turn (as CUDA deals them): every proxy of the device
+ends on the one copy stream, outside the launching stream's queue; a move restarts the proxies
+that ran, as they were (stalled or not); checks are made once per launching stream; one queue
+gives a clear RuntimeError instead of a hang."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 
 import pytest
 
-from mkernel import rdma
+from mkernel import rdma_streams
 from mkernel.rdma import ProxyRing
+from mkernel.rdma_streams import CopyStream
 
 
 class FakeExt:
@@ -60,59 +62,68 @@ class FakeProxy:
         return ""
 
 
-def _ring(ext: FakeExt, W: int) -> ProxyRing:
-    ring = ProxyRing.__new__(ProxyRing)  # no CUDA: only what ensure_independent uses
-    ring.ext, ring.world_size = ext, W
-    ring.device = type("D", (), {"index": 0})()
-    ring.streams = [ext.copy_stream_create(0) for _ in range(W)]
-    ring.proxies = [FakeProxy(s) for s in ring.streams]
-    ring._independent_of, ring._stalled = set(), False
-    return ring
+def _rings(ext: FakeExt, sizes: list[int]) -> list[ProxyRing]:
+    """ProxyRings of these world sizes on one copy stream, without CUDA (only what
+    ensure_independent uses)."""
+    cs = CopyStream(ext, 0)
+    rings = []
+    for W in sizes:
+        ring = ProxyRing.__new__(ProxyRing)
+        ring.ext, ring.world_size, ring.copy_stream = ext, W, cs
+        ring.proxies = [FakeProxy(cs.handle) for _ in range(W)]
+        ring._stalled = False
+        cs.rings.add(ring)
+        rings.append(ring)
+    return rings
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_every_proxy_ends_outside_the_launching_queue(seed):
     rng = random.Random(seed)
-    queues, W = rng.choice([2, 4, 8, 32]), rng.randint(1, 9)
+    queues = rng.choice([2, 4, 8, 32])
     computes = {0: 0, 7: rng.randrange(queues), 9: rng.randrange(queues)}
     ext = FakeExt(queues, computes)
-    ring = _ring(ext, W)
-    ring.start(stalled=rng.random() < 0.3)
+    rings = _rings(ext, [rng.randint(1, 9) for _ in range(rng.randint(1, 3))])
+    for ring in rings:
+        if rng.random() < 0.8:  # some rings never started (or retired): they stay stopped
+            ring.start(stalled=rng.random() < 0.3)
+    started = {id(r): r.running for r in rings}
+    cs = rings[0].copy_stream
     for compute in rng.choices(list(computes), k=6):
-        ring.ensure_independent(compute)
-        assert compute in ring._independent_of
-        for p, s in zip(ring.proxies, ring.streams, strict=True):
-            assert p.stream == s and ext.queue(s) != ext.queue(compute)
-            assert p.running and p.stalled == ring._stalled
-    # each checked stream is still free of every proxy's queue
-    for compute in ring._independent_of:
-        assert all(ext.queue(s) != ext.queue(compute) for s in ring.streams)
+        rng.choice(rings).ensure_independent(compute)
+        assert compute in cs.independent_of
+        for ring in rings:
+            for p in ring.proxies:  # one stream for every proxy of the device
+                assert p.stream == cs.handle and ext.queue(cs.handle) != ext.queue(compute)
+                assert p.running == started[id(ring)] and p.stalled == ring._stalled
+    # each launching stream still listed is free of the copy stream's queue
+    assert all(ext.queue(cs.handle) != ext.queue(c) for c in cs.independent_of)
+    assert cs.handle not in ext.destroyed
 
 
 def test_checked_once_per_stream():
     ext = FakeExt(8, {0: 0})
-    ring = _ring(ext, 4)  # streams 1001..1004: queues 1..4, none is queue 0
+    (ring,) = _rings(ext, [4])  # stream 1001: queue 1
     ring.ensure_independent(0)
-    probes = ext.probes
-    assert probes == 4 and ext.destroyed == []
+    assert ext.probes == 1 and ext.destroyed == []
     ring.ensure_independent(0)
-    assert ext.probes == probes
+    assert ext.probes == 1
 
 
-def test_a_moved_proxy_restarts_and_the_old_stream_goes():
-    ext = FakeExt(8, {0: 0})
-    ring = _ring(ext, 8)  # stream 1008 is in queue 0
-    ring.start()
-    ring.ensure_independent(0)
-    assert ext.destroyed == [1008]
-    assert ring.proxies[7].stream == ring.streams[7] != 1008 and ring.proxies[7].starts == 2
-    assert [p.starts for p in ring.proxies[:7]] == [1] * 7
+def test_a_move_restarts_every_running_proxy_on_the_new_stream():
+    ext = FakeExt(8, {0: 0, 5: 1})
+    a, b = _rings(ext, [3, 2])  # stream 1001: queue 1, the queue of launching stream 5
+    a.start()
+    a.ensure_independent(5)
+    assert ext.destroyed == [1001]
+    assert all(p.stream == 1002 and p.starts == 2 for p in a.proxies)
+    assert all(p.stream == 1002 and p.starts == 0 and not p.running for p in b.proxies)
 
 
 def test_one_queue_is_a_clear_error():
     ext = FakeExt(1, {0: 0})
-    ring = _ring(ext, 2)
-    with pytest.raises(RuntimeError, match=r"rank 0.*CUDA_DEVICE_MAX_CONNECTIONS"):
+    (ring,) = _rings(ext, [2])
+    with pytest.raises(RuntimeError, match=r"device 0.*CUDA_DEVICE_MAX_CONNECTIONS"):
         ring.ensure_independent(0)
-    assert ext.probes == rdma._PROBE_TRIES
-    assert 0 not in ring._independent_of
+    assert ext.probes == rdma_streams.PROBE_TRIES
+    assert 0 not in ring.copy_stream.independent_of

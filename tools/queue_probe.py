@@ -8,9 +8,11 @@ the kernel waits for: a deadlock until the deadline.
 Each number of connections runs in its own process, because CUDA reads it when it starts. Per
 connections and mode it prints how many calls completed and how many timed out (or "refused":
 the RuntimeError of ProxyRing.ensure_independent, when no proxy stream can leave the launching
-stream's queue). Measured before ensure_independent existed (2026-12-01, H200): 1 connection
-stalled every asynchronous mode, 8 stalled w8, 32 none; the proxy streams' priority (highest or
-default) changed nothing.
+stream's queue). Measured on the H200 (benchmarks/results/queue_probe_2026-12-01.json):
+before ensure_independent, 1 connection stalled every asynchronous mode, 8 stalled w8, 32 none
+(priority of the proxy streams changed nothing); with one stream per proxy, each checked against
+the launching stream, w8 still stalled at 8 connections and w16 at 16, not at 16 and 32
+respectively: two proxy streams in one queue stall too. Hence one copy stream per GPU.
 
     sync    calls with world.sync_checks (the host waits after each)
     queued  each call followed at once by a matmul on the same stream, then a synchronize
@@ -18,8 +20,8 @@ default) changed nothing.
     w8      as async, W = 8 ranks on 2 nodes (8 proxy streams)
     w8s     as w8, launched from a stream of torch's pool instead of the legacy default stream
     w16     as async, W = 16
-    reprobe8  W = 8, synchronized calls, each followed by a probe of every proxy stream against
-            the legacy default stream: "shared" counts the probes that found one in its queue
+    reprobe8  W = 8, synchronized calls, each followed by a probe of the proxies' copy stream
+            against the legacy default stream: "shared" counts the probes that found it there
 
     python3 tools/queue_probe.py            # all configurations
     python3 tools/queue_probe.py --child    # one, from the environment
@@ -37,9 +39,9 @@ CONNECTIONS = ["", "16", "32"]  # "" = CUDA's default (8); 1 is refused (ensure_
 
 
 def _reprobe(W: int, calls: int) -> dict:
-    """Calls one by one (synchronized), and after each the probe of every proxy stream against
-    the legacy default stream again: counts the probes that find a proxy stream in its queue
-    (a queue binding that changes after ensure_independent settled it)."""
+    """Calls one by one (synchronized), and after each the probe of the proxies' copy stream
+    against the legacy default stream again: counts the probes that find it in that queue (a
+    queue binding that changes after ensure_independent settled it)."""
     import mkernel
     from tests.helpers import randn_bf16
 
@@ -51,8 +53,7 @@ def _reprobe(W: int, calls: int) -> dict:
     for _ in range(calls):
         mkernel.gemm_rs(a, b, world=world)
         rings = world._rdma
-        for s in rings.streams:
-            shared += not rings.ext.stream_independent(s, 0, 0, 20_000)
+        shared += not rings.ext.stream_independent(rings.copy_stream.handle, 0, 0, 20_000)
     return {"mode": f"reprobe{W}", "calls": calls, "ok": calls, "timeouts": 0, "shared": shared}
 
 

@@ -144,10 +144,11 @@ def test_loop_1000_and_graph_replay(op, overlap):
 
 @pytest.mark.parametrize("W", [8, 16])
 def test_many_proxies_with_work_queued_behind_the_kernel(W):
-    """W proxy streams (8 fill CUDA's default 8 hardware queues, so one shares the launching
-    stream's; 16 twice) under asynchronous calls, each followed at once by other work on the same
-    stream: the proxies' copies must never sit behind that work (ProxyRing.ensure_independent;
-    before it, W = 8 stalled every time: benchmarks/results/queue_probe_2026-12-01.json)."""
+    """W proxies under asynchronous calls, each followed at once by other work on the same
+    stream: their copies must never sit behind that work, nor behind each other's (one copy
+    stream per GPU, kept out of the launching stream's hardware queue: mkernel/rdma_streams.py;
+    with a stream per proxy, W = 8 stalled at CUDA's default 8 queues and W = 16 at 16:
+    benchmarks/results/queue_probe_2026-12-01.json)."""
     world = mkernel.World.emulated(W, device="cuda", nodes=2)
     (a, b), _ = _op_inputs("gemm_rs", W, 64, 256, 64, 17)
     want = mkernel.reference.gemm_rs(a, b, world=world)
