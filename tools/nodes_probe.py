@@ -15,10 +15,8 @@ import time
 
 import torch
 
-os.environ["MKERNEL_GPU_NODES"] = "1"  # the kernels over nodes are opt-in
-
-import mkernel  # noqa: E402
-from tests.helpers import randn_bf16  # noqa: E402
+import mkernel
+from tests.helpers import randn_bf16
 
 SHAPES = {"gemm_rs": 2048, "gemm_ar": 8192, "ag_gemm": 2048}  # rows of a per rank; N 4096, K 512
 

@@ -113,7 +113,6 @@ def _loop(name, world, a, b, side, calls, how, mkernel, torch) -> dict:  # noqa:
 
 
 def child() -> None:
-    os.environ["MKERNEL_GPU_NODES"] = "1"
     rows = [
         _mode("sync", 4, 20, "sync"),
         _mode("queued", 4, 20, "queued"),

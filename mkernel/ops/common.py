@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,15 +50,11 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
     return world
 
 
-GPU_NODES_ENV = "MKERNEL_GPU_NODES"  # "1": run the device kernels over nodes (not yet GPU-run)
-
-
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
     plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
     plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu) and an emulated world (the
-    proxy transport's host threads serve one GPU); those kernels still stall now and then on a
-    GPU, so they run only when the environment sets MKERNEL_GPU_NODES=1 (docs/rdma.md)."""
+    proxy transport's host threads serve one GPU)."""
     if world.nodes == 1:
         return
     name = module.SPEC.name
@@ -76,12 +71,6 @@ def check_nodes(module: Any, world: World) -> None:
             f"{name} over {world.nodes} nodes on a GPU runs in emulated worlds only "
             "(World.emulated(W, device='cuda', nodes=N): the proxy transport serves one GPU); "
             "a distributed world of several nodes needs the nvshmem transport, not built yet"
-        )
-    if os.environ.get(GPU_NODES_ENV) != "1":
-        raise NotImplementedError(
-            f"{name} over {world.nodes} nodes: its device kernel (kernels/{spec.kernel_name}.cu) "
-            f"still stalls now and then on a GPU (docs/rdma.md); set {GPU_NODES_ENV}=1 to run it, "
-            "or use the CPU interpreter (World.emulated(W, device='cpu', nodes=N))"
         )
 
 

@@ -131,16 +131,16 @@ def raise_timeout(world: World, status: StatusBlock | None = None) -> None:
     torch.cuda.synchronize(world.device)  # every wait has returned (abort): the kernel ends
     exc = status.timeout()
     rings = getattr(world, "_rdma", None)
-    if rings is not None and isinstance(exc, CommTimeout) and rings.errors():
+    if rings is not None and isinstance(exc, CommTimeout):
         # a proxy that stopped on a bad descriptor or a CUDA error: its waiters timed out; say
-        # why before world.reset() restarts it (and clears the error)
+        # why before world.reset() restarts it (and clears the error); else what can hold it
         exc = CommTimeout(
             exc.rank,
             exc.peer,
             exc.signal,
             exc.task,
             exc.role,
-            "; ".join(rings.errors()),
+            "; ".join(rings.errors()) or NODES_TIMEOUT_HINT,
             unit=exc.unit,
         )
     status.t.zero_()
@@ -283,6 +283,15 @@ def check_cross_node_raises(plan: Plan) -> int:
     return most
 
 
+# NOTE: the proxies issue their copies through the CUDA driver while the kernel waits for them;
+# a call that synchronizes the context meanwhile (measured: tools/lazy_probe.py) waits for the
+# kernel, and the copies wait for that call.
+NODES_TIMEOUT_HINT = (
+    "over nodes on one GPU the rdma proxies' copies go through the CUDA driver while the kernel "
+    "waits for them; a CUDA call that synchronizes the context meanwhile (a kernel's first launch "
+    "under lazy loading, freeing device or pinned memory) stalls them: run with "
+    "CUDA_MODULE_LOADING=EAGER, or launch such kernels once before (docs/rdma.md)"
+)
 NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (before_nodes_launch)
 
 
