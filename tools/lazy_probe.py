@@ -3,9 +3,10 @@ waits for its puts stall it? (docs/rdma.md "On the GPU"). Loading a kernel may s
 context; the rdma proxies' copies, issued by host threads through the same driver, then wait for
 the fused kernel that waits for them.
 
-Per CUDA_MODULE_LOADING (LAZY, CUDA's default, and EAGER), in its own process: an emulated world
-of W = 8 on 2 nodes, asynchronous gemm_rs calls, and after the fifth a torch op never run before
-in the process (its kernels load then); prints whether the calls completed or timed out.
+Per CUDA_MODULE_LOADING (LAZY, CUDA's default, and EAGER; three times each), in its own
+process: an emulated world of W = 8 on 2 nodes, asynchronous gemm_rs calls, and after the fifth a
+torch op never run before in the process (its kernels load then); prints whether the calls
+completed or timed out.
 
     python3 tools/lazy_probe.py
 """
@@ -48,7 +49,7 @@ def main() -> None:
     if "--child" in sys.argv:
         child()
         return
-    for loading in ("LAZY", "EAGER"):
+    for loading in ("LAZY", "EAGER", "LAZY", "EAGER", "LAZY", "EAGER"):
         env = dict(os.environ, CUDA_MODULE_LOADING=loading)
         p = subprocess.run(
             [sys.executable, __file__, "--child"],
@@ -58,7 +59,7 @@ def main() -> None:
             timeout=280,
         )
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-        print(f"CUDA_MODULE_LOADING={loading}: {lines[-1] if lines else p.stderr[-1500:]}")
+        print(f"CUDA_MODULE_LOADING={loading}: {lines[-1] if lines else p.stderr[-600:]}")
 
 
 if __name__ == "__main__":
