@@ -10,8 +10,8 @@
 #    proxy that signals before its copy landed is a race.
 #
 # Runs on a laptop (the CPU interpreter). On one GPU the same plans run as kernels/<op>_nodes.cu
-# with a host proxy thread per rank (docs/rdma.md "On the GPU"; opt-in there, MKERNEL_GPU_NODES=1:
-# correct when they complete, but calls still stall now and then).
+# with a host proxy thread per rank, whose copies share one stream kept out of the launching
+# stream's hardware queue (docs/rdma.md "On the GPU").
 
 # %%
 import torch

@@ -16,14 +16,12 @@ nodes_<date>.json under $MKERNEL_BENCH_DIR (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 
 import torch
 
 import mkernel
 
-from ..ops.common import GPU_NODES_ENV
 from .timing import interleaved_ms, save, table
 
 W, NODES = 4, 2
@@ -85,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m mkernel.bench.nodes", description=__doc__)
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args(argv)
-    os.environ[GPU_NODES_ENV] = "1"  # the kernels over nodes: each version is checked first
     rows = [measure(op, *shape) for op in OPS for shape in SHAPES]
     cols = ["op", "m", "n", "k", "nodes_ms", "one_node_ms", "unfused_ms", "nodes_over_one_node"]
     print(table(rows, cols))
