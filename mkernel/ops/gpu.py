@@ -283,14 +283,15 @@ def check_cross_node_raises(plan: Plan) -> int:
     return most
 
 
-# NOTE: the proxies issue their copies through the CUDA driver while the kernel waits for them;
-# a call that synchronizes the context meanwhile (measured: tools/lazy_probe.py) waits for the
-# kernel, and the copies wait for that call.
+# NOTE: the proxies issue their copies through the CUDA driver while the kernel waits for them.
+# Measured (tools/lazy_probe.py): a torch op compiled at run time (its module loads at its first
+# call) launched meanwhile stalled the calls, in either CUDA_MODULE_LOADING mode, while the first
+# launch of a precompiled op did not; freeing pinned memory meanwhile held the driver as well.
 NODES_TIMEOUT_HINT = (
     "over nodes on one GPU the rdma proxies' copies go through the CUDA driver while the kernel "
-    "waits for them; a CUDA call that synchronizes the context meanwhile (a kernel's first launch "
-    "under lazy loading, freeing device or pinned memory) stalls them: run with "
-    "CUDA_MODULE_LOADING=EAGER, or launch such kernels once before (docs/rdma.md)"
+    "waits for them; a CUDA call that waits for the device meanwhile (loading a module, as a "
+    "torch op compiled at run time does at its first call; freeing pinned or device memory) "
+    "stalls them: run such ops once before the calls (docs/rdma.md)"
 )
 NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (before_nodes_launch)
 

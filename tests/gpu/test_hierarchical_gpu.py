@@ -145,8 +145,9 @@ def test_many_proxies_with_work_queued_behind_the_kernel(W):
     (a, b), _ = _op_inputs("gemm_rs", W, 64, 256, 64, 17)
     want = mkernel.reference.gemm_rs(a, b, world=world)
     side = torch.randn(512, 512, device="cuda")
-    # NOTE: its kernels loaded before any call: a first launch (CUDA lazy loading) while the
-    # fused kernel waits synchronizes the context and stalls the proxies (docs/rdma.md)
+    # NOTE: run once before the calls: the only failure of this test on the H200 came in a run
+    # without this line (one run; a module loaded while the kernel waits can stall the proxies'
+    # copies: tools/lazy_probe.py, docs/rdma.md)
     side = side @ side / 16
     torch.cuda.synchronize()
     for _ in range(100):
