@@ -74,6 +74,10 @@ class ExtensionSpec:
     arch: str = "sm_90a"
     extra_cuda_flags: tuple[str, ...] = ()
     root: str | None = None  # None: mkernel._paths.source_root()
+    # relocatable device code, linked with a device library (NVSHMEM's device calls live in
+    # libnvshmem_device.a): -rdc=true on every unit, and nvcc's device link at the link step
+    rdc: bool = False
+    extra_link_flags: tuple[str, ...] = ()
 
 
 def _fused_op_sources() -> tuple[str, ...]:
@@ -108,11 +112,21 @@ EXTENSION = ExtensionSpec(
 
 # Extensions built apart from EXTENSION, by the module that declares their SPEC: `--check` compiles
 # their sources too. NOTE: module names, imported on use (those modules import this one).
-SEPARATE_EXTENSIONS = ("mkernel.attention_ext", "mkernel.rdma_ext")
+SEPARATE_EXTENSIONS = ("mkernel.attention_ext", "mkernel.rdma_ext", "mkernel.nvshmem_ext")
+# Headers that need a library found at run time (NVSHMEM): never checked alone with the main
+# extension's flags; checked with their extension's when it has a SPEC (the library was found).
+# (header -> the extension whose flags find the library)
+EXTERNAL_HEADERS = {"primitives/rdma/put_nvshmem.cuh": "_mkernel_nvshmem"}
+
+
+def _external_headers(spec: ExtensionSpec) -> set[str]:
+    return {h for h, name in EXTERNAL_HEADERS.items() if name == spec.name}
 
 
 def _separate_specs() -> list[ExtensionSpec]:
-    return [importlib.import_module(m).SPEC for m in SEPARATE_EXTENSIONS]
+    """The separate extensions' specs; one whose library is absent here has SPEC None."""
+    specs = [importlib.import_module(m).SPEC for m in SEPARATE_EXTENSIONS]
+    return [s for s in specs if s is not None]
 
 
 class BuildError(RuntimeError):
@@ -270,13 +284,18 @@ def _compile_flags(spec: ExtensionSpec, root: Path) -> list[str]:
     flags += ["-Xcompiler", "-fvisibility=hidden"]
     flags += [f"-I{root}", *_pybind11_include(), f"-I{sysconfig.get_paths()['include']}"]
     flags += [f"-D{k}={v}" if v != "" else f"-D{k}" for k, v in spec.defines]
+    flags += ["-rdc=true"] if spec.rdc else []
     return flags + list(spec.extra_cuda_flags)
 
 
-def _link_flags() -> list[str]:
+def _link_flags(spec: ExtensionSpec | None = None) -> list[str]:
     # Static cudart keeps the module free of a runtime-library version dependency; no libcuda, no
     # torch: tensors cross the boundary as raw pointers.
-    return ["-shared", "-cudart", "static"]
+    flags = ["-shared", "-cudart", "static"]
+    if spec is not None and spec.rdc:
+        num = _arch_number(spec.arch)
+        flags += ["-rdc=true", f"-gencode=arch=compute_{num},code=sm_{num}"]
+    return flags
 
 
 def cache_key(spec: ExtensionSpec) -> str:
@@ -296,7 +315,9 @@ def cache_key(spec: ExtensionSpec) -> str:
         feed("bytes", (root / rel).read_bytes())
     feed("defines", repr(tuple(spec.defines)).encode())
     feed("flags", repr(tuple(spec.extra_cuda_flags)).encode())
-    feed("link", repr(tuple(_link_flags())).encode())
+    feed("link", repr(tuple(_link_flags(spec))).encode())
+    if spec.extra_link_flags:  # (fed only when set: the other extensions' keys stay as they were)
+        feed("libs", repr(tuple(spec.extra_link_flags)).encode())
     feed("arch", spec.arch.encode())
     feed("nvcc", _nvcc_version(find_nvcc()).encode())
     feed("ext_suffix", _ext_suffix().encode())
@@ -330,12 +351,13 @@ def _write_ninja(spec: ExtensionSpec, build: Path, sources: list[str]) -> dict[s
         "ninja_required_version = 1.3",
         f"nvcc = {_ninja_cmd([_require_nvcc()])}",
         f"cflags = {_ninja_cmd(_compile_flags(spec, root))}",
-        f"ldflags = {_ninja_cmd(_link_flags())}",
+        f"ldflags = {_ninja_cmd(_link_flags(spec))}",
+        f"ldlibs = {_ninja_cmd(spec.extra_link_flags)}",
         "rule compile",
         "  command = $nvcc $cflags -c $in -o $out",
         "  description = nvcc $in",
         "rule link",
-        "  command = $nvcc $ldflags $in -o $out",
+        "  command = $nvcc $ldflags $in $ldlibs -o $out",
         "  description = link $out",
     ]
     for obj, rel in outputs.items():
@@ -481,7 +503,11 @@ def _check_targets(
     """
     if paths is None:
         sources = _source_files(spec, root)
-        headers = [h for h in _glob(root, (*spec.headers, *_HEADER_GLOBS)) if h not in sources]
+        headers = [
+            h
+            for h in _glob(root, (*spec.headers, *_HEADER_GLOBS))
+            if h not in sources and h not in EXTERNAL_HEADERS
+        ]
         return [(rel, root / rel) for rel in sources + headers]
     pairs = []
     for p in paths:
@@ -553,8 +579,22 @@ def _main(argv: Sequence[str] | None = None) -> int:
     failed = checked = 0
     t0 = time.perf_counter()
     runs: list[tuple[ExtensionSpec, Sequence[str] | None]] = [(EXTENSION, args.paths or None)]
+    if args.paths:  # a separate extension's own files with its flags
+        mine: list[str] = list(args.paths)
+        for spec in _separate_specs():
+            owned = set(_source_files(spec)) | _external_headers(spec)
+            theirs = [p for p in mine if p in owned]
+            mine = [p for p in mine if p not in owned]
+            if theirs:
+                runs.append((spec, theirs))
+        runs[0] = (EXTENSION, mine)
     if not args.paths:  # their headers are among the main check's (primitives/, kernels/*.h)
-        runs += [(spec, _source_files(spec)) for spec in _separate_specs()]
+        for spec in _separate_specs():
+            runs.append((spec, _source_files(spec) + sorted(_external_headers(spec))))
+        from mkernel import nvshmem_ext
+
+        if nvshmem_ext.SPEC is None:
+            print(f"NOTICE: {nvshmem_ext.ABSENT}: its sources are not checked", flush=True)
     for spec, paths in runs:
         for rel, err in _iter_check(paths, None, spec):
             checked += 1

@@ -224,7 +224,10 @@ def test_compile_check_covers_every_built_source_and_header(tmp_path: Path) -> N
     assert len(labels) == len(set(labels))
     sources = jit._source_files(jit.EXTENSION)
     assert [s for s in sources if s.endswith(".cpp")], sources
-    assert set(sources) | set(jit._glob(real, jit.EXTENSION.headers)) <= set(labels)
+    headers = set(jit._glob(real, jit.EXTENSION.headers)) - set(jit.EXTERNAL_HEADERS)
+    assert set(sources) | headers <= set(labels)
+    # the headers of a library found at run time: checked with their extension's flags only
+    assert not set(jit.EXTERNAL_HEADERS) & set(labels)
 
 
 @needs_nvcc
@@ -237,3 +240,49 @@ def test_compile_check_reports_a_broken_cpp_source(tmp_path: Path) -> None:
     assert [label for label, err in results.items() if err] == ["kernels/broken.cpp"]
     err = results["kernels/broken.cpp"]
     assert "broken.cpp" in err and "error" in err and "pybind11" in err  # names file and command
+
+
+# ----------------------------------------------------------------------------- rdc and libraries
+
+RDC_CALLER = """\
+__device__ int twice(int x);  // defined in the other unit: links only with -rdc
+__global__ void caller(int* out) { *out = twice(*out); }
+int lib_add(int a, int b);    // from the static library named in extra_link_flags
+// (the kernel is referenced, never launched: the test may run beside a GPU)
+int add_impl(int a, int b) { return lib_add(a, b) + (caller != nullptr ? 0 : 1); }
+"""
+RDC_CALLEE = "__device__ int twice(int x) { return 2 * x; }\n"
+
+
+@needs_nvcc
+def test_rdc_extension_links_across_units_and_a_static_library(cache: Path, tmp_path: Path) -> None:
+    """ExtensionSpec(rdc=True): a kernel calling a __device__ function of another unit links (nvcc's
+    device link), and a static library of extra_link_flags, named after the objects, resolves."""
+    import subprocess
+
+    root = _tiny_root(tmp_path / "src", cu=RDC_CALLER)
+    (root / "kernels" / "callee.cu").write_text(RDC_CALLEE)
+    # NOTE: its own module name: a process imports one extension module per name
+    (root / "kernels" / "binding.cpp").write_text(BINDING.replace("_tiny_ext", "_tiny_rdc"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "add.cpp").write_text("int lib_add(int a, int b) { return a + b + 100; }\n")
+    obj = lib / "add.o"
+    subprocess.run(["g++", "-fPIC", "-c", str(lib / "add.cpp"), "-o", str(obj)], check=True)
+    subprocess.run(["ar", "rcs", str(lib / "libtinyadd.a"), str(obj)], check=True)
+    libs = (f"-L{lib}", "-ltinyadd")
+    spec = _spec(root, name="_tiny_rdc", rdc=True, extra_link_flags=libs)
+    assert jit.load(spec).add(2, 3) == 105
+    without = _spec(root, name="_tiny_rdc", rdc=False, extra_link_flags=libs)
+    with pytest.raises(jit.BuildError):  # the device call cannot link without -rdc
+        jit.load(without)
+
+
+def test_key_follows_rdc_and_link_libraries(tmp_path: Path) -> None:
+    root = _tiny_root(tmp_path / "src")
+    keys = {
+        jit.cache_key(_spec(root)),
+        jit.cache_key(_spec(root, rdc=True)),
+        jit.cache_key(_spec(root, extra_link_flags=("-lm",))),
+    }
+    assert len(keys) == 3

@@ -1,0 +1,215 @@
+"""rdma_put through the ``nvshmem`` transport (issue 14): NVSHMEM's device-initiated put-with-signal
+in a distributed world, one process per GPU (PE = rank), the path real multi-node runs take. The
+ranks are split into virtual nodes (``World.from_process_group(nodes=)``), and the test exchange
+sends every rank's row to a rank of the next node, so every transfer takes this path even across
+the GPUs of one host. Device side: primitives/rdma/put_nvshmem.cuh; kernel: kernels/nvshmem_test.cu;
+extension: mkernel/nvshmem_ext.py (needs the ``nvidia-nvshmem-cu13`` wheel).
+
+    world = mkernel.World.from_process_group(nodes=2)     # under torchrun, one GPU per process
+    with NvshmemTransport(world) as nv:                    # bootstraps NVSHMEM (collective)
+        dst, out = nv.exchange(src, puts=16)               # src: [n] bytes of this rank's row
+
+A call is synchronous and collective (every rank calls it with the same sizes): it launches the
+kernel, a barrier on the stream (the next call's puts must not land before this call's receivers
+consumed their signals), and raises CommTimeout if a receiver's wait timed out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .errors import CommTimeout
+from .protocol import STATUS_FIELDS
+
+__all__ = ["NvshmemTransport", "check_exchange"]
+
+
+class _CudaArray:
+    """A device allocation that torch.as_tensor can view (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class NvshmemTransport:
+    """NVSHMEM on the ranks of ``world`` (a distributed world: World.from_process_group), with a
+    symmetric buffer pool per size and a status block. Bootstraps by a unique id that rank 0 makes
+    and the world's process group broadcasts; one transport per process (NVSHMEM is initialized
+    once per process)."""
+
+    def __init__(self, world: Any, ext: ModuleType | None = None) -> None:
+        import torch.distributed as dist
+
+        if getattr(world, "kind", None) != "distributed":
+            raise ValueError(
+                "the nvshmem transport runs in a distributed world, one process per GPU "
+                "(World.from_process_group(nodes=N)); emulated worlds use the proxy transport"
+            )
+        if world.nodes < 2:
+            raise ValueError(
+                f"the nvshmem transport carries puts across nodes: the world has {world.nodes}; "
+                "split it with World.from_process_group(nodes=N), N >= 2"
+            )
+        if ext is None:
+            from . import nvshmem_ext
+
+            ext = nvshmem_ext.load()
+        self.ext, self.world = ext, world
+        self.rank, self.world_size, self.nodes = world.rank, world.size, world.nodes
+        self.device = world.device
+        uid = [ext.get_unique_id() if self.rank == 0 else None]
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(world.group, 0), group=world.group)
+        with torch.cuda.device(self.device):
+            ext.init(self.rank, self.world_size, uid[0])
+        self._sym: dict[str, tuple[int, int]] = {}  # name -> (ptr, bytes)
+        self.status = torch.zeros(len(STATUS_FIELDS), dtype=torch.int32, pin_memory=True)
+        self._error = ctypes.c_int32.from_address(self.status.data_ptr())
+        self.launches = 0
+
+    # -- symmetric memory ----------------------------------------------------------------------
+    def symmetric(self, name: str, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A zeroed symmetric buffer of at least ``nbytes`` (collective: every rank asks for the
+        same), kept by name and grown when asked for more; its address and a uint8 view."""
+        ptr, have = self._sym.get(name, (0, 0))
+        grown = have < nbytes
+        if grown:
+            if ptr:
+                torch.cuda.synchronize(self.device)
+                self.ext.free(ptr)
+            ptr = self.ext.malloc(nbytes)
+            self._sym[name] = (ptr, nbytes)
+            have = nbytes
+        view = torch.as_tensor(_CudaArray(ptr, (have,), "|u1"), device=self.device)
+        if grown:
+            # NOTE: nvshmem_malloc does not zero; no peer may put into it before it is zeroed
+            with torch.cuda.device(self.device):
+                view.zero_()
+                self.ext.barrier_all_on_stream(torch.cuda.current_stream().cuda_stream)
+        return ptr, view
+
+    # -- the test exchange ---------------------------------------------------------------------
+    def exchange(
+        self,
+        src: torch.Tensor,
+        puts: int,
+        *,
+        posters: int = 1,
+        op: str = "set",
+        receive: str = "copy",
+        timeout_s: float = 5.0,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank puts ``src`` (a contiguous CUDA tensor, its bytes cut in ``puts`` equal tiles
+        of a multiple of 16 bytes) into the symmetric buffer of rank ``(rank + W // nodes) % W``,
+        by ``posters`` CTAs, each tile with its signal; this rank's receivers wait (bounded) for
+        the tiles of rank ``(rank - W // nodes) % W`` and, with ``receive="copy"``, copy each into
+        ``out`` after its signal. Unfused meaning: ``dst = src of the previous node's rank``.
+        Returns (dst, out): dst a view of the symmetric buffer (valid until the next call)."""
+        ext = self.ext
+        ops, receives = dict(ext.OPS), dict(ext.RECEIVE)
+        nbytes = check_exchange(src, self.device, puts, posters, op, receive, timeout_s)
+        dst_ptr, dst_view = self.symmetric("dst", nbytes)
+        sig_ptr, _ = self.symmetric("signals", 8 * max(puts, posters))
+        if receive == "copy":
+            out = _check_out(out, src)
+        a = ext.NvTestArgs()
+        a.src, a.dst, a.signals = src.data_ptr(), dst_ptr, sig_ptr
+        a.out = out.data_ptr() if out is not None else 0
+        a.status = self.status.data_ptr()
+        a.bytes, a.timeout_ns = nbytes // puts, int(timeout_s * 1e9)
+        a.rank, a.world_size, a.nodes = self.rank, self.world_size, self.nodes
+        a.puts, a.posters, a.op, a.receive = puts, posters, ops[op], receives[receive]
+        self.launches += 1
+        a.launch = self.launches
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            rc = ext.launch_nvshmem_test(a, stream.cuda_stream)
+            if rc != 0:
+                raise RuntimeError(f"launch_nvshmem_test: {ext.nvshmem_test_status_string(rc)}")
+            # NOTE: the next call's puts must not land before this call's receivers zeroed
+            ext.barrier_all_on_stream(stream.cuda_stream)
+            stream.synchronize()
+        self._raise_timeout()
+        dst = dst_view[:nbytes].view(src.dtype).view(src.shape)
+        return dst, out
+
+    def _raise_timeout(self) -> None:
+        if self._error.value == 0:
+            return
+        v = dict(zip(STATUS_FIELDS, self.status.tolist(), strict=True))
+        self.status.zero_()
+        raise CommTimeout(
+            v["rank"],
+            v["peer"],
+            f"landed[{v['rank']}][{v['index']}]",
+            v["task"],
+            "receiver",
+            "nvshmem transport: the put or its signal did not arrive (signals are now unknown: "
+            "close the transport)",
+        )
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Frees the symmetric buffers and finalizes NVSHMEM (collective)."""
+        torch.cuda.synchronize(self.device)
+        for ptr, _ in self._sym.values():
+            self.ext.free(ptr)
+        self._sym.clear()
+        self.ext.finalize()
+
+    def __enter__(self) -> NvshmemTransport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_exchange(
+    src: Any,
+    device: torch.device,
+    puts: Any,
+    posters: Any,
+    op: Any,
+    receive: Any,
+    timeout_s: Any,
+) -> int:
+    """Every check of ``NvshmemTransport.exchange`` before anything is launched (no GPU needed);
+    returns the bytes of ``src``."""
+    if not isinstance(src, torch.Tensor) or src.device != device:
+        raise ValueError(f"src must be a tensor on {device}")
+    if not src.is_contiguous() or src.data_ptr() % 16:
+        raise ValueError("src must be contiguous and 16-byte aligned")
+    if not isinstance(puts, int) or isinstance(puts, bool) or puts < 1:
+        raise ValueError(f"puts must be an int >= 1, got {puts!r}")
+    if not isinstance(posters, int) or isinstance(posters, bool) or not 1 <= posters <= puts:
+        raise ValueError(f"posters must be an int in [1, puts={puts}], got {posters!r}")
+    if op not in ("set", "add"):
+        raise ValueError(f"op must be 'set' or 'add', got {op!r}")
+    if receive not in ("copy", "wait"):
+        raise ValueError(f"receive must be 'copy' or 'wait', got {receive!r}")
+    if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    nbytes = src.numel() * src.element_size()
+    if nbytes == 0 or nbytes % puts or (nbytes // puts) % 16:
+        raise ValueError(f"bytes per put ({nbytes} / {puts}) must be a positive multiple of 16")
+    return nbytes
+
+
+def _check_out(out: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(src)
+    if out.shape != src.shape or out.dtype != src.dtype or out.device != src.device:
+        raise ValueError(f"out must match src: {tuple(src.shape)} {src.dtype} {src.device}")
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError("out must be contiguous and 16-byte aligned")
+    return out

@@ -1,0 +1,106 @@
+"""The nvshmem transport's host side without a GPU (mkernel/rdma_nvshmem.py, nvshmem_ext.py): its
+argument checks come before anything is launched, it refuses worlds it cannot serve before
+NVSHMEM is touched, and the extension finds NVSHMEM (or says plainly that it is absent). The
+transport itself runs on two GPUs: tests/distributed/check_rdma_nvshmem.py."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import mkernel
+from mkernel import nvshmem_ext
+from mkernel.rdma_nvshmem import NvshmemTransport, check_exchange
+from mkernel.world import World
+
+CPU = torch.device("cpu")
+
+
+def _ok(**kw):
+    args = dict(
+        src=torch.zeros(64, dtype=torch.int32),
+        device=CPU,
+        puts=4,
+        posters=2,
+        op="set",
+        receive="copy",
+        timeout_s=1.0,
+    )
+    return args | kw
+
+
+def test_a_valid_exchange_passes_its_checks():
+    assert check_exchange(**_ok()) == 256
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(src="x"), "src must be a tensor"),
+        (dict(src=torch.zeros(8, 8)[:, :4]), "contiguous"),
+        (dict(puts=0), "puts must be an int >= 1"),
+        (dict(puts=True), "puts must be an int"),
+        (dict(posters=5), r"posters must be an int in \[1, puts=4\]"),
+        (dict(posters=0), "posters"),
+        (dict(op="xor"), "op must be"),
+        (dict(receive="none"), "receive must be"),
+        (dict(timeout_s=0), "timeout_s must be > 0"),
+        (dict(puts=3), r"bytes per put \(256 / 3\)"),
+        (dict(src=torch.zeros(4, dtype=torch.int32), puts=2), r"bytes per put \(16 / 2\)"),
+        (dict(src=torch.zeros(0, dtype=torch.int32), puts=1, posters=1), "positive multiple"),
+    ],
+)
+def test_bad_exchange_arguments_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        check_exchange(**_ok(**bad))
+
+
+def test_only_a_distributed_world_of_several_nodes():
+    # the checks come before NVSHMEM is loaded: no extension, no GPU needed
+    with pytest.raises(ValueError, match="distributed world, one process per GPU"):
+        NvshmemTransport(mkernel.World.emulated(2, nodes=2))
+    one_node = World(size=2, device=torch.device("cuda", 0), kind="distributed", nodes=1, rank=0)
+    with pytest.raises(ValueError, match="across nodes: the world has 1"):
+        NvshmemTransport(one_node)
+
+
+def _fake_nvshmem(base: Path) -> Path:
+    (base / "include").mkdir(parents=True)
+    (base / "lib").mkdir()
+    (base / "include" / "nvshmem.h").write_text("")
+    (base / "lib" / "libnvshmem_device.a").write_text("")
+    (base / "lib" / "libnvshmem_host.so.3").write_text("")
+    return base
+
+
+def test_the_extension_finds_nvshmem_and_links_it(tmp_path, monkeypatch):
+    home = _fake_nvshmem(tmp_path / "nvshmem")
+    monkeypatch.setenv("MKERNEL_NVSHMEM_HOME", str(home))
+    try:
+        ext = importlib.reload(nvshmem_ext)
+        assert ext.nvshmem_home() == home.absolute() and ext.ABSENT == ""
+        spec = ext.SPEC
+        assert spec.rdc and f"-I{home.absolute() / 'include'}" in spec.extra_cuda_flags
+        libs = spec.extra_link_flags
+        # the device library before the host one, the host one by its versioned file name
+        assert libs.index("-lnvshmem_device") < libs.index("-l:libnvshmem_host.so.3")
+        assert f"-L{home.absolute() / 'lib'}" in libs
+    finally:
+        monkeypatch.delenv("MKERNEL_NVSHMEM_HOME")
+        importlib.reload(nvshmem_ext)
+
+
+def test_without_nvshmem_the_transport_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("MKERNEL_NVSHMEM_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    try:
+        ext = importlib.reload(nvshmem_ext)
+        assert ext.SPEC is None and "nvidia-nvshmem-cu13" in ext.ABSENT
+        with pytest.raises(RuntimeError, match="needs NVSHMEM.*nvidia-nvshmem-cu13"):
+            ext.load()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(nvshmem_ext)
