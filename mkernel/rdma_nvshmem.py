@@ -24,6 +24,7 @@ import torch
 
 from .errors import CommTimeout
 from .protocol import STATUS_FIELDS
+from .rdma import _check_buffer
 
 __all__ = ["NvshmemTransport", "check_exchange"]
 
@@ -70,6 +71,7 @@ class NvshmemTransport:
         uid = [ext.get_unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(world.group, 0), group=world.group)
         with torch.cuda.device(self.device):
+            torch.zeros(1, device=self.device)  # NOTE: NVSHMEM needs the device's context current
             ext.init(self.rank, self.world_size, uid[0])
         self._sym: dict[str, tuple[int, int]] = {}  # name -> (ptr, bytes)
         self.status = torch.zeros(len(STATUS_FIELDS), dtype=torch.int32, pin_memory=True)
@@ -121,7 +123,7 @@ class NvshmemTransport:
         dst_ptr, dst_view = self.symmetric("dst", nbytes)
         sig_ptr, _ = self.symmetric("signals", 8 * max(puts, posters))
         if receive == "copy":
-            out = _check_out(out, src)
+            out = _check_buffer("out", out, src)
         a = ext.NvTestArgs()
         a.src, a.dst, a.signals = src.data_ptr(), dst_ptr, sig_ptr
         a.out = out.data_ptr() if out is not None else 0
@@ -203,13 +205,3 @@ def check_exchange(
     if nbytes == 0 or nbytes % puts or (nbytes // puts) % 16:
         raise ValueError(f"bytes per put ({nbytes} / {puts}) must be a positive multiple of 16")
     return nbytes
-
-
-def _check_out(out: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(src)
-    if out.shape != src.shape or out.dtype != src.dtype or out.device != src.device:
-        raise ValueError(f"out must match src: {tuple(src.shape)} {src.dtype} {src.device}")
-    if not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError("out must be contiguous and 16-byte aligned")
-    return out
