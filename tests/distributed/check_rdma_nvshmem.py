@@ -59,7 +59,9 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=0, help="virtual nodes (default: one per rank)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # NOTE: modulo the GPUs: with fewer GPUs than processes several PEs share one, which NVSHMEM
+    # may refuse (multiple PEs per GPU); untried
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     W = dist.get_world_size()
     world = mkernel.World.from_process_group(nodes=args.nodes or W)
     failures = 0
