@@ -4,7 +4,9 @@
 //
 // Python view (mkernel/rdma.py wraps it):
 //   mem = MappedHost(W * ring_bytes(capacity)); init_rings(mem.ptr, W, capacity)
-//   proxy = RingProxy(ring_ptr(mem.ptr, r, capacity), device, W, signals.ptr, signals.ptr + n)
+//   stream = copy_stream_create(device)
+//   proxy = RingProxy(ring_ptr(mem.ptr, r, capacity), device, W, signals.ptr, signals.ptr + n,
+//                     stream=stream)
 //   proxy.start(stalled=False); ...; proxy.stop(); proxy.error()
 //   args = RdmaTestArgs(); args.src = t.data_ptr(); ...; launch_rdma_test(args, stream)  # 0 = ok
 #include <pybind11/pybind11.h>
@@ -94,7 +96,7 @@ PYBIND11_MODULE(_mkernel_rdma, m) {
                                    reinterpret_cast<cudaStream_t>(stream)});
            }),
            py::arg("ring"), py::arg("device"), py::arg("world_size"), py::arg("signal_lo"),
-           py::arg("signal_hi"), py::arg("stream") = 0)
+           py::arg("signal_hi"), py::arg("stream"))
       .def(
           "set_stream",
           [](RingProxy& p, uintptr_t s) { p.set_stream(reinterpret_cast<cudaStream_t>(s)); },

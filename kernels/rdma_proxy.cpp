@@ -1,9 +1,7 @@
 // The host proxy thread of one ring: see kernels/rdma_proxy.h for the protocol and why.
 #include "kernels/rdma_proxy.h"
 
-#include <cuda.h>
-
-#include "primitives/host/driver_entry.h"
+#include "kernels/rdma_streams.h"
 
 #include <chrono>
 #include <stdexcept>
@@ -25,19 +23,10 @@ constexpr auto kLongIdleSleep = std::chrono::microseconds(640);
 int32_t load_acquire(const int32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void store_release(int32_t* p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-using StreamWriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-// cuStreamWriteValue32 from the driver (the runtime has no such call; no -lcuda needed).
-StreamWriteValue32 stream_write_value32() {
-  static const auto fn =
-      reinterpret_cast<StreamWriteValue32>(host::driver_entry_point("cuStreamWriteValue32"));
-  return fn;
-}
-
 }  // namespace
 
 bool RingProxy::write_device_signal(cudaStream_t stream, uint64_t signal, int32_t value) {
-  const StreamWriteValue32 write = stream_write_value32();
+  const StreamValue32 write = stream_write_value32();
   if (write == nullptr) return fail("cuStreamWriteValue32 not found in the driver");
   // NOTE: flags 0 (not CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER): the write is preceded by a
   // memory fence, so a device waiter that sees the value (acquire) sees the copy's bytes.
@@ -51,6 +40,7 @@ RingProxy::RingProxy(const ProxyConfig& cfg)
     : cfg_(cfg), header_(static_cast<RingHeader*>(cfg.ring)) {
   if (header_ == nullptr || header_->capacity < 1)
     throw std::invalid_argument("RingProxy: the ring must be allocated with capacity >= 1");
+  if (cfg.stream == nullptr) throw std::invalid_argument("RingProxy: no copy stream");
 }
 
 RingProxy::~RingProxy() {
@@ -75,6 +65,7 @@ void RingProxy::start(bool stalled) {
 
 void RingProxy::set_stream(cudaStream_t stream) {
   if (thread_.joinable()) throw std::logic_error("RingProxy: set_stream while running");
+  if (stream == nullptr) throw std::invalid_argument("RingProxy: no copy stream");
   cfg_.stream = stream;
 }
 
@@ -101,12 +92,8 @@ bool RingProxy::fail(const std::string& what) {
 
 void RingProxy::run() {
   cudaStream_t stream = cfg_.stream;
-  const bool own = stream == nullptr;
-  cudaError_t e = cudaSetDevice(cfg_.device);
-  // NOTE: non-blocking: the proxy's copies must never wait for (or be waited on by) the legacy
-  // default stream, where the posting kernel may run for as long as its puts take.
-  if (e == cudaSuccess && own) e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  if (e != cudaSuccess) fail(std::string("stream: ") + cudaGetErrorString(e));
+  const cudaError_t e = cudaSetDevice(cfg_.device);
+  if (e != cudaSuccess) fail(std::string("device: ") + cudaGetErrorString(e));
   if (e == cudaSuccess && warm_up(stream)) ready_.store(true);
   int idle = 0;
   auto sleep = kIdleSleep;
@@ -129,10 +116,7 @@ void RingProxy::run() {
     sleep = kIdleSleep;
     drain(head, stream);  // on failure the loop idles until stop()
   }
-  if (stream != nullptr) {
-    cudaStreamSynchronize(stream);
-    if (own) cudaStreamDestroy(stream);
-  }
+  cudaStreamSynchronize(stream);  // the stream is the caller's (ProxyConfig::stream)
 }
 
 // One of each operation a drain issues, on the proxy's own bytes, before any put: measured on

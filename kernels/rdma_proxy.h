@@ -3,8 +3,8 @@
 //
 // Per batch (the descriptors published since the last one):
 //   acquire head -> copy the batch's descriptors out of the ring -> check them ->
-//   cudaMemcpyAsync each (device to device, on the proxy's own non-blocking stream; 2D for a
-//   tile's rows; a device signal's cuStreamWriteValue32 right after its copy) ->
+//   cudaMemcpyAsync each (device to device, on the copy stream it is given; 2D for a tile's
+//   rows; a device signal's cuStreamWriteValue32 right after its copy) ->
 //   cudaStreamSynchronize -> raise each host signal (host atomic, release) in count order ->
 //   release tail = last count + 1 (the slots may be rewritten).
 //
@@ -38,8 +38,10 @@ struct ProxyConfig {
   int world_size = 1;    // dest_rank must lie in [0, world_size)
   uintptr_t signal_lo = 0, signal_hi = 0;  // signals must lie in [lo, hi): the only host memory
                                            // the proxy writes besides the ring's tail
-  // The stream the copies run on (kernels/rdma_streams.h: the caller checks that it shares no
-  // hardware queue with the launching streams); null: the proxy makes its own.
+  // The stream the copies run on, required: non-blocking (they must never wait for, or be waited
+  // on by, the legacy default stream, where the posting kernel may run as long as its puts
+  // take), shared by the device's proxies and kept out of the launching streams' hardware queues
+  // by the caller (kernels/rdma_streams.h, mkernel/rdma_streams.py).
   cudaStream_t stream = nullptr;
 };
 

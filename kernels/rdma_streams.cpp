@@ -16,10 +16,7 @@ namespace mk::rdma {
 
 namespace {
 
-using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-StreamValue32 driver_fn(const char* name) {
-  auto fn = reinterpret_cast<StreamValue32>(host::driver_entry_point(name));
+StreamValue32 required(StreamValue32 fn, const char* name) {
   if (fn == nullptr) throw std::runtime_error(std::string(name) + " not found in the driver");
   return fn;
 }
@@ -42,8 +39,9 @@ auto on_device(int device, F&& f) {
   return f();
 }
 
-// NOTE: one word per probe of a ring of them, never reused while an earlier probe's late write
-// could still land in it (a rejected stream's write lands once its queue moves on).
+// NOTE: a ring of words, one per probe: a rejected stream's write lands late, once its queue moves
+// on; in a word of its own it cannot overwrite a later probe's reset `seen` after that probe's
+// write (it would then be missed) unless kWords probes pass meanwhile.
 constexpr int kWords = 256;
 
 struct ProbeWords {
@@ -60,6 +58,18 @@ ProbeWords& words() {
 }
 
 }  // namespace
+
+StreamValue32 stream_write_value32() {
+  static const auto fn =
+      reinterpret_cast<StreamValue32>(host::driver_entry_point("cuStreamWriteValue32"));
+  return fn;
+}
+
+StreamValue32 stream_wait_value32() {
+  static const auto fn =
+      reinterpret_cast<StreamValue32>(host::driver_entry_point("cuStreamWaitValue32"));
+  return fn;
+}
 
 uintptr_t copy_stream_create(int device) {
   return on_device(device, [] {
@@ -78,8 +88,8 @@ void copy_stream_destroy(uintptr_t stream) {
 }
 
 bool stream_independent(uintptr_t copy, uintptr_t compute, int device, int timeout_us) {
-  static const StreamValue32 wait = driver_fn("cuStreamWaitValue32");
-  static const StreamValue32 write = driver_fn("cuStreamWriteValue32");
+  const StreamValue32 wait = required(stream_wait_value32(), "cuStreamWaitValue32");
+  const StreamValue32 write = required(stream_write_value32(), "cuStreamWriteValue32");
   ProbeWords& w = words();
   std::lock_guard<std::mutex> lock(w.mu);
   const uint32_t gen = ++w.gen;

@@ -15,11 +15,19 @@
 // (cuStreamWriteValue32). If the write lands while `compute` still waits, the two do not share a
 // queue. Neither command needs an SM; neither waits for anything but the other's queue.
 #pragma once
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 namespace mk::rdma {
+
+// cuStreamWriteValue32 / cuStreamWaitValue32 from the driver (the runtime has neither; no -lcuda
+// needed): nullptr when the driver lacks them. The proxy's device signals use the first
+// (RingProxy::write_device_signal), the probe below both.
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+StreamValue32 stream_write_value32();
+StreamValue32 stream_wait_value32();
 
 // A non-blocking stream on `device` (throws std::runtime_error on failure).
 uintptr_t copy_stream_create(int device);

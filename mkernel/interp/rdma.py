@@ -9,7 +9,7 @@ Protocol (the device primitive ``rdma_put`` and the host proxy will follow it; s
   ``head = t + 1`` with release. The poster owns its source until the put is done (the proxy reads
   it later): it must not rewrite it before the destination's signal says the put has landed;
 - proxy (host thread of rank r): for n = 0, 1, ...: wait for ``head >= n + 1`` with acquire, read
-  descriptor ``n % capacity``, copy source -> destination (cudaMemcpyAsync on its own stream, then
+  descriptor ``n % capacity``, copy source -> destination (cudaMemcpyAsync on its copy stream, then
   a stream sync), raise the destination's signal with release, then ``tail = n + 1`` with release
   (the slot may be reused);
 - receiver: waits for the signal like every signal (bounded, names the peer): acquiring it orders
