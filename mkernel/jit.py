@@ -124,9 +124,15 @@ def _external_headers(spec: ExtensionSpec) -> set[str]:
 
 
 def _separate_specs() -> list[ExtensionSpec]:
-    """The separate extensions' specs; one whose library is absent here has SPEC None."""
+    """The separate extensions' specs; one whose library is absent here has SPEC None (and says
+    why in its ABSENT)."""
     specs = [importlib.import_module(m).SPEC for m in SEPARATE_EXTENSIONS]
     return [s for s in specs if s is not None]
+
+
+def _absent_notices() -> list[str]:
+    mods = [importlib.import_module(m) for m in SEPARATE_EXTENSIONS]
+    return [f"NOTICE: {m.ABSENT}: its sources are not checked" for m in mods if m.SPEC is None]
 
 
 class BuildError(RuntimeError):
@@ -277,8 +283,7 @@ def _arch_number(arch: str) -> str:
 
 def _compile_flags(spec: ExtensionSpec, root: Path) -> list[str]:
     """Flags shared by every translation unit (nvcc compiles the .cpp files too)."""
-    num = _arch_number(spec.arch)
-    flags = ["-std=c++17", "-O3", f"-gencode=arch=compute_{num},code=sm_{num}"]
+    flags = ["-std=c++17", "-O3", _gencode(spec)]
     flags += ["--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler", "-fPIC"]
     # NOTE: pybind11 wants hidden visibility so two extensions never share symbols by accident.
     flags += ["-Xcompiler", "-fvisibility=hidden"]
@@ -288,14 +293,16 @@ def _compile_flags(spec: ExtensionSpec, root: Path) -> list[str]:
     return flags + list(spec.extra_cuda_flags)
 
 
-def _link_flags(spec: ExtensionSpec | None = None) -> list[str]:
+def _gencode(spec: ExtensionSpec) -> str:
+    num = _arch_number(spec.arch)
+    return f"-gencode=arch=compute_{num},code=sm_{num}"
+
+
+def _link_flags(spec: ExtensionSpec) -> list[str]:
     # Static cudart keeps the module free of a runtime-library version dependency; no libcuda, no
-    # torch: tensors cross the boundary as raw pointers.
+    # torch: tensors cross the boundary as raw pointers. rdc: nvcc's device link needs the arch.
     flags = ["-shared", "-cudart", "static"]
-    if spec is not None and spec.rdc:
-        num = _arch_number(spec.arch)
-        flags += ["-rdc=true", f"-gencode=arch=compute_{num},code=sm_{num}"]
-    return flags
+    return flags + (["-rdc=true", _gencode(spec)] if spec.rdc else [])
 
 
 def cache_key(spec: ExtensionSpec) -> str:
@@ -591,10 +598,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if not args.paths:  # their headers are among the main check's (primitives/, kernels/*.h)
         for spec in _separate_specs():
             runs.append((spec, _source_files(spec) + sorted(_external_headers(spec))))
-        from mkernel import nvshmem_ext
-
-        if nvshmem_ext.SPEC is None:
-            print(f"NOTICE: {nvshmem_ext.ABSENT}: its sources are not checked", flush=True)
+        for notice in _absent_notices():
+            print(notice, flush=True)
     for spec, paths in runs:
         for rel, err in _iter_check(paths, None, spec):
             checked += 1
