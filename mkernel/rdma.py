@@ -188,8 +188,8 @@ class ProxyRing:
 
 # Descriptor slots per rank's ring for the fused ops over nodes: room for a call's puts (gemm_rs
 # at W = 4 puts 257 times per ring at 8192 x 4096 x 2048), so that a call rarely waits for a slot.
-# NOTE: ag_gemm at W = 8 over 4 nodes with 21 chunks per shard (66 puts per ring) failed at 64
-# slots in every run, untested since (docs/rdma.md "On the GPU").
+# NOTE: at 64 slots ag_gemm at W = 8 over 4 nodes with 21 chunks per shard (66 puts per ring)
+# failed in every run; at 1024 its random-shape tests passed (H200, 2026-12-01, docs/rdma.md).
 FUSED_RING_CAPACITY = 1024
 # The rings of worlds that went: stopped, never freed. NOTE: freeing them (cudaFreeHost, the
 # proxies' cudaFree) synchronizes the device; a world collected by the garbage collector while

@@ -16,13 +16,13 @@ consumed their signals), and raises CommTimeout if a receiver's wait timed out.
 
 from __future__ import annotations
 
-import ctypes
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from .errors import CommTimeout
+from .ops.gpu import StatusBlock
 from .protocol import STATUS_FIELDS
 from .rdma import _check_buffer
 
@@ -74,8 +74,7 @@ class NvshmemTransport:
             torch.zeros(1, device=self.device)  # NOTE: NVSHMEM needs the device's context current
             ext.init(self.rank, self.world_size, uid[0])
         self._sym: dict[str, tuple[int, int]] = {}  # name -> (ptr, bytes)
-        self.status = torch.zeros(len(STATUS_FIELDS), dtype=torch.int32, pin_memory=True)
-        self._error = ctypes.c_int32.from_address(self.status.data_ptr())
+        self.status = StatusBlock()  # CommStatus in pinned memory, as the fused ops' launches
         self.launches = 0
 
     # -- symmetric memory ----------------------------------------------------------------------
@@ -127,7 +126,7 @@ class NvshmemTransport:
         a = ext.NvTestArgs()
         a.src, a.dst, a.signals = src.data_ptr(), dst_ptr, sig_ptr
         a.out = out.data_ptr() if out is not None else 0
-        a.status = self.status.data_ptr()
+        a.status = self.status.ptr()
         a.bytes, a.timeout_ns = nbytes // puts, int(timeout_s * 1e9)
         a.rank, a.world_size, a.nodes = self.rank, self.world_size, self.nodes
         a.puts, a.posters, a.op, a.receive = puts, posters, ops[op], receives[receive]
@@ -146,10 +145,10 @@ class NvshmemTransport:
         return dst, out
 
     def _raise_timeout(self) -> None:
-        if self._error.value == 0:
+        if not self.status.error:
             return
-        v = dict(zip(STATUS_FIELDS, self.status.tolist(), strict=True))
-        self.status.zero_()
+        v = dict(zip(STATUS_FIELDS, self.status.t.tolist(), strict=True))
+        self.status.t.zero_()
         raise CommTimeout(
             v["rank"],
             v["peer"],
