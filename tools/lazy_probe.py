@@ -17,21 +17,21 @@ import os
 import subprocess
 import sys
 
+import torch  # (importing starts no CUDA: each child process starts its own)
+
+import mkernel
+from tests.helpers import randn_bf16
+
 NEW_OPS = {
     "none": None,
     # runtime-compiled by torch (jiterator, NVRTC): its module is loaded at the first call
-    "jiterator": lambda torch, x: torch.special.bessel_j0(x),
+    "jiterator": torch.special.bessel_j0,
     # a precompiled kernel of torch's library not launched before in the process
-    "aten": lambda torch, x: torch.cumprod(x, 0),
+    "aten": lambda x: torch.cumprod(x, 0),
 }
 
 
 def child(new_op: str) -> None:
-    import torch
-
-    import mkernel
-    from tests.helpers import randn_bf16
-
     W = 8
     world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=2.0)
     a = randn_bf16(W, W * 64, 64, device="cuda")
@@ -44,7 +44,7 @@ def child(new_op: str) -> None:
     for i in range(20):
         out = mkernel.gemm_rs(a, b, world=world)
         if i == 5 and NEW_OPS[new_op] is not None:
-            x = NEW_OPS[new_op](torch, x)  # first launch of these kernels in the process
+            x = NEW_OPS[new_op](x)  # first launch of these kernels in the process
     try:
         world.check()
         ok = bool(torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-1))
@@ -57,7 +57,7 @@ def main() -> None:
     if "--child" in sys.argv:
         try:
             child(sys.argv[-1])
-        except mkernel_timeout() as e:  # raised by a call after the one that timed out
+        except mkernel.CommTimeout as e:  # raised by a call after the one that timed out
             print("RESULT timed out (raised by a later call):", str(e)[:120])
         return
     for loading in ("LAZY", "EAGER"):
@@ -72,12 +72,6 @@ def main() -> None:
             )
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
             print(f"{loading} {new_op}: {lines[-1] if lines else p.stderr[-600:]}", flush=True)
-
-
-def mkernel_timeout() -> type:
-    import mkernel
-
-    return mkernel.CommTimeout
 
 
 if __name__ == "__main__":

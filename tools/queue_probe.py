@@ -29,25 +29,32 @@ respectively: two proxy streams in one queue stall too. Hence one copy stream pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 
+import torch  # (importing starts no CUDA: each child process starts its own)
+
+import mkernel
+from tests.helpers import randn_bf16
+
 CONNECTIONS = ["", "16", "32"]  # "" = CUDA's default (8); 1 is refused (ensure_independent)
+
+
+def _world(W: int) -> tuple[mkernel.World, torch.Tensor, torch.Tensor]:
+    """W ranks on 2 nodes, deadline 1 s, and gemm_rs operands at a small shape."""
+    world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=1.0)
+    return world, randn_bf16(W, W * 256, 128, device="cuda"), randn_bf16(W, 128, 512, device="cuda")
 
 
 def _reprobe(W: int, calls: int) -> dict:
     """Calls one by one (synchronized), and after each the probe of the proxies' copy stream
     against the legacy default stream again: counts the probes that find it in that queue (a
     queue binding that changes after ensure_independent settled it)."""
-    import mkernel
-    from tests.helpers import randn_bf16
-
-    world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=1.0)
-    a = randn_bf16(W, W * 256, 128, device="cuda")
-    b = randn_bf16(W, 128, 512, device="cuda")
+    world, a, b = _world(W)
     world.sync_checks = True
     shared = 0
     for _ in range(calls):
@@ -58,51 +65,36 @@ def _reprobe(W: int, calls: int) -> dict:
 
 
 def _mode(name: str, W: int, calls: int, how: str, side_stream: bool = False) -> dict:
-    import contextlib
-
-    import torch
-
-    import mkernel
-    from tests.helpers import randn_bf16
-
-    world = mkernel.World.emulated(W, device="cuda", nodes=2, timeout_s=1.0)
-    a = randn_bf16(W, W * 256, 128, device="cuda")
-    b = randn_bf16(W, 128, 512, device="cuda")
+    world, a, b = _world(W)
     side = torch.randn(1024, 1024, device="cuda")
     world.sync_checks = how == "sync"
-    stream = torch.cuda.Stream() if side_stream else None
-    ctx = torch.cuda.stream(stream) if side_stream else contextlib.nullcontext()
-    with ctx:
-        return _loop(name, world, a, b, side, calls, how, mkernel, torch)
-
-
-def _loop(name, world, a, b, side, calls, how, mkernel, torch) -> dict:  # noqa: ANN001
     ok = timeouts = 0
     t0 = time.perf_counter()
-    try:
-        mkernel.gemm_rs(a, b, world=world)  # the first call settles the proxies' streams
-        torch.cuda.synchronize()
-    except RuntimeError as e:
-        return {"mode": name, "calls": calls, "ok": 0, "timeouts": 0, "s": 0, "refused": str(e)}
-    for _ in range(calls):
+    with torch.cuda.stream(torch.cuda.Stream()) if side_stream else contextlib.nullcontext():
         try:
-            mkernel.gemm_rs(a, b, world=world)
-            if how == "queued":
-                side = side @ side / 32
-            if how != "async":
-                torch.cuda.synchronize()
+            mkernel.gemm_rs(a, b, world=world)  # the first call settles the proxies' streams
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            return {"mode": name, "calls": calls, "ok": 0, "timeouts": 0, "s": 0, "refused": str(e)}
+        for _ in range(calls):
+            try:
+                mkernel.gemm_rs(a, b, world=world)
+                if how == "queued":
+                    side = side @ side / 32
+                if how != "async":
+                    torch.cuda.synchronize()
+                    world.check()
+                ok += 1
+            except mkernel.CommTimeout:
+                timeouts += 1
+                if timeouts >= 3:
+                    break
+        if how == "async":
+            try:
                 world.check()
-            ok += 1
-        except mkernel.CommTimeout:
-            timeouts += 1
-            if timeouts >= 3:
-                break
-    if how == "async":
-        try:
-            world.check()
-        except mkernel.CommTimeout:
-            timeouts += 1
-            ok = 0
+            except mkernel.CommTimeout:
+                timeouts += 1
+                ok = 0
     return {
         "mode": name,
         "calls": calls,
