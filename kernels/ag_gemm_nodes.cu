@@ -37,16 +37,16 @@ struct AgGemmNodes : AgGemmMoves<EngineT> {
 
   // A PUT task's bytes: my chunk's rows of a into the same rows of the rail peer's gather (one
   // contiguous run). Arrivals carry none.
-  static __device__ PutRect put_rect(const Args& a, const CtaInfo& cta, int role, int row,
-                                     int dest) {
-    PutRect p;
+  static __device__ rdma::Put put_rect(const Args& a, const CtaInfo& cta, int role, int row,
+                                       int dest) {
+    rdma::Put p{};
     const int* args = a.common.role[role].args + row * kTaskArgs;
     if (role != kRoleComm || args[2] != kPut) return p;
     const Layout& l = a.layout;
     const ChunkSpan c = span_of(l, args[0]);
     p.src = l.a.at(cta.local_rank) + (long long)c.shard_row * l.k;
     p.dst = l.gather.map(dest) + (long long)c.gather_row * l.k;
-    p.row_bytes = (unsigned long long)c.rows * l.k * sizeof(__nv_bfloat16);
+    p.bytes = (unsigned long long)c.rows * l.k * sizeof(__nv_bfloat16);
     return p;
   }
 };

@@ -77,9 +77,9 @@ struct GemmARNodes {
 
   // SEND: my xsend tile into slot (my node) of the owner's xrecv; FINALIZE: my result tile into
   // the rail peer's xout. Both 2D (the tile's rows of an [*, N] matrix).
-  static __device__ PutRect put_rect(const Args& a, const CtaInfo& cta, int role, int row,
-                                     int dest) {
-    PutRect p;
+  static __device__ rdma::Put put_rect(const Args& a, const CtaInfo& cta, int role, int row,
+                                       int dest) {
+    rdma::Put p{};
     const int* args = a.common.role[role].args + row * kTaskArgs;
     if (role != kRoleComm || (args[1] != kSend && args[1] != kFinalize)) return p;
     const Layout& l = a.layout;
@@ -90,12 +90,12 @@ struct GemmARNodes {
     if (args[1] == kSend) {
       p.src = l.xsend.map(me) + base;
       p.dst = l.xrecv.map(dest) + (long long)(me / R) * l.m * l.n + base;
-      p.row_bytes = (unsigned long long)t.cols * sizeof(float);
+      p.bytes = (unsigned long long)t.cols * sizeof(float);
       p.dst_pitch = p.src_pitch = (unsigned long long)l.n * sizeof(float);
     } else {
       p.src = l.out.at(cta.local_rank) + base;
       p.dst = l.xout.map(dest) + base;
-      p.row_bytes = (unsigned long long)t.cols * sizeof(__nv_bfloat16);
+      p.bytes = (unsigned long long)t.cols * sizeof(__nv_bfloat16);
       p.dst_pitch = p.src_pitch = (unsigned long long)l.n * sizeof(__nv_bfloat16);
     }
     return p;

@@ -72,9 +72,9 @@ struct GemmRSNodes {
 
   // The bytes of an aggregate's put: its xsend tile into the owner's stage slot of my node.
   // The comm role's tasks (the rail arrivals) carry none.
-  static __device__ PutRect put_rect(const Args& a, const CtaInfo& cta, int role, int row,
-                                     int dest) {
-    PutRect p;
+  static __device__ rdma::Put put_rect(const Args& a, const CtaInfo& cta, int role, int row,
+                                       int dest) {
+    rdma::Put p{};
     if (role != kRoleCompute) return p;
     const Layout& l = a.layout;
     const Tile t = load_tile(a.common, task_id(a.common, kRoleCompute, row));
@@ -84,7 +84,7 @@ struct GemmRSNodes {
     p.src = l.xsend.map(me) + (t.tag / R) * slot + off;
     p.dst = l.stage.map(dest) + rs_stage_slot(R, N, dest, me, dest) * slot + off;
     p.rows = t.rows;
-    p.row_bytes = (unsigned long long)t.cols * sizeof(float);
+    p.bytes = (unsigned long long)t.cols * sizeof(float);
     p.dst_pitch = p.src_pitch = (unsigned long long)l.n * sizeof(float);
     return p;
   }

@@ -211,24 +211,17 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
 // -- over several nodes: raises across nodes travel as rdma puts ----------------------------------
 //
 // An op whose plan spans nodes declares `static constexpr bool kNodes = true` and
-//   static __device__ PutRect put_rect(const FusedArgs<Op>&, const CtaInfo&, int role, int row,
-//                                      int dest);
-// the bytes that go with task `row`'s raise on `dest` (a rank of another node): the put carries
-// the raise (put-with-signal: the proxy sets the flag after the copy), rows = 0 for none (an
-// arrival). The interpreter's twin is program.put_on_completion; a cross-node raise is a "set"
+//   static __device__ rdma::Put put_rect(const FusedArgs<Op>&, const CtaInfo&, int role, int row,
+//                                        int dest);
+// the bytes that go with task `row`'s raise on `dest` (a rank of another node: dst, src, bytes per
+// row, rows and pitches; bytes = 0 for none, an arrival); the template fills in the rest: the put
+// carries the raise (put-with-signal: the proxy's stream sets the flag after the copy). The interpreter's twin is program.put_on_completion; a cross-node raise is a "set"
 // (the host refuses a plan with an "add" across nodes). Every CTA of such an op ends with the
 // quiet: its rank's ring has finished every put, so the caller may rewrite their sources.
 template <class Op, class = void>
 struct op_nodes : std::false_type {};
 template <class Op>
 struct op_nodes<Op, std::void_t<decltype(Op::kNodes)>> : std::bool_constant<Op::kNodes> {};
-
-struct PutRect {  // as rdma::Put: `rows` runs of `row_bytes`, the pitches apart (0 bytes: none)
-  void* dst = nullptr;
-  const void* src = nullptr;
-  int rows = 1;
-  unsigned long long row_bytes = 0, dst_pitch = 0, src_pitch = 0;
-};
 
 // The rank of `rank`'s node with local index `local` (its rail peer of that index).
 __device__ __forceinline__ int node_rank(int rank, int per_node, int local) {
@@ -248,11 +241,11 @@ __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& c
   const int per_node = a.rdma.ranks_per_node;
   run_raises(a.common, role, row, cta.rank, [&](const int* r, int* flag) {
     if (r[kRRank] / per_node == cta.rank / per_node) return false;
-    const PutRect p = Op::put_rect(a, cta, role, row, r[kRRank]);
-    rdma::Put put{r[kRRank], p.dst, p.src, p.row_bytes, flag, r[kRValue], rdma::kPutSetDevice};
-    put.rows = p.rows;
-    put.dst_pitch = p.dst_pitch;
-    put.src_pitch = p.src_pitch;
+    rdma::Put put = Op::put_rect(a, cta, role, row, r[kRRank]);
+    put.dest_rank = r[kRRank];
+    put.signal = flag;
+    put.value = r[kRValue];
+    put.op = rdma::kPutSetDevice;
     rdma::rdma_put(ring_of(a, cta), put, a.common.wait, kRoleRdma);  // false: recorded, carry on
     return true;
   });
