@@ -86,9 +86,7 @@ SPEC = OpSpec(
     pads=(Pad("partial", ("tile", "src"), ("per_owner", "W"), doc="src's partial of tile landed"),),
     scalars=("n", "k_local", "rows_per_rank"),
 )
-HIERARCHICAL = (
-    True  # over several nodes: SPEC_NODES and _make_plan_nodes (kernels/gemm_rs_nodes.cu)
-)
+HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (gemm_rs_nodes.cu)
 SPEC_NODES = OpSpec(
     name="gemm_rs",
     doc="GEMM + ReduceScatter over nodes (rdma puts of node sums across them)",
@@ -120,7 +118,7 @@ def stage_slot(R: int, N: int, me: int, src: int, owner: int) -> int:
     partials (slots 0 .. R - 2) and N - 1 node sums (R - 1 .. R + N - 3) come first, so the owner's
     epilogue adds R + N - 2 consecutive slots; then, per other node m, the R - 1 partials of the
     rows I reduce for my rail peer there. W - 1 slots in all. (Device twin: kernels/gemm_rs_nodes.cu
-    stage_slot.)"""
+    rs_stage_slot.)"""
     node, src_node = me // R, src // R
     if src_node != node:  # a node sum, to its owner
         return (R - 1) + (src_node - node) % N - 1
