@@ -21,7 +21,7 @@ SPEC = jit.ExtensionSpec(
     ),
     headers=(
         "primitives/rdma/*.h",
-        "primitives/rdma/*.cuh",
+        "primitives/rdma/put.cuh",  # (put_nvshmem.cuh is the nvshmem extension's)
         "primitives/signal.cuh",
         "primitives/comm.cuh",
         "primitives/protocol_gen.h",
