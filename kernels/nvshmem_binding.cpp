@@ -7,6 +7,8 @@
 //   init(rank, world_size, uid)      # every rank, collective
 //   p = malloc(bytes); free(p)       # symmetric heap, collective (same sizes on every rank)
 //   launch_nvshmem_test(args, stream); barrier_all_on_stream(stream); finalize()
+//   peer_ptr(p, pe)                  # nvshmem_ptr: p's NVLink address on pe, 0 if none
+//   launch_<op>_nodes(record, stream) # the fused ops over nodes (MK_NODES_OPS), as in binding.cpp
 #include <nvshmem.h>
 #include <nvshmemx.h>
 #include <pybind11/pybind11.h>
@@ -17,9 +19,18 @@
 #include <string>
 
 #include "kernels/nvshmem_test.h"
+#include "primitives/protocol_gen.h"  // MK_NODES_OPS
 
 namespace py = pybind11;
 using namespace mk::rdma::nv;
+
+// The fused ops' kernels over several nodes, built here with MK_RDMA_NVSHMEM (their raises across
+// nodes are NVSHMEM puts, templates/persistent.cuh): the same record as _mkernel_ext's launchers.
+namespace mk {
+#define MK_DECLARE_LAUNCH(op) int launch_##op(const long long* record, cudaStream_t);
+MK_NODES_OPS(MK_DECLARE_LAUNCH)
+#undef MK_DECLARE_LAUNCH
+}  // namespace mk
 
 namespace {
 
@@ -81,6 +92,13 @@ PYBIND11_MODULE(_mkernel_nvshmem, m) {
   });
   m.def("malloc", &sym_malloc, py::arg("bytes"));
   m.def(
+      "peer_ptr",
+      [](uintptr_t p, int pe) {
+        require_init("peer_ptr");
+        return reinterpret_cast<uintptr_t>(nvshmem_ptr(reinterpret_cast<void*>(p), pe));
+      },
+      py::arg("ptr"), py::arg("pe"));
+  m.def(
       "free",
       [](uintptr_t p) {
         require_init("free");
@@ -123,6 +141,17 @@ PYBIND11_MODULE(_mkernel_nvshmem, m) {
       },
       py::arg("args"), py::arg("stream"));
   m.def("nvshmem_test_status_string", &nvshmem_test_status_string, py::arg("status"));
+#define MK_BIND_LAUNCH(op)                                                               \
+  m.def(                                                                                 \
+      "launch_" #op,                                                                     \
+      [](uintptr_t record, uintptr_t stream) {                                           \
+        require_init("launch_" #op);                                                     \
+        return mk::launch_##op(reinterpret_cast<const long long*>(record),               \
+                               reinterpret_cast<cudaStream_t>(stream));                  \
+      },                                                                                 \
+      py::arg("record"), py::arg("stream"));
+  MK_NODES_OPS(MK_BIND_LAUNCH)
+#undef MK_BIND_LAUNCH
   m.attr("OPS") =
       py::make_tuple(py::make_tuple("set", (int)kNvSet), py::make_tuple("add", (int)kNvAdd));
   m.attr("RECEIVE") = py::make_tuple(py::make_tuple("copy", (int)kNvReceiveCopy),

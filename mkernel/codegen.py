@@ -63,6 +63,8 @@ def protocol_header() -> str:
         "\n}  // namespace mk\n\n",
         "// The fused ops (every mkernel/ops module with a SPEC): X(name) each, for the binding.\n",
         "#define MK_FUSED_OPS(X) " + " ".join(f"X({n})" for n in _op_names()) + "\n",
+        "// The plans over several nodes (SPEC_NODES): the nvshmem extension's kernels.\n",
+        "#define MK_NODES_OPS(X) " + " ".join(f"X({n})" for n in _nodes_names()) + "\n",
     ]
     return "".join(out)
 
@@ -71,6 +73,12 @@ def _op_names() -> list[str]:
     from .ops import registry
 
     return registry.kernel_names()
+
+
+def _nodes_names() -> list[str]:
+    from .ops import registry
+
+    return registry.nodes_kernel_names()
 
 
 def _spec(name: str) -> P.OpSpec:

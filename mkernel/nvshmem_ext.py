@@ -1,6 +1,8 @@
 """The ``nvshmem`` transport of rdma_put (issue 14) as its own extension, ``_mkernel_nvshmem``.
 
-Built from kernels/nvshmem_test.cu and kernels/nvshmem_binding.cpp with relocatable device code,
+Built from kernels/nvshmem_test.cu, kernels/nvshmem_binding.cpp and the fused ops' kernels over
+several nodes (kernels/<op>_nodes.cu, compiled again with MK_RDMA_NVSHMEM: their raises across
+nodes become NVSHMEM puts, for distributed worlds of several nodes) with relocatable device code,
 linked with NVSHMEM's device library (libnvshmem_device.a: the device calls) and host library
 (libnvshmem_host.so.3: bootstrap, symmetric heap). NVSHMEM is found at ``$MKERNEL_NVSHMEM_HOME``
 (include/ and lib/), else in the ``nvidia-nvshmem-cu13`` wheel (``nvidia/nvshmem`` on sys.path).
@@ -35,20 +37,22 @@ def nvshmem_home() -> Path | None:
     return None
 
 
+def _nodes_sources() -> tuple[str, ...]:
+    """kernels/<op>_nodes.cu of every op with a plan over several nodes (MK_NODES_OPS)."""
+    from .ops import registry
+
+    return tuple(f"kernels/{name}.cu" for name in registry.nodes_kernel_names())
+
+
 def _spec(home: Path) -> jit.ExtensionSpec:
     lib = home / "lib"
     host = next(iter(sorted(lib.glob("libnvshmem_host.so*"))), None)
     return jit.ExtensionSpec(
         name="_mkernel_nvshmem",
-        sources=("kernels/nvshmem_test.cu", "kernels/nvshmem_binding.cpp"),
-        headers=(
-            "primitives/rdma/put_nvshmem.cuh",
-            "primitives/signal.cuh",
-            "primitives/comm.cuh",
-            "primitives/protocol_gen.h",
-            "primitives/host/device.h",
-            "kernels/nvshmem_*.h",
-        ),
+        sources=("kernels/nvshmem_test.cu", "kernels/nvshmem_binding.cpp", *_nodes_sources()),
+        # the nodes kernels reach the template, the engines and every primitive
+        headers=jit.EXTENSION.headers,
+        defines=(("MK_RDMA_NVSHMEM", "1"),),
         rdc=True,
         extra_cuda_flags=(f"-I{home / 'include'}",),
         extra_link_flags=(

@@ -12,6 +12,13 @@ extension: mkernel/nvshmem_ext.py (needs the ``nvidia-nvshmem-cu13`` wheel).
 A call is synchronous and collective (every rank calls it with the same sizes): it launches the
 kernel, a barrier on the stream (the next call's puts must not land before this call's receivers
 consumed their signals), and raises CommTimeout if a receiver's wait timed out.
+
+The fused ops over several nodes in a distributed world use it too (``world_buffer``,
+``world_transport``): their symmetric buffers come from NVSHMEM's heap, and their kernels are the
+``kernels/<op>_nodes.cu`` built into the nvshmem extension (templates/persistent.cuh with
+MK_RDMA_NVSHMEM). A buffer's peer table holds a node peer's NVLink address (nvshmem_ptr) and, for a
+rank of another node, this rank's own address tagged with ``SYM_TAG``: the symmetric address
+NVSHMEM translates for that PE, which faults if device code dereferences it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,17 @@ from .ops.gpu import StatusBlock
 from .protocol import STATUS_FIELDS
 from .rdma import _check_buffer
 
-__all__ = ["NvshmemTransport", "check_exchange"]
+__all__ = [
+    "SYM_TAG",
+    "NvshmemTransport",
+    "check_exchange",
+    "peer_table",
+    "shutdown",
+    "world_buffer",
+    "world_transport",
+]
+
+SYM_TAG = 1 << 62  # primitives/rdma/put_nvshmem.cuh kSymTag
 
 
 class _CudaArray:
@@ -97,6 +114,24 @@ class NvshmemTransport:
                 view.zero_()
                 self.ext.barrier_all_on_stream(torch.cuda.current_stream().cuda_stream)
         return ptr, view
+
+    def allocate(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """A zeroed symmetric allocation of ``nbytes`` kept until ``close()`` (collective: every
+        rank allocates the same sizes in the same order); its address and a uint8 view."""
+        ptr = self.ext.malloc(max(1, nbytes))
+        self._sym[f"_alloc{len(self._sym)}"] = (ptr, nbytes)
+        view = torch.as_tensor(_CudaArray(ptr, (nbytes,), "|u1"), device=self.device)
+        with torch.cuda.device(self.device):
+            view.zero_()
+            self.barrier()
+        return ptr, view
+
+    def barrier(self) -> None:
+        """Every rank's work queued so far on its current stream is done (collective)."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            self.ext.barrier_all_on_stream(stream.cuda_stream)
+            stream.synchronize()
 
     # -- the test exchange ---------------------------------------------------------------------
     def exchange(
@@ -173,6 +208,91 @@ class NvshmemTransport:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# -- the fused ops' worlds ------------------------------------------------------------------------
+
+_TRANSPORT: NvshmemTransport | None = None  # NVSHMEM is initialized once per process
+
+
+def world_transport(world: Any) -> NvshmemTransport:
+    """The process's transport, bootstrapped by the first distributed world of several nodes that
+    asks (collective: every rank of the world asks at the same call). A later world must be the
+    same ranks (PE = rank), since NVSHMEM cannot be initialized twice in a process."""
+    global _TRANSPORT
+    if _TRANSPORT is None:
+        import torch.distributed as dist
+
+        if world.size != dist.get_world_size() or world.rank != dist.get_rank():
+            raise ValueError(
+                "a distributed world over nodes spans every process (NVSHMEM's PEs are the "
+                f"default group's ranks): this world has {world.size} ranks, the job "
+                f"{dist.get_world_size()}"
+            )
+        _TRANSPORT = NvshmemTransport(world)
+    elif (_TRANSPORT.world_size, _TRANSPORT.rank) != (world.size, world.rank):
+        raise ValueError(
+            f"NVSHMEM runs over {_TRANSPORT.world_size} PEs in this process (rank "
+            f"{_TRANSPORT.rank}); a world of {world.size} ranks (rank {world.rank}) cannot use it"
+        )
+    return _TRANSPORT
+
+
+def shutdown() -> None:
+    """Frees the fused ops' NVSHMEM buffers and finalizes NVSHMEM (collective; the worlds over
+    nodes that used it cannot run again in this process)."""
+    global _TRANSPORT
+    if _TRANSPORT is not None:
+        _TRANSPORT.close()
+        _TRANSPORT = None
+
+
+def peer_table(ptr: int, rank: int, world_size: int, per_node: int, peer_ptr: Any) -> list[int]:
+    """The peer table of a symmetric allocation at ``ptr`` on ``rank``: its own address; a node
+    peer's NVLink address (``peer_ptr(ptr, r)``: nvshmem_ptr, 0 when unreachable, an error); a
+    rank of another node, ``ptr | SYM_TAG`` (what the device hands NVSHMEM, never dereferences)."""
+    table = []
+    for r in range(world_size):
+        if r == rank:
+            table.append(ptr)
+        elif r // per_node == rank // per_node:
+            p = peer_ptr(ptr, r)
+            if not p:
+                raise RuntimeError(
+                    f"rank {r} is in rank {rank}'s node but NVSHMEM gives no NVLink address of "
+                    "its memory (nvshmem_ptr): a node's ranks must share NVLink"
+                )
+            table.append(p)
+        else:
+            table.append(ptr | SYM_TAG)
+    return table
+
+
+class _Barrier:
+    """The SymBuffer handle of an NVSHMEM-backed buffer (World.reset calls barrier())."""
+
+    def __init__(self, transport: NvshmemTransport) -> None:
+        self.transport = transport
+
+    def barrier(self) -> None:
+        self.transport.barrier()
+
+
+def world_buffer(world: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """A zeroed symmetric buffer of a distributed world of several nodes, from NVSHMEM's heap
+    (collective), as a SymBuffer (mkernel/world.py)."""
+    from .world import SymBuffer
+
+    nv = world_transport(world)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    ptr, view = nv.allocate(nbytes)
+    t = view[:nbytes].view(dtype).view(shape)
+    table = peer_table(ptr, world.rank, world.size, world.ranks_per_node, nv.ext.peer_ptr)
+    ptrs = torch.tensor(table, dtype=torch.int64, device=world.device)
+    return SymBuffer(local=t, peer_ptrs=ptrs, handle=_Barrier(nv))
 
 
 def check_exchange(

@@ -114,7 +114,9 @@ class World:
         """One process per GPU: the world of ``group`` (default: the default process group).
         Symmetric buffers come from ``torch.distributed._symmetric_memory`` with multicast
         disabled. ``nodes`` (default: one node per host, W // LOCAL_WORLD_SIZE from the launcher,
-        else 1) splits the ranks into equal contiguous nodes."""
+        else 1) splits the ranks into equal contiguous nodes; with nodes > 1 the symmetric buffers
+        come from NVSHMEM's heap instead (the nvshmem transport, mkernel/rdma_nvshmem.py), and
+        the world spans every process of the job."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -221,6 +223,10 @@ class World:
                 )
                 ptrs = ptrs.to(self.device)
             return SymBuffer(local=t, peer_ptrs=ptrs)
+        if self.nodes > 1:  # across nodes the fused ops put through NVSHMEM: its heap
+            from .rdma_nvshmem import world_buffer
+
+            return world_buffer(self, shape, dtype)
         import torch.distributed._symmetric_memory as symm_mem
 
         t = symm_mem.empty(shape, dtype=dtype, device=self.device)

@@ -150,3 +150,5 @@ constexpr int kRecordFields = 92;
 
 // The fused ops (every mkernel/ops module with a SPEC): X(name) each, for the binding.
 #define MK_FUSED_OPS(X) X(ag_gemm) X(ag_gemm_nodes) X(all_gather) X(gemm_ar) X(gemm_ar_nodes) X(gemm_rs) X(gemm_rs_nodes) X(moe_dispatch_gemm) X(moe_gemm_combine) X(ring_attention) X(ring_attention_backward)
+// The plans over several nodes (SPEC_NODES): the nvshmem extension's kernels.
+#define MK_NODES_OPS(X) X(ag_gemm_nodes) X(gemm_ar_nodes) X(gemm_rs_nodes)

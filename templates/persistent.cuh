@@ -48,6 +48,9 @@
 #include "templates/no_compute.cuh"
 #include "primitives/protocol_gen.h"
 #include "primitives/rdma/put.cuh"
+#ifdef MK_RDMA_NVSHMEM  // the nodes kernels as built into _mkernel_nvshmem (mkernel/nvshmem_ext.py)
+#include "primitives/rdma/put_nvshmem.cuh"
+#endif
 #include "primitives/signal.cuh"
 #include "primitives/sym.cuh"
 
@@ -84,7 +87,8 @@ struct FusedCommon {
 };
 
 // A plan over several nodes (an op with kNodes, below): the `proxy` transport's rings that carry
-// its raises across nodes (primitives/rdma/put.cuh); all zero for one node.
+// its raises across nodes (primitives/rdma/put.cuh); all zero for one node. Built with
+// MK_RDMA_NVSHMEM (distributed worlds over nodes) the raises go by NVSHMEM instead: no rings.
 struct RdmaArgs {
   void* rings;   // the rings of the ranks served, back to back (mapped host memory)
   int* reserve;  // their ticket counters (device memory)
@@ -94,8 +98,13 @@ struct RdmaArgs {
 
 // Host: what an op over several nodes needs from the launch (its launch refuses it otherwise).
 inline bool rdma_args_ok(const RdmaArgs& r, int world_size) {
-  return r.rings != nullptr && r.reserve != nullptr && r.capacity >= 1 && r.ranks_per_node >= 1 &&
-         world_size % r.ranks_per_node == 0 && r.ranks_per_node < world_size;
+#ifdef MK_RDMA_NVSHMEM
+  const bool rings_ok = true;
+#else
+  const bool rings_ok = r.rings != nullptr && r.reserve != nullptr && r.capacity >= 1;
+#endif
+  return rings_ok && r.ranks_per_node >= 1 && world_size % r.ranks_per_node == 0 &&
+         r.ranks_per_node < world_size;
 }
 
 template <class Op>
@@ -246,7 +255,11 @@ __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& c
     put.signal = flag;
     put.value = r[kRValue];
     put.op = rdma::kPutSetDevice;
+#ifdef MK_RDMA_NVSHMEM
+    rdma::nv::put_then_set(put);  // dst and flag: tagged symmetric addresses (put_nvshmem.cuh)
+#else
     rdma::rdma_put(ring_of(a, cta), put, a.common.wait, kRoleRdma);  // false: recorded, carry on
+#endif
     return true;
   });
 }
@@ -540,7 +553,13 @@ template <class Op>
 __device__ __forceinline__ void end_nodes(const FusedArgs<Op>& args, const CtaInfo& cta) {
   __syncwarp();
   __syncthreads();
+#ifdef MK_RDMA_NVSHMEM
+  // NOTE: every thread: a put is posted by whichever thread ran the task's raises, and the quiet
+  // is not relied on to complete other threads' puts (over NVLink it is a system fence)
+  nvshmem_quiet();
+#else
   if (threadIdx.x == 0) rdma::rdma_quiet(ring_of(args, cta), args.common.wait, kRoleRdma);
+#endif
 }
 
 template <class Op>

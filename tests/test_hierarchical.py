@@ -349,12 +349,18 @@ def test_missing_wait_for_a_node_peers_partial_is_a_race():
 # -- what is not there: clear errors before anything runs ------------------------------------------
 
 
-def test_gpu_world_over_nodes_needs_an_emulated_world():
+def test_a_distributed_world_over_nodes_without_nvshmem_says_so(monkeypatch):
     # A GPU world object without a GPU: the checks come before anything touches the device.
+    from mkernel import nvshmem_ext
+
+    monkeypatch.setattr(nvshmem_ext, "SPEC", None)
+    monkeypatch.setattr(
+        nvshmem_ext, "ABSENT", "NVSHMEM not found (pip install nvidia-nvshmem-cu13)"
+    )
     a, b = gemm_inputs(4, 16, 16, 16, 0)
     distributed = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2)
     for op in (mkernel.gemm_rs, mkernel.ag_gemm, mkernel.gemm_ar):
-        with pytest.raises(NotImplementedError, match="emulated worlds only.*nvshmem"):
+        with pytest.raises(RuntimeError, match="NVSHMEM: NVSHMEM not found.*nvshmem-cu13"):
             op(a[0], b[0], world=distributed)
 
 

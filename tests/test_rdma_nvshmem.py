@@ -13,7 +13,7 @@ import torch
 
 import mkernel
 from mkernel import nvshmem_ext
-from mkernel.rdma_nvshmem import NvshmemTransport, check_exchange
+from mkernel.rdma_nvshmem import SYM_TAG, NvshmemTransport, check_exchange, peer_table
 from mkernel.world import World
 
 CPU = torch.device("cpu")
@@ -103,4 +103,74 @@ def test_without_nvshmem_the_transport_says_so(tmp_path, monkeypatch):
             ext.load()
     finally:
         monkeypatch.undo()
+        importlib.reload(nvshmem_ext)
+
+
+# -- the fused ops over nodes in a distributed world (tests/distributed/check_nodes.py on GPUs) ----
+
+
+def test_peer_tables_give_node_peers_nvlink_and_other_nodes_a_tagged_symmetric_address():
+    ptr, W, R = 0x7F00_0000_0000, 8, 4
+    nvlink = {r: 0x1000_0000_0000 * (r + 1) for r in range(W)}
+    asked = []
+
+    def peer_ptr(p, pe):
+        asked.append(pe)
+        assert p == ptr
+        return nvlink[pe]
+
+    table = peer_table(ptr, 5, W, R, peer_ptr)
+    assert sorted(asked) == [4, 6, 7]  # only the node peers are looked up
+    assert table[5] == ptr and [table[r] for r in (4, 6, 7)] == [nvlink[r] for r in (4, 6, 7)]
+    for r in range(4):  # the other node: this rank's own address, tagged (kSymTag = bit 62)
+        assert table[r] == ptr | SYM_TAG and table[r] & ~SYM_TAG == ptr
+    assert SYM_TAG == 1 << 62 and ptr < SYM_TAG  # device addresses are far below the tag bit
+
+
+def test_a_node_peer_without_an_nvlink_address_is_an_error():
+    with pytest.raises(RuntimeError, match="rank 1 is in rank 0's node.*NVLink"):
+        peer_table(0x1000, 0, 4, 2, lambda p, pe: 0)
+
+
+def test_the_tag_is_the_device_headers():
+    text = (Path(mkernel.__file__).parent.parent / "primitives/rdma/put_nvshmem.cuh").read_text()
+    assert "kSymTag = 1ull << 62;" in text
+
+
+def test_a_distributed_world_over_nodes_launches_from_the_nvshmem_extension(monkeypatch):
+    from mkernel.ops import gpu
+
+    sentinel = object()
+    monkeypatch.setattr(nvshmem_ext, "load", lambda: sentinel)
+    monkeypatch.setattr(gpu, "extension", lambda: "package")
+
+    class Plan:
+        nodes = 2
+
+    distributed = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2)
+    assert gpu.launcher(distributed, Plan()) is sentinel
+    emulated = World(size=4, device=torch.device("cuda", 0), kind="emulated", nodes=2)
+    assert gpu.launcher(emulated, Plan()) == "package"  # the proxy transport's kernels
+    Plan.nodes = 1
+    assert (
+        gpu.launcher(World(size=4, device=torch.device("cuda", 0), kind="distributed"), Plan())
+        == "package"
+    )
+
+
+def test_the_nvshmem_extension_builds_every_plan_over_nodes(tmp_path, monkeypatch):
+    from mkernel.ops import registry
+
+    home = _fake_nvshmem(tmp_path / "nvshmem")
+    monkeypatch.setenv("MKERNEL_NVSHMEM_HOME", str(home))
+    try:
+        spec = importlib.reload(nvshmem_ext).SPEC
+        names = registry.nodes_kernel_names()
+        assert names == ["ag_gemm_nodes", "gemm_ar_nodes", "gemm_rs_nodes"]
+        assert all(f"kernels/{n}.cu" in spec.sources for n in names)
+        assert ("MK_RDMA_NVSHMEM", "1") in spec.defines
+        gen = (Path(mkernel.__file__).parent.parent / "primitives/protocol_gen.h").read_text()
+        assert "#define MK_NODES_OPS(X) " + " ".join(f"X({n})" for n in names) in gen
+    finally:
+        monkeypatch.delenv("MKERNEL_NVSHMEM_HOME")
         importlib.reload(nvshmem_ext)

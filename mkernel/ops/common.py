@@ -53,8 +53,8 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
     plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
-    plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu) and an emulated world (the
-    proxy transport's host threads serve one GPU)."""
+    plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu), and a distributed world needs
+    NVSHMEM (its puts cross the nodes; an emulated world's proxy transport serves one GPU)."""
     if world.nodes == 1:
         return
     name = module.SPEC.name
@@ -66,12 +66,16 @@ def check_nodes(module: Any, world: World) -> None:
     if not world.on_gpu:
         return
     spec = getattr(module, "SPEC_NODES", None)
-    if spec is None or not spec.device or not world.emulated_world:
-        raise NotImplementedError(
-            f"{name} over {world.nodes} nodes on a GPU runs in emulated worlds only "
-            "(World.emulated(W, device='cuda', nodes=N): the proxy transport serves one GPU); "
-            "a distributed world of several nodes needs the nvshmem transport, not built yet"
-        )
+    if spec is None or not spec.device:
+        raise NotImplementedError(f"{name} has no GPU kernel over {world.nodes} nodes")
+    if not world.emulated_world:
+        from .. import nvshmem_ext
+
+        if nvshmem_ext.SPEC is None:
+            raise RuntimeError(
+                f"{name} in a distributed world of {world.nodes} nodes puts across them through "
+                f"NVSHMEM: {nvshmem_ext.ABSENT}"
+            )
 
 
 _DEFAULT_SCHEDULE = Schedule()  # never handed out: calls without a schedule share it (host time)

@@ -57,6 +57,16 @@ def extension() -> Any:
     return _EXT
 
 
+def launcher(world: World, plan: Plan) -> Any:
+    """The extension that launches ``plan`` in ``world``: the nvshmem one for a distributed world
+    of several nodes (its kernels put across nodes through NVSHMEM), else the package's."""
+    if plan.nodes > 1 and not world.emulated_world:
+        from .. import nvshmem_ext
+
+        return nvshmem_ext.load()
+    return extension()
+
+
 class StatusBlock:
     """CommStatus (primitives/protocol_gen.h) in pinned, mapped host memory, plus the plans of the
     world's recent launches by id (the kernel records the id of the launch that timed out)."""
@@ -235,10 +245,11 @@ def _plan_record(world: World, plan: Plan) -> array:
     for i, p in enumerate(spec.all_pads()):
         put(f"pad{i}", ws[p.name].peer_ptrs.data_ptr())
     put("ranks_per_node", world.size // plan.nodes)
-    if plan.nodes > 1:  # the proxy transport's rings carry the raises across nodes
+    if plan.nodes > 1:
+        plan.extra["_puts_per_ring"] = check_cross_node_raises(plan)
+    if plan.nodes > 1 and emulated:  # the proxy transport's rings carry the raises across nodes
         from ..rdma import fused_rings
 
-        plan.extra["_puts_per_ring"] = check_cross_node_raises(plan)
         rings = fused_rings(world)
         put("rdma_rings", rings.rings.ptr)
         put("rdma_reserve", rings.reserve.data_ptr())
@@ -378,10 +389,13 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
     stream = _current_stream(world)
-    tracked = plan.nodes > 1 and before_nodes_launch(world, plan, stream)
+    proxied = plan.nodes > 1 and world.emulated_world
+    tracked = proxied and before_nodes_launch(world, plan, stream)
     launch = plan.extra.get("_launch")
     if launch is None:
-        launch = plan.extra["_launch"] = getattr(extension(), f"launch_{plan.spec.kernel_name}")
+        launch = plan.extra["_launch"] = getattr(
+            launcher(world, plan), f"launch_{plan.spec.kernel_name}"
+        )
     rc = launch(rec.buffer_info()[0], stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")

@@ -44,6 +44,17 @@ def kernel_names() -> list[str]:
     return list(device_specs())
 
 
+def nodes_kernel_names() -> list[str]:
+    """The kernels of the plans over several nodes (each op's ``SPEC_NODES`` with a device kernel):
+    what the nvshmem extension builds again for distributed worlds (mkernel/nvshmem_ext.py)."""
+    found = []
+    for module in _ops().values():
+        spec = getattr(module, "SPEC_NODES", None)
+        if spec is not None and spec.device:
+            found.append(spec.kernel_name)
+    return sorted(found)
+
+
 def device_names() -> list[str]:
     """The ops with a device kernel for a world of one node (each op's ``SPEC``)."""
     return [name for name, module in _ops().items() if module.SPEC.device]

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "primitives/rdma/put.cuh"
 #include "primitives/signal.cuh"
 
 namespace mk::rdma::nv {
@@ -46,6 +47,42 @@ __device__ inline bool wait_signal_geq(const uint64_t* signal, uint64_t value, c
   });
   fence_acq_rel_sys();
   return ok;
+}
+
+// -- the fused ops over nodes (templates/persistent.cuh, built with MK_RDMA_NVSHMEM) --------------
+//
+// A distributed world of several nodes allocates its symmetric buffers from NVSHMEM's heap
+// (mkernel/rdma_nvshmem.py). Their peer tables hold, for a rank of this node, its NVLink address
+// (nvshmem_ptr), and for a rank of another node THIS rank's address of the same object tagged with
+// kSymTag: what NVSHMEM needs (the symmetric address, translated for the destination PE), and an
+// address that faults if device code dereferences it (no peer pointer into another node).
+constexpr uint64_t kSymTag = 1ull << 62;  // mkernel/rdma_nvshmem.py SYM_TAG
+
+template <class T>
+__device__ __forceinline__ T* sym_address(T* tagged) {
+  return reinterpret_cast<T*>(reinterpret_cast<uint64_t>(tagged) & ~kSymTag);
+}
+
+// A fused op's cross-node raise, by ONE thread: `put`'s rectangle (rows of `bytes`, the pitches
+// apart; dst and signal tagged symmetric addresses, src this GPU's memory) into PE put.dest_rank,
+// then its int flag set to put.value. nvshmem_fence orders the flag after every byte of the put at
+// that PE, so the receiver's acquire of the flag (signal.cuh) sees the data.
+// NOTE: a thread's put over NVLink copies with that one thread (slow for big tiles); over a
+// network NVSHMEM hands it to the NIC. The source is read later: nvshmem_quiet (end of CTA).
+__device__ inline void put_then_set(const Put& put) {
+  char* dst = static_cast<char*>(sym_address(put.dst));
+  const char* src = static_cast<const char*>(put.src);
+  if (put.bytes > 0) {
+    if (put.rows == 1 || (put.dst_pitch == put.bytes && put.src_pitch == put.bytes)) {
+      nvshmem_putmem_nbi(dst, src, put.bytes * put.rows, put.dest_rank);
+    } else {
+      for (int r = 0; r < put.rows; ++r)
+        nvshmem_putmem_nbi(dst + r * put.dst_pitch, src + r * put.src_pitch, put.bytes,
+                           put.dest_rank);
+    }
+    nvshmem_fence();
+  }
+  nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
 }
 
 }  // namespace mk::rdma::nv

@@ -1,0 +1,136 @@
+"""gemm_rs, ag_gemm and gemm_ar in a distributed world of several nodes (issue 14), one process per
+rank: within a node data moves over NVLink, across nodes only by NVSHMEM puts (the nvshmem
+transport: kernels/<op>_nodes.cu built into _mkernel_nvshmem, buffers on NVSHMEM's heap).
+
+  torchrun --nproc_per_node=4 tests/distributed/check_nodes.py --nodes 2 --loop 200
+
+Processes may share a GPU (LOCAL_RANK modulo the GPUs; NVSHMEM allows several PEs per GPU), so the
+whole path runs with one GPU too. Every rank draws every rank's inputs from the same seeds and
+checks its own result against the fp32 reference (no communication): random shapes (remainder
+rows and columns), both overlaps, poisoned outputs, the world's signal pads back to zero after
+each call, a loop of asynchronous calls, and a straggler rank. One line per check on rank 0;
+exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import mkernel  # noqa: E402
+from mkernel import rdma_nvshmem  # noqa: E402
+from tests.distributed._common import report  # noqa: E402
+from tests.helpers import assert_close_bf16, poisoned  # noqa: E402
+
+OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+
+
+def operands(op: str, W: int, rows: int, n: int, k: int, seed: int):
+    """Every rank's operands in the emulated convention (leading rank dim), on the CPU, and the
+    per-rank result shape: ``rows`` rows per rank's a (gemm_rs: W * rows), ``k`` its columns."""
+    g = torch.Generator().manual_seed(seed)
+    m = rows if op != "gemm_rs" else W * rows
+    a = torch.randn(W, m, k, generator=g).bfloat16()
+    b = torch.randn(W, k, n, generator=g).bfloat16()
+    shape = {"gemm_rs": (rows, n), "ag_gemm": (W * rows, n), "gemm_ar": (m, n)}[op]
+    return a, b, shape
+
+
+def one_call(world, op: str, rows: int, n: int, k: int, seed: int, sched) -> None:
+    """One checked call: raises on a wrong result or a pad left raised."""
+    W, r = world.size, world.rank
+    a, b, shape = operands(op, W, rows, n, k, seed)
+    want = getattr(mkernel.reference, op)(a, b, world=mkernel.World.emulated(W))[r]
+    out = poisoned(shape, world.device)
+    got = getattr(mkernel, op)(
+        a[r].to(world.device), b[r].to(world.device), world=world, schedule=sched, out=out
+    )
+    world.check()
+    assert_close_bf16(got.cpu(), want, f"{op} rank {r} rows={rows} n={n} k={k}")
+    torch.cuda.synchronize()
+    for key, pad in world.signal_pads().items():
+        if pad.any():
+            raise AssertionError(f"signal pad {key} left raised after {op}")
+
+
+def loop(world, op: str, sched, calls: int) -> None:
+    """``calls`` asynchronous calls on the same operands, then one check of the last result."""
+    W, r = world.size, world.rank
+    a, b, _ = operands(op, W, 128, 256, 128, 7)
+    la, lb = a[r].to(world.device), b[r].to(world.device)
+    world.sync_checks = False
+    try:
+        for _ in range(calls):
+            out = getattr(mkernel, op)(la, lb, world=world, schedule=sched)
+        world.check()
+    finally:
+        world.sync_checks = True
+    want = getattr(mkernel.reference, op)(a, b, world=mkernel.World.emulated(W))[r]
+    assert_close_bf16(out.cpu(), want, f"{op} loop")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--shapes", type=int, default=3, help="random shapes per op and overlap")
+    ap.add_argument("--loop", type=int, default=100)
+    ap.add_argument("--sms", type=int, default=None, help="SMs per rank (processes sharing a GPU)")
+    args = ap.parse_args()
+    gpus, size = torch.cuda.device_count(), int(os.environ.get("WORLD_SIZE", "1"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+    dist.init_process_group("gloo" if gpus < size else "nccl")
+    world = mkernel.World.from_process_group(nodes=args.nodes, timeout_s=10.0)
+    world.sync_checks = True
+    W, failed = world.size, False
+
+    def check(what: str, f) -> None:
+        nonlocal failed
+        try:
+            f()
+            ok, detail = True, ""
+        except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
+            ok, detail = False, f": {repr(e)[:400]}"
+        failed |= report(world, ok, f"W={W} nodes={args.nodes} {what}{detail}")
+
+    rng = random.Random(0)  # the same shapes on every rank
+    for op in args.ops.split(","):
+        for overlap in ("intra_sm", "inter_sm"):
+            sched = mkernel.Schedule(overlap=overlap, sms=args.sms)
+            for i in range(args.shapes):
+                rows, n, k = rng.randint(1, 300), 8 * rng.randint(1, 80), 8 * rng.randint(1, 64)
+                what = f"{op} {overlap} rows={rows} n={n} k={k}"
+                check(what, lambda: one_call(world, op, rows, n, k, 100 + i, sched))  # noqa: B023
+
+            t0 = time.perf_counter()
+            check(f"{op} {overlap} loop x{args.loop}", lambda: loop(world, op, sched, args.loop))  # noqa: B023
+            if world.rank == 0:
+                print(f"     {(time.perf_counter() - t0) / args.loop * 1e3:.2f} ms per call")
+            late = mkernel.Schedule(
+                overlap=overlap,
+                sms=args.sms,
+                faults=mkernel.Faults(delay_rank=W - 1, delay_us=300),
+            )
+            check(
+                f"{op} {overlap} straggler rank {W - 1}",
+                lambda: one_call(world, op, 200, 264, 136, 5, late),  # noqa: B023
+            )
+    dist.barrier()
+    rdma_nvshmem.shutdown()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
