@@ -29,9 +29,15 @@ struct GemmARNodes {
     return gemm::Dest{l.acc.map(reducer) + (long long)t.m0 * l.n + t.n0, l.n, gemm::kReduceF32};
   }
 
+  // Rank p's result: the symmetric result buffer in a distributed world (copied into out after
+  // the kernel: out is no peer's memory), else p's slice of out (gemm_ar.cu out_of).
+  static __device__ __nv_bfloat16* out_of(const Layout& l, int p) {
+    return l.result.ptrs != nullptr ? l.result.map(p) : l.out.at(p);
+  }
+
   // 8 bf16 (one 16-byte vector) into the results of my node's ranks, mine first.
   static __device__ void store_node(const Layout& l, int me, int R, long long at, uint4 v) {
-    for (int j = 0; j < R; ++j) peer_store_v4(l.out.at(node_rank(me, R, (me + j) % R)) + at, v);
+    for (int j = 0; j < R; ++j) peer_store_v4(out_of(l, node_rank(me, R, (me + j) % R)) + at, v);
   }
 
   static __device__ void comm_move(const Args& a, const CtaInfo& cta, const int* args,
@@ -93,7 +99,7 @@ struct GemmARNodes {
       p.bytes = (unsigned long long)t.cols * sizeof(float);
       p.dst_pitch = p.src_pitch = (unsigned long long)l.n * sizeof(float);
     } else {
-      p.src = l.out.at(cta.local_rank) + base;
+      p.src = out_of(l, me) + base;
       p.dst = l.xout.map(dest) + base;
       p.bytes = (unsigned long long)t.cols * sizeof(__nv_bfloat16);
       p.dst_pitch = p.src_pitch = (unsigned long long)l.n * sizeof(__nv_bfloat16);

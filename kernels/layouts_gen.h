@@ -156,6 +156,8 @@ struct Layout {
   float* xrecv_local;
   SymPtr<__nv_bfloat16> xout;  // [m, n] symmetric: the result of a tile, put by its owner
   __nv_bfloat16* xout_local;
+  SymPtr<__nv_bfloat16> result;  // [m, n] symmetric: peers' results (copied into out)
+  __nv_bfloat16* result_local;
   int m;
   int n;
   int k_local;
@@ -173,6 +175,8 @@ struct Layout {
     l.xrecv_local = reinterpret_cast<float*>(rec[kRecStride5]);
     l.xout = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot6])};
     l.xout_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride6]);
+    l.result = {reinterpret_cast<const unsigned long long*>(rec[kRecSlot7])};
+    l.result_local = reinterpret_cast<__nv_bfloat16*>(rec[kRecStride7]);
     l.m = (int)rec[kRecScalar0];
     l.n = (int)rec[kRecScalar1];
     l.k_local = (int)rec[kRecScalar2];

@@ -100,6 +100,7 @@ SPEC_NODES = OpSpec(
         Buffer("xsend", "symmetric", f32, ("m", "n"), "my node's sum of a tile, put to its owner"),
         Buffer("xrecv", "symmetric", f32, ("node_m", "n"), "slot n: node n's sum of my tiles"),
         Buffer("xout", "symmetric", bf16, ("m", "n"), "the result of a tile, put by its owner"),
+        SPEC.buffers[4],  # result: node peers' results in a distributed world (copied into out)
     ),
     pads=(
         *SPEC.pads,
