@@ -148,8 +148,13 @@ class World:
     def reset(self) -> None:
         """Zeroes every workspace and signal pad of this world. Needed only after a CommTimeout in
         a distributed world (call it on every rank); an emulated world resets itself then."""
+        handle = next((b.handle for b in self._buffers.values() if b.handle), None)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+            if handle is not None:
+                # every rank's kernels have ended before any rank zeroes: a late store or put of
+                # a timed-out call would otherwise land in what was zeroed
+                handle.barrier()
         rings = getattr(self, "_rdma", None)
         if rings is not None:
             # The fused ops' proxy rings (nodes > 1): stopped first (stop() drains the copies and
@@ -160,8 +165,8 @@ class World:
             buf.local.zero_()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
-            if buf_handle := next((b.handle for b in self._buffers.values() if b.handle), None):
-                buf_handle.barrier()
+            if handle is not None:
+                handle.barrier()
         if rings is not None:
             rings.reset()
             rings.start()

@@ -3,7 +3,8 @@
 # lent multi-GPU machine is used in two calls of the device tool (each under its 600 s limit):
 #   bash tools/multi_gpu.sh checks [NPROC]    correctness: the fused ops, ring attention (forward,
 #                                             backward, autograd), the MoE pair, the nvshmem
-#                                             transport of rdma_put; loops, stragglers
+#                                             transport of rdma_put and the fused ops over nodes
+#                                             through it; loops, stragglers
 #   bash tools/multi_gpu.sh benches [NPROC]   bench.p2p, bench.tp, bench.ring, bench.moe,
 #                                             bench.rdma_nvshmem (JSON to $OUT)
 # NPROC defaults to every GPU of the machine. NVLink multicast stays off (device_session.sh sets it).
@@ -17,7 +18,8 @@ case $what in
       "$run tests/distributed/check_ops.py --loop 200" \
       "$run tests/distributed/check_moe.py --loop 5" \
       "$run tests/distributed/check_ring_attention.py --loop 5" \
-      "$run tests/distributed/check_rdma_nvshmem.py --loop 200"
+      "$run tests/distributed/check_rdma_nvshmem.py --loop 200" \
+      "$run tests/distributed/check_nodes.py --nodes $n --loop 200"
     ;;
   benches)
     exec bash tools/device_session.sh \

@@ -86,6 +86,24 @@ def loop(world, op: str, sched, calls: int) -> None:
     assert_close_bf16(out.cpu(), want, f"{op} loop")
 
 
+def silent_rank(world, op: str, overlap: str) -> None:
+    """Rank W - 1 raises nothing: some rank's wait times out (CommTimeout naming rank, peer and
+    signal); after world.reset() on every rank the next call is right."""
+    W = world.size
+    quiet = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=W - 1))
+    timed_out = 0
+    try:
+        one_call(world, op, 128, 256, 64, 9, quiet)
+    except mkernel.CommTimeout as e:
+        timed_out = 1
+        assert f"rank {e.rank}" in str(e) and e.signal, str(e)
+    world.reset()
+    flag = torch.tensor([timed_out])
+    dist.all_reduce(flag)
+    assert flag.item() > 0, "no rank timed out with a silent rank"
+    one_call(world, op, 128, 256, 64, 9, mkernel.Schedule(overlap=overlap))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--nodes", type=int, default=2)
@@ -101,10 +119,10 @@ def main() -> int:
     world.sync_checks = True
     W, failed = world.size, False
 
-    def check(what: str, f) -> None:
+    def check(what: str, f, *f_args) -> None:
         nonlocal failed
         try:
-            f()
+            f(*f_args)
             ok, detail = True, ""
         except Exception as e:  # noqa: BLE001 - reported, counted, and the run goes on
             ok, detail = False, f": {repr(e)[:400]}"
@@ -117,10 +135,10 @@ def main() -> int:
             for i in range(args.shapes):
                 rows, n, k = rng.randint(1, 300), 8 * rng.randint(1, 80), 8 * rng.randint(1, 64)
                 what = f"{op} {overlap} rows={rows} n={n} k={k}"
-                check(what, lambda: one_call(world, op, rows, n, k, 100 + i, sched))  # noqa: B023
+                check(what, one_call, world, op, rows, n, k, 100 + i, sched)
 
             t0 = time.perf_counter()
-            check(f"{op} {overlap} loop x{args.loop}", lambda: loop(world, op, sched, args.loop))  # noqa: B023
+            check(f"{op} {overlap} loop x{args.loop}", loop, world, op, sched, args.loop)
             if world.rank == 0:
                 print(f"     {(time.perf_counter() - t0) / args.loop * 1e3:.2f} ms per call")
             late = mkernel.Schedule(
@@ -130,8 +148,26 @@ def main() -> int:
             )
             check(
                 f"{op} {overlap} straggler rank {W - 1}",
-                lambda: one_call(world, op, 200, 264, 136, 5, late),  # noqa: B023
+                one_call,
+                world,
+                op,
+                200,
+                264,
+                136,
+                5,
+                late,
             )
+    # a world of its own with a short deadline (it shares the process's NVSHMEM)
+    short = mkernel.World.from_process_group(nodes=args.nodes, timeout_s=1.0)
+    short.sync_checks = True
+    for op in args.ops.split(","):
+        check(
+            f"{op} silent rank {W - 1}: CommTimeout, reset, next call right",
+            silent_rank,
+            short,
+            op,
+            "inter_sm",
+        )
     dist.barrier()
     rdma_nvshmem.shutdown()
     dist.destroy_process_group()
