@@ -89,19 +89,34 @@ def loop(world, op: str, sched, calls: int) -> None:
 def silent_rank(world, op: str, overlap: str) -> None:
     """Rank W - 1 raises nothing: some rank's wait times out (CommTimeout naming rank, peer and
     signal); after world.reset() on every rank the next call is right."""
-    W = world.size
+    W, r = world.size, world.rank
+    a, b, _ = operands(op, W, 128, 256, 64, 9)
     quiet = mkernel.Schedule(overlap=overlap, faults=mkernel.Faults(silent_rank=W - 1))
-    timed_out = 0
+    timed_out, other = 0, None
+    # NOTE: whatever this rank's call does, every rank goes on to the collectives below in step
     try:
-        one_call(world, op, 128, 256, 64, 9, quiet)
+        getattr(mkernel, op)(
+            a[r].to(world.device), b[r].to(world.device), world=world, schedule=quiet
+        )
+        world.check()
     except mkernel.CommTimeout as e:
-        timed_out = 1
-        assert f"rank {e.rank}" in str(e) and e.signal, str(e)
+        timed_out = int(f"rank {e.rank}" in str(e) and bool(e.signal))
+    except Exception as e:  # noqa: BLE001 - raised after the collectives
+        other = e
+    _trace(world, f"{op} silent call: timed_out={timed_out} other={other!r}")
     world.reset()
+    _trace(world, f"{op} reset done")
     flag = torch.tensor([timed_out])
     dist.all_reduce(flag)
+    if other is not None:
+        raise other
     assert flag.item() > 0, "no rank timed out with a silent rank"
     one_call(world, op, 128, 256, 64, 9, mkernel.Schedule(overlap=overlap))
+
+
+def _trace(world, what: str) -> None:
+    if os.environ.get("CHECK_NODES_TRACE"):
+        print(f"[rank {world.rank} {time.strftime('%X')}] {what}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -111,7 +126,12 @@ def main() -> int:
     ap.add_argument("--shapes", type=int, default=3, help="random shapes per op and overlap")
     ap.add_argument("--loop", type=int, default=100)
     ap.add_argument("--sms", type=int, default=None, help="SMs per rank (processes sharing a GPU)")
+    ap.add_argument("--dump-after", type=float, default=0, help="dump stacks and exit (hangs)")
     args = ap.parse_args()
+    if args.dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_after, exit=True)
     gpus, size = torch.cuda.device_count(), int(os.environ.get("WORLD_SIZE", "1"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     dist.init_process_group("gloo" if gpus < size else "nccl")
