@@ -59,11 +59,15 @@ class _CudaArray:
         }
 
 
+_USERS = 0  # open transports of this process: NVSHMEM is initialized once, finalized by the last
+
+
 class NvshmemTransport:
     """NVSHMEM on the ranks of ``world`` (a distributed world: World.from_process_group), with a
     symmetric buffer pool per size and a status block. Bootstraps by a unique id that rank 0 makes
-    and the world's process group broadcasts; one transport per process (NVSHMEM is initialized
-    once per process)."""
+    and the world's process group broadcasts; NVSHMEM is initialized once per process, so a second
+    transport (the fused ops' world's, ``world_transport``) shares it if its ranks are the same PEs,
+    and the last one closed finalizes it."""
 
     def __init__(self, world: Any, ext: ModuleType | None = None) -> None:
         import torch.distributed as dist
@@ -85,11 +89,22 @@ class NvshmemTransport:
         self.ext, self.world = ext, world
         self.rank, self.world_size, self.nodes = world.rank, world.size, world.nodes
         self.device = world.device
-        uid = [ext.get_unique_id() if self.rank == 0 else None]
-        dist.broadcast_object_list(uid, src=dist.get_global_rank(world.group, 0), group=world.group)
-        with torch.cuda.device(self.device):
-            torch.zeros(1, device=self.device)  # NOTE: NVSHMEM needs the device's context current
-            ext.init(self.rank, self.world_size, uid[0])
+        global _USERS
+        if ext.initialized():  # another transport of this process (e.g. the fused ops' world's)
+            if (ext.my_pe(), ext.n_pes()) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"NVSHMEM runs as PE {ext.my_pe()} of {ext.n_pes()} in this process; a world "
+                    f"of {self.world_size} ranks (rank {self.rank}) cannot use it"
+                )
+        else:
+            uid = [ext.get_unique_id() if self.rank == 0 else None]
+            src = dist.get_global_rank(world.group, 0)
+            dist.broadcast_object_list(uid, src=src, group=world.group)
+            with torch.cuda.device(self.device):
+                torch.zeros(1, device=self.device)  # NOTE: NVSHMEM needs the context current
+                ext.init(self.rank, self.world_size, uid[0])
+        _USERS += 1
+        self._closed = False
         self._sym: dict[str, tuple[int, int]] = {}  # name -> (ptr, bytes)
         self.status = StatusBlock()  # CommStatus in pinned memory, as the fused ops' launches
         self.launches = 0
@@ -196,12 +211,19 @@ class NvshmemTransport:
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Frees the symmetric buffers and finalizes NVSHMEM (collective)."""
+        """Frees this transport's symmetric buffers (collective) and, when it is the process's
+        last transport, finalizes NVSHMEM."""
+        global _USERS
+        if self._closed:
+            return
         torch.cuda.synchronize(self.device)
         for ptr, _ in self._sym.values():
             self.ext.free(ptr)
         self._sym.clear()
-        self.ext.finalize()
+        self._closed = True
+        _USERS -= 1
+        if _USERS == 0:
+            self.ext.finalize()
 
     def __enter__(self) -> NvshmemTransport:
         return self

@@ -174,3 +174,44 @@ def test_the_nvshmem_extension_builds_every_plan_over_nodes(tmp_path, monkeypatc
     finally:
         monkeypatch.delenv("MKERNEL_NVSHMEM_HOME")
         importlib.reload(nvshmem_ext)
+
+
+class _FakeNvshmem:
+    """What NvshmemTransport asks of _mkernel_nvshmem, with NVSHMEM already up as PE 1 of 4."""
+
+    def __init__(self) -> None:
+        self.finalized = 0
+
+    def initialized(self) -> bool:
+        return True
+
+    def my_pe(self) -> int:
+        return 1
+
+    def n_pes(self) -> int:
+        return 4
+
+    def free(self, ptr: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        self.finalized += 1
+
+
+def test_transports_of_one_process_share_nvshmem_and_the_last_one_finalizes(monkeypatch):
+    import mkernel.rdma_nvshmem as rn
+
+    monkeypatch.setattr(rn, "StatusBlock", lambda: None)  # pinned memory needs CUDA
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(rn, "_USERS", 0)
+    ext = _FakeNvshmem()
+    world = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2, rank=1)
+    first, second = NvshmemTransport(world, ext=ext), NvshmemTransport(world, ext=ext)
+    first.close()
+    first.close()  # closing twice counts once
+    assert ext.finalized == 0
+    second.close()
+    assert ext.finalized == 1
+    other = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2, rank=2)
+    with pytest.raises(ValueError, match="PE 1 of 4 in this process.*rank 2"):
+        NvshmemTransport(other, ext=ext)
