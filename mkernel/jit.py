@@ -586,12 +586,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
     failed = checked = 0
     t0 = time.perf_counter()
     runs: list[tuple[ExtensionSpec, Sequence[str] | None]] = [(EXTENSION, args.paths or None)]
-    if args.paths:  # a separate extension's own files with its flags
+    if args.paths:  # a separate extension's files with its flags (and the main build's, if both)
+        main = set(_source_files(EXTENSION))
         mine: list[str] = list(args.paths)
         for spec in _separate_specs():
             owned = set(_source_files(spec)) | _external_headers(spec)
-            theirs = [p for p in mine if p in owned]
-            mine = [p for p in mine if p not in owned]
+            theirs = [p for p in args.paths if p in owned]
+            mine = [p for p in mine if p not in owned or p in main]
             if theirs:
                 runs.append((spec, theirs))
         runs[0] = (EXTENSION, mine)
