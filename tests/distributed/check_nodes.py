@@ -114,6 +114,19 @@ def silent_rank(world, op: str, overlap: str) -> None:
     one_call(world, op, 128, 256, 64, 9, mkernel.Schedule(overlap=overlap))
 
 
+def shared_transport(world) -> None:
+    """rdma_put's test exchange through a transport of its own, in the process whose world over
+    nodes already runs NVSHMEM (they share it), and the ops still right after it is closed."""
+    W, r = world.size, world.rank
+    src_rank = (r - W // world.nodes) % W
+    row = lambda q: torch.arange(4096, dtype=torch.int32) * (q + 1)  # noqa: E731
+    with rdma_nvshmem.NvshmemTransport(world) as nv:
+        out = torch.full((4096,), -7, dtype=torch.int32, device=world.device)
+        _, got = nv.exchange(row(r).to(world.device), 4, posters=2, out=out)
+        assert torch.equal(got.cpu(), row(src_rank)), "exchange: wrong row"
+    one_call(world, "gemm_rs", 64, 128, 64, 3, mkernel.Schedule())
+
+
 def _trace(world, what: str) -> None:
     if os.environ.get("CHECK_NODES_TRACE"):
         print(f"[rank {world.rank} {time.strftime('%X')}] {what}", file=sys.stderr, flush=True)
@@ -188,6 +201,7 @@ def main() -> int:
             op,
             "inter_sm",
         )
+    check("rdma exchange on a second transport of the process, then an op", shared_transport, world)
     dist.barrier()
     rdma_nvshmem.shutdown()
     dist.destroy_process_group()
