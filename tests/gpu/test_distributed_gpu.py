@@ -36,3 +36,22 @@ def test_the_distributed_checks_pass_with_two_processes_on_this_gpu(script, args
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert rc == 0 and not fails, "\n".join(fails) or out[-4000:]
     assert out.count("PASS ") >= passes, out[-3000:]  # every check ran and reported
+
+
+@pytest.mark.parametrize(("procs", "nodes", "passes"), [(2, 2, 28), (4, 2, 28)])
+def test_the_ops_over_nodes_pass_through_nvshmem_with_processes_on_this_gpu(procs, nodes, passes):
+    """gemm_rs, ag_gemm, gemm_ar in a distributed world of several nodes (NVSHMEM puts across
+    them), as processes sharing this GPU. Without MPS: their kernels time-slice, so each may hold
+    every SM (NVSHMEM allows several PEs per GPU)."""
+    from mkernel import nvshmem_ext
+
+    if nvshmem_ext.SPEC is None:
+        pytest.skip(nvshmem_ext.ABSENT)
+    cmd = ["python3", "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+    cmd += [str(ROOT / "tests/distributed/check_nodes.py"), "--nodes", str(nodes)]
+    rc, out = run_script(
+        [*cmd, "--loop", "20", "--shapes", "2", "--dump-after", "280"], timeout=300
+    )
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 0 and not fails, "\n".join(fails) or out[-4000:]
+    assert out.count("PASS ") >= passes, out[-3000:]  # every check ran and reported
