@@ -141,14 +141,14 @@ PYBIND11_MODULE(_mkernel_nvshmem, m) {
       },
       py::arg("args"), py::arg("stream"));
   m.def("nvshmem_test_status_string", &nvshmem_test_status_string, py::arg("status"));
-#define MK_BIND_LAUNCH(op)                                                               \
-  m.def(                                                                                 \
-      "launch_" #op,                                                                     \
-      [](uintptr_t record, uintptr_t stream) {                                           \
-        require_init("launch_" #op);                                                     \
-        return mk::launch_##op(reinterpret_cast<const long long*>(record),               \
-                               reinterpret_cast<cudaStream_t>(stream));                  \
-      },                                                                                 \
+#define MK_BIND_LAUNCH(op)                                                 \
+  m.def(                                                                   \
+      "launch_" #op,                                                       \
+      [](uintptr_t record, uintptr_t stream) {                             \
+        require_init("launch_" #op);                                       \
+        return mk::launch_##op(reinterpret_cast<const long long*>(record), \
+                               reinterpret_cast<cudaStream_t>(stream));    \
+      },                                                                   \
       py::arg("record"), py::arg("stream"));
   MK_NODES_OPS(MK_BIND_LAUNCH)
 #undef MK_BIND_LAUNCH
