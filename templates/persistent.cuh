@@ -397,6 +397,46 @@ struct CommRings {
   }
 };
 
+#ifdef MK_RDMA_NVSHMEM
+// A comm task's raises over several nodes through NVSHMEM, by the whole team (every member calls
+// it): a cross-node raise is a put the team copies together (put_then_set_team), the others are
+// lane 0's flag stores as in run_raises. The team's writes (and lane 0's bulk copies, waited for
+// and fenced) come first: a put may read them.
+template <class Op>
+__device__ void run_raises_team(const FusedArgs<Op>& a, const CtaInfo& cta, int row,
+                                const Team& team) {
+  const FusedCommon& c = a.common;
+  const RoleTables& t = c.role[kRoleComm];
+  const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
+  if (team.lane == 0) {
+    bulk_wait_all();
+    if (first != end) __threadfence_system();
+    if (first != end && cta.rank != c.silent_rank && cta.rank == c.delay_rank)
+      delay_ns(c.delay_ns);
+  }
+  team.sync();
+  if (first == end || cta.rank == c.silent_rank) return;
+  const int per_node = a.rdma.ranks_per_node;
+  for (int i = first; i < end; ++i) {
+    const int* r = t.raises + i * kRaiseFields;
+    int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
+    if (r[kRRank] / per_node != cta.rank / per_node) {
+      rdma::Put put = Op::put_rect(a, cta, kRoleComm, row, r[kRRank]);
+      put.dest_rank = r[kRRank];
+      put.signal = flag;
+      put.value = r[kRValue];
+      rdma::nv::put_then_set_team(put, team);
+    } else if (team.lane == 0) {
+      if (r[kROp] == kRaiseAdd) {
+        signal_add_release(flag, r[kRValue]);
+      } else {
+        signal_set_release(flag, r[kRValue]);
+      }
+    }
+  }
+}
+#endif
+
 template <class Op>
 __device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int row, int i,
                               const Team& team, char* smem) {
@@ -407,6 +447,13 @@ __device__ void run_comm_task(const FusedArgs<Op>& a, const CtaInfo& cta, int ro
   team.sync();
   Op::comm_move(a, cta, c.role[kRoleComm].args + row * kTaskArgs, team, smem);
   team.sync();  // the team's writes are done before lane 0 fences and raises
+#ifdef MK_RDMA_NVSHMEM
+  if constexpr (op_nodes<Op>::value) {
+    run_raises_team<Op>(a, cta, row, team);  // puts copied by the team, not by lane 0 alone
+    if (e != nullptr) e[1] = (long long)globaltimer_ns();
+    return;
+  }
+#endif
   if (team.lane == 0) {
     bulk_wait_all();  // lane 0's bulk copies fully landed (not only read)
     const int* span = c.role[kRoleComm].raise_span + 2 * row;

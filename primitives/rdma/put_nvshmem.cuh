@@ -85,4 +85,35 @@ __device__ inline void put_then_set(const Put& put) {
   nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
 }
 
+// The same by a team of the CTA that every member calls: a warp (size 32) or the whole CTA (size
+// blockDim.x); NVSHMEM splits the copy among them (over NVLink a warp or a CTA copies far faster
+// than one thread). After the team's sync, lane 0 fences and sets the flag: the members' copies
+// happen before it through the sync, as every team write before a raise in the template.
+// NOTE: over a network this relies on NVSHMEM ordering a group put before a fence of one of the
+// group's threads (its group calls post from one thread); checked over NVLink only.
+template <class Team>
+__device__ inline void put_then_set_team(const Put& put, const Team& team) {
+  char* dst = static_cast<char*>(sym_address(put.dst));
+  const char* src = static_cast<const char*>(put.src);
+  if (put.bytes > 0) {
+    const bool whole = put.rows == 1 || (put.dst_pitch == put.bytes && put.src_pitch == put.bytes);
+    const int rows = whole ? 1 : put.rows;
+    const size_t bytes = whole ? put.bytes * put.rows : put.bytes;
+    for (int r = 0; r < rows; ++r) {
+      if (team.size == 32) {
+        nvshmemx_putmem_nbi_warp(dst + r * put.dst_pitch, src + r * put.src_pitch, bytes,
+                                 put.dest_rank);
+      } else {
+        nvshmemx_putmem_nbi_block(dst + r * put.dst_pitch, src + r * put.src_pitch, bytes,
+                                  put.dest_rank);
+      }
+    }
+  }
+  team.sync();
+  if (team.lane == 0) {
+    if (put.bytes > 0) nvshmem_fence();
+    nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
+  }
+}
+
 }  // namespace mk::rdma::nv
