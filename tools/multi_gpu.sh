@@ -6,7 +6,8 @@
 #                                             transport of rdma_put and the fused ops over nodes
 #                                             through it; loops, stragglers
 #   bash tools/multi_gpu.sh benches [NPROC]   bench.p2p, bench.tp, bench.ring, bench.moe,
-#                                             bench.rdma_nvshmem (JSON to $OUT)
+#                                             bench.rdma_nvshmem, bench.tp over one node per GPU
+#                                             (JSON to $OUT)
 # NPROC defaults to every GPU of the machine. NVLink multicast stays off (device_session.sh sets it).
 set -u
 what=${1:?checks or benches}
@@ -27,7 +28,8 @@ case $what in
       "$run -m mkernel.bench.tp" \
       "$run -m mkernel.bench.ring" \
       "$run -m mkernel.bench.moe" \
-      "$run -m mkernel.bench.rdma_nvshmem --save"
+      "$run -m mkernel.bench.rdma_nvshmem --save" \
+      "MKERNEL_TP_NODES=$n $run -m mkernel.bench.tp"
     ;;
   *) echo "usage: bash tools/multi_gpu.sh checks|benches [NPROC]" >&2; exit 2 ;;
 esac

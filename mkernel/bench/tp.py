@@ -13,6 +13,10 @@ where one exists, gemm = cuBLAS alone, comm = NCCL collective alone, ideal = max
 ours/unfused, ours/torch_fused and ours/ideal for the default Schedule (< 1 beats the pair / the
 fused op; 1.0 is ideal). Every version of a row is timed interleaved with the others in rounds
 (``interleaved_dist_ms``), so clock and thermal drift hit all of them alike.
+
+``MKERNEL_TP_NODES=N`` splits the ranks into N virtual nodes: ours then run their plans over nodes,
+every cross-node step an NVSHMEM put (docs/rdma.md), against the same baselines; saved as
+tp_w<W>_nodes<N>. NVSHMEM's heap is then sized by ``NVSHMEM_SYMMETRIC_SIZE`` (8G unless set).
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def bench_op(op: str, m: int, world: mkernel.World) -> dict:
         "gemm": gemm,
         "comm": comm,
     }
-    row: dict = {"op": op, "W": W, "m": m, **interleaved_dist_ms(versions)}
+    row: dict = {"op": op, "W": W, "nodes": world.nodes, "m": m, **interleaved_dist_ms(versions)}
     world.check()
     alone = (row["gemm"], row["comm"])
     row["ideal"] = max(alone) if None not in alone else None
@@ -192,7 +196,10 @@ def sweep(world: mkernel.World, m: int = 8192) -> None:
 def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
-    world = mkernel.World.from_process_group()
+    nodes = int(os.environ.get("MKERNEL_TP_NODES", "1"))
+    if nodes > 1:  # the largest rows' workspaces (gemm_ar at M = 16384: ~2.5 GB) exceed the default
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")
+    world = mkernel.World.from_process_group(nodes=nodes)
     try:  # older releases need symmetric memory enabled per group for the fused ops
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -223,7 +230,7 @@ def main() -> None:
             "ours/ideal",
         ]
         print(table(rows, cols))
-        print("saved", save(f"tp_w{world.size}", rows))
+        print("saved", save(f"tp_w{world.size}" + (f"_nodes{nodes}" if nodes > 1 else ""), rows))
     dist.destroy_process_group()
 
 
