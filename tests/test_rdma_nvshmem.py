@@ -215,3 +215,19 @@ def test_transports_of_one_process_share_nvshmem_and_the_last_one_finalizes(monk
     other = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2, rank=2)
     with pytest.raises(ValueError, match="PE 1 of 4 in this process.*rank 2"):
         NvshmemTransport(other, ext=ext)
+
+
+def test_a_distributed_world_over_nodes_takes_its_buffers_from_nvshmem(monkeypatch):
+    import mkernel.rdma_nvshmem as rn
+
+    made = []
+
+    def fake_buffer(world, shape, dtype):
+        made.append((world.nodes, shape, dtype))
+        return mkernel.world.SymBuffer(local=torch.zeros(shape, dtype=dtype), peer_ptrs=None)
+
+    monkeypatch.setattr(rn, "world_buffer", fake_buffer)
+    world = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2, rank=1)
+    buf = world.symmetric(("op", "stage"), (3, 5), torch.float32)
+    assert made == [(2, (3, 5), torch.float32)] and buf.local.shape == (3, 5)
+    assert world.symmetric(("op", "stage"), (3, 5), torch.float32) is buf  # cached, not remade
