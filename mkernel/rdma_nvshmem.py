@@ -23,6 +23,7 @@ NVSHMEM translates for that PE, which faults if device code dereferences it.
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -238,6 +239,7 @@ class NvshmemTransport:
 # -- the fused ops' worlds ------------------------------------------------------------------------
 
 _TRANSPORT: NvshmemTransport | None = None  # NVSHMEM is initialized once per process
+_WORLDS: weakref.WeakSet = weakref.WeakSet()  # the worlds whose buffers are on its heap
 
 
 def world_transport(world: Any) -> NvshmemTransport:
@@ -264,12 +266,17 @@ def world_transport(world: Any) -> NvshmemTransport:
 
 
 def shutdown() -> None:
-    """Frees the fused ops' NVSHMEM buffers and finalizes NVSHMEM (collective; the worlds over
-    nodes that used it cannot run again in this process)."""
+    """Frees the fused ops' NVSHMEM buffers and finalizes NVSHMEM (collective). The worlds that
+    used them forget their buffers and plans, so a later call on one of them starts NVSHMEM
+    again (collectively) rather than touching freed memory."""
     global _TRANSPORT
     if _TRANSPORT is not None:
         _TRANSPORT.close()
         _TRANSPORT = None
+    for world in list(_WORLDS):
+        world._buffers.clear()
+        world._plans.clear()
+    _WORLDS.clear()
 
 
 def peer_table(ptr: int, rank: int, world_size: int, per_node: int, peer_ptr: Any) -> list[int]:
@@ -309,6 +316,7 @@ def world_buffer(world: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
     from .world import SymBuffer
 
     nv = world_transport(world)
+    _WORLDS.add(world)
     numel = 1
     for d in shape:
         numel *= d

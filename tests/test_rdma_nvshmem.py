@@ -231,3 +231,22 @@ def test_a_distributed_world_over_nodes_takes_its_buffers_from_nvshmem(monkeypat
     buf = world.symmetric(("op", "stage"), (3, 5), torch.float32)
     assert made == [(2, (3, 5), torch.float32)] and buf.local.shape == (3, 5)
     assert world.symmetric(("op", "stage"), (3, 5), torch.float32) is buf  # cached, not remade
+
+
+def test_shutdown_makes_the_worlds_forget_their_nvshmem_buffers(monkeypatch):
+    import mkernel.rdma_nvshmem as rn
+
+    closed = []
+
+    class Transport:
+        def close(self):
+            closed.append(True)
+
+    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", nodes=2)
+    world._buffers[("op", "x")] = "freed by the shutdown"
+    world._plans[("op",)] = "its record points at them"
+    monkeypatch.setattr(rn, "_TRANSPORT", Transport())
+    rn._WORLDS.add(world)
+    rn.shutdown()
+    assert closed == [True] and rn._TRANSPORT is None
+    assert world._buffers == {} and world._plans == {} and len(rn._WORLDS) == 0
