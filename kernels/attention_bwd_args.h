@@ -36,7 +36,8 @@ struct AttentionBwdArgs {
                            // then delta (0 past S_q). Read by the backward; the prep kernel
                            // writes it when set (then lse is read there too)
   int variant = 0;  // 0: each consumer warp fetches its lse / delta rows from `rows` by a bulk
-                    // copy; 1: every lane loads them from lse and delta and stages them
+                    // copy; 1: every lane loads them from lse and delta and stages them; 2: as 0
+                    // (`rows` too), dQ's MMAs before dK's and its staging beside them (DQ_FIRST)
   int probe = 0;    // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its staging and
                     // reduce-adds, 3 loads Q alone (used as dO too), 4 no reduce-add issued, 5 no
                     // staging stores
@@ -47,7 +48,7 @@ enum AttentionBwdStatus : int {
   kAttnBwdBadShape = 1,      // a size < 1, or B * Hkv * kv tiles beyond 2^31
   kAttnBwdBadHeadDim = 2,    // D not in {64, 128}
   kAttnBwdBadHeads = 3,      // Hq % Hkv != 0
-  kAttnBwdBadPointer = 4,    // a pointer null or misaligned (rows: variant 0 only)
+  kAttnBwdBadPointer = 4,    // a pointer null or misaligned (rows: variants 0 and 2)
   kAttnBwdBadScale = 5,      // scale not finite or <= 0
   kAttnBwdBadFlag = 6,       // a flag not 0 / 1, accumulate on bf16, variant / probe unknown
   kAttnBwdTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed

@@ -182,8 +182,9 @@ def attention_backward_into(
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
     with ``accumulate``). ``variant`` 0 (default, the faster): each consumer warp fetches its lse /
     delta rows by a bulk copy from a packed copy (``rows_of``, made here); 1: every lane loads
-    them from lse and delta. ``probe`` is for measurements only (D = 128; dq is then wrong):
-    kernels/attention_bwd_args.h lists them."""
+    them from lse and delta; 2: as 0, with dQ's MMAs issued before dK's and dQ's staging and
+    reduce-add beside dK's (FlashAttention-3's order; not yet timed). ``probe`` is for
+    measurements only (D = 128; dq is then wrong): kernels/attention_bwd_args.h lists them."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.variant, args.probe = _check_variant(variant), int(probe)
@@ -205,14 +206,14 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def _check_variant(variant: int) -> int:
-    if variant not in (0, 1):
-        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
+    if not isinstance(variant, int) or isinstance(variant, bool) or variant not in (0, 1, 2):
+        raise ValueError(f"variant must be 0, 1 or 2, got {variant!r}")
     return variant
 
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """Variant 0: the packed rows (kept by the caller until the launch is enqueued)."""
-    if args.variant != 0:
+    """Variants 0 and 2: the packed rows (kept by the caller until the launch is enqueued)."""
+    if args.variant == 1:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()

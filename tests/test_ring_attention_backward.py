@@ -594,3 +594,13 @@ def test_a_late_rank_changes_nothing():
     got = ring_attention_backward(dout, q, k, v, out, lse, world, True, None, layout, late)
     _assert_grads(got, q, k, v, dout, out, lse, True, 1 / 8, layout, "rank 1 late")
     _assert_workspace_zero(world)
+
+
+def test_the_backward_engine_variants_are_0_1_2_and_nothing_else():
+    # checked before anything is loaded or launched (mkernel/attention_ext.py)
+    from mkernel.attention_ext import _check_variant
+
+    assert [_check_variant(v) for v in (0, 1, 2)] == [0, 1, 2]
+    for bad in (3, -1, True, "2", 2.0):
+        with pytest.raises(ValueError, match="variant must be 0, 1 or 2"):
+            _check_variant(bad)

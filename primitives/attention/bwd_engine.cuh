@@ -37,9 +37,12 @@
 // from rows the prep kernel packs (TMA_ROWS, the default) 0.74-0.76x (benchmarks/results/
 // attention_bwd_2026-12-01_*rows*.json). Issuing half of dK's MMAs after dQ's, so that dQ's
 // staging stores overlap them, read 0.70x with lane-loaded rows and no better with fetched ones
-// (_split_variants.json, _warp_fetched_rows.json): not kept. Deferring a step's dQ stores into the
-// next step (behind its S^T and dP^T MMAs) does not compile well: ptxas injects a wgmma wait before
-// the reads of registers a wgmma wrote in the previous iteration, and (D = 128) spills.
+// (_split_variants.json, _warp_fetched_rows.json): not kept. Variant 2 (DQ_FIRST) issues all of
+// dQ's MMAs before dK's (FlashAttention-3's order): its SASS has the staging stores and the
+// reduce-add between dK's HGMMAs and their wait (DEPBAR.LE gsb0, 0x0); not yet timed. Deferring
+// a step's dQ stores into the next step (behind its S^T and dP^T MMAs) does not compile well:
+// ptxas injects a wgmma wait before the reads of registers a wgmma wrote in the previous
+// iteration, and (D = 128) spills.
 // Each consumer warp staging and reduce-adding its own 16 rows of dQ (16-row TMA boxes, no named
 // barriers) read 0.66x / 0.73x cuDNN (S = 8192 full / causal) where the warpgroup form read 0.77x /
 // 0.86x in the same run (_warp_dq_rejected.json): four times the reduce instructions cost more
@@ -78,7 +81,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true, bool DQ_FIRST_ = false>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
@@ -91,6 +94,11 @@ struct AttnBwdConfig {
   // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
   // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
+  // true (variant 2): after the barrier on dS^T, dQ's MMAs are issued before dK's, and dQ's
+  // staging and reduce-add (wgmma_wait<1>: dQ done) run while dK's MMAs do (FlashAttention-3's
+  // order); false: dK's MMAs go first (they cover the barrier's wait), dQ's staging after both.
+  static constexpr bool DQ_FIRST = DQ_FIRST_;
+  static_assert(!DQ_FIRST || (PROBE_ == 0 && TMA_ROWS_), "variant 2: no probes, fetched rows");
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -473,6 +481,34 @@ struct AttnBwdEngine {
             *reinterpret_cast<uint32_t*>(ds + r * 128 + ((j ^ (r % 8)) * 16) + q4 * 4) =
                 dsp[2 * j + h];
           }
+        }
+        if constexpr (Cfg::DQ_FIRST) {
+          fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
+          named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
+          const uint32_t ds_u32 = smem_u32(ds);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BKV / 16; ++kk)  // dQ[:, cols of wg] = dS K
+            WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds_u32 + kk * 16 * 128, Map::kDSBytes),
+                                 desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes),
+                                 kk > 0);
+          wgmma_commit();
+#pragma unroll
+          for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
+            WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
+                            desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+          wgmma_commit();
+          wgmma_wait<1>();  // dQ done; dK still running
+          fence_operands(dq);
+          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
+          wgmma_wait<0>();
+          fence_operands(dk);
+          fence_operands(dv);
+          fence_regs(pp);
+          fence_regs(dsp);
+          if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);  // Q, dO: read by wgmma only
+          st.advance();
+          continue;
         }
         wgmma_fence();
 #pragma unroll
