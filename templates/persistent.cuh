@@ -242,6 +242,19 @@ __device__ __forceinline__ rdma::RingView ring_of(const FusedArgs<Op>& a, const 
   return rdma::ring_view(a.rdma.rings, a.rdma.reserve, cta.local_rank, a.rdma.capacity);
 }
 
+// The put that carries raise `r` of task `row` (onto `flag`, on a rank of another node): the
+// bytes the op names for it, then the flag set.
+template <class Op>
+__device__ __forceinline__ rdma::Put raise_put(const FusedArgs<Op>& a, const CtaInfo& cta, int role,
+                                               int row, const int* r, int* flag) {
+  rdma::Put put = Op::put_rect(a, cta, role, row, r[kRRank]);
+  put.dest_rank = r[kRRank];
+  put.signal = flag;
+  put.value = r[kRValue];
+  put.op = rdma::kPutSetDevice;
+  return put;
+}
+
 // run_raises over several nodes: a raise on a rank of another node is a put into this rank's
 // ring, with the bytes the op names for it.
 template <class Op>
@@ -250,11 +263,7 @@ __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& c
   const int per_node = a.rdma.ranks_per_node;
   run_raises(a.common, role, row, cta.rank, [&](const int* r, int* flag) {
     if (r[kRRank] / per_node == cta.rank / per_node) return false;
-    rdma::Put put = Op::put_rect(a, cta, role, row, r[kRRank]);
-    put.dest_rank = r[kRRank];
-    put.signal = flag;
-    put.value = r[kRValue];
-    put.op = rdma::kPutSetDevice;
+    const rdma::Put put = raise_put<Op>(a, cta, role, row, r, flag);
 #ifdef MK_RDMA_NVSHMEM
     rdma::nv::put_then_set(put);  // dst and flag: tagged symmetric addresses (put_nvshmem.cuh)
 #else
@@ -399,41 +408,24 @@ struct CommRings {
 
 #ifdef MK_RDMA_NVSHMEM
 // A comm task's raises over several nodes through NVSHMEM, by the whole team (every member calls
-// it): a cross-node raise is a put the team copies together (put_then_set_team), the others are
-// lane 0's flag stores as in run_raises. The team's writes (and lane 0's bulk copies, waited for
-// and fenced) come first: a put may read them.
+// it): a cross-node raise is a put the team copies together (put_then_set_team); a raise within
+// the node is lane 0's flag store (run_raises takes it over on the other lanes). The team's
+// writes (and lane 0's bulk copies, waited for and fenced) come first: a put may read them.
 template <class Op>
 __device__ void run_raises_team(const FusedArgs<Op>& a, const CtaInfo& cta, int row,
                                 const Team& team) {
-  const FusedCommon& c = a.common;
-  const RoleTables& t = c.role[kRoleComm];
-  const int first = t.raise_span[2 * row], end = t.raise_span[2 * row + 1];
+  const int* span = a.common.role[kRoleComm].raise_span + 2 * row;
   if (team.lane == 0) {
     bulk_wait_all();
-    if (first != end) __threadfence_system();
-    if (first != end && cta.rank != c.silent_rank && cta.rank == c.delay_rank)
-      delay_ns(c.delay_ns);
+    if (span[1] > span[0]) __threadfence_system();
   }
   team.sync();
-  if (first == end || cta.rank == c.silent_rank) return;
   const int per_node = a.rdma.ranks_per_node;
-  for (int i = first; i < end; ++i) {
-    const int* r = t.raises + i * kRaiseFields;
-    int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
-    if (r[kRRank] / per_node != cta.rank / per_node) {
-      rdma::Put put = Op::put_rect(a, cta, kRoleComm, row, r[kRRank]);
-      put.dest_rank = r[kRRank];
-      put.signal = flag;
-      put.value = r[kRValue];
-      rdma::nv::put_then_set_team(put, team);
-    } else if (team.lane == 0) {
-      if (r[kROp] == kRaiseAdd) {
-        signal_add_release(flag, r[kRValue]);
-      } else {
-        signal_set_release(flag, r[kRValue]);
-      }
-    }
-  }
+  run_raises(a.common, kRoleComm, row, cta.rank, [&](const int* r, int* flag) {
+    if (r[kRRank] / per_node == cta.rank / per_node) return team.lane != 0;  // lane 0 raises it
+    rdma::nv::put_then_set_team(raise_put<Op>(a, cta, kRoleComm, row, r, flag), team);
+    return true;
+  });
 }
 #endif
 

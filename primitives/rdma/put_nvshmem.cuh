@@ -63,26 +63,37 @@ __device__ __forceinline__ T* sym_address(T* tagged) {
   return reinterpret_cast<T*>(reinterpret_cast<uint64_t>(tagged) & ~kSymTag);
 }
 
-// A fused op's cross-node raise, by ONE thread: `put`'s rectangle (rows of `bytes`, the pitches
-// apart; dst and signal tagged symmetric addresses, src this GPU's memory) into PE put.dest_rank,
-// then its int flag set to put.value. nvshmem_fence orders the flag after every byte of the put at
-// that PE, so the receiver's acquire of the flag (signal.cuh) sees the data.
+// f(dst, src, bytes) for each contiguous run of `put`'s rectangle (rows of `bytes`, the pitches
+// apart; dst untagged): one run when its rows lie back to back in both places.
+template <class F>
+__device__ __forceinline__ void for_each_run(const Put& put, F&& f) {
+  char* dst = static_cast<char*>(sym_address(put.dst));
+  const char* src = static_cast<const char*>(put.src);
+  if (put.rows == 1 || (put.dst_pitch == put.bytes && put.src_pitch == put.bytes)) {
+    f(dst, src, put.bytes * put.rows);
+    return;
+  }
+  for (int r = 0; r < put.rows; ++r) f(dst + r * put.dst_pitch, src + r * put.src_pitch, put.bytes);
+}
+
+// After the put's bytes were posted: nvshmem_fence orders the flag after every one of them at the
+// destination PE, so the receiver's acquire of the flag (signal.cuh) sees the data.
+__device__ __forceinline__ void fence_then_set(const Put& put) {
+  if (put.bytes > 0) nvshmem_fence();
+  nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
+}
+
+// A fused op's cross-node raise, by ONE thread: `put`'s rectangle (dst and signal tagged
+// symmetric addresses, src this GPU's memory) into PE put.dest_rank, then its int flag set to
+// put.value.
 // NOTE: a thread's put over NVLink copies with that one thread (slow for big tiles); over a
 // network NVSHMEM hands it to the NIC. The source is read later: nvshmem_quiet (end of CTA).
 __device__ inline void put_then_set(const Put& put) {
-  char* dst = static_cast<char*>(sym_address(put.dst));
-  const char* src = static_cast<const char*>(put.src);
-  if (put.bytes > 0) {
-    if (put.rows == 1 || (put.dst_pitch == put.bytes && put.src_pitch == put.bytes)) {
-      nvshmem_putmem_nbi(dst, src, put.bytes * put.rows, put.dest_rank);
-    } else {
-      for (int r = 0; r < put.rows; ++r)
-        nvshmem_putmem_nbi(dst + r * put.dst_pitch, src + r * put.src_pitch, put.bytes,
-                           put.dest_rank);
-    }
-    nvshmem_fence();
-  }
-  nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
+  if (put.bytes > 0)
+    for_each_run(put, [&](char* dst, const char* src, size_t bytes) {
+      nvshmem_putmem_nbi(dst, src, bytes, put.dest_rank);
+    });
+  fence_then_set(put);
 }
 
 // The same by a team of the CTA that every member calls: a warp (size 32) or the whole CTA (size
@@ -93,27 +104,16 @@ __device__ inline void put_then_set(const Put& put) {
 // group's threads (its group calls post from one thread); checked over NVLink only.
 template <class Team>
 __device__ inline void put_then_set_team(const Put& put, const Team& team) {
-  char* dst = static_cast<char*>(sym_address(put.dst));
-  const char* src = static_cast<const char*>(put.src);
-  if (put.bytes > 0) {
-    const bool whole = put.rows == 1 || (put.dst_pitch == put.bytes && put.src_pitch == put.bytes);
-    const int rows = whole ? 1 : put.rows;
-    const size_t bytes = whole ? put.bytes * put.rows : put.bytes;
-    for (int r = 0; r < rows; ++r) {
+  if (put.bytes > 0)
+    for_each_run(put, [&](char* dst, const char* src, size_t bytes) {
       if (team.size == 32) {
-        nvshmemx_putmem_nbi_warp(dst + r * put.dst_pitch, src + r * put.src_pitch, bytes,
-                                 put.dest_rank);
+        nvshmemx_putmem_nbi_warp(dst, src, bytes, put.dest_rank);
       } else {
-        nvshmemx_putmem_nbi_block(dst + r * put.dst_pitch, src + r * put.src_pitch, bytes,
-                                  put.dest_rank);
+        nvshmemx_putmem_nbi_block(dst, src, bytes, put.dest_rank);
       }
-    }
-  }
+    });
   team.sync();
-  if (team.lane == 0) {
-    if (put.bytes > 0) nvshmem_fence();
-    nvshmem_int_atomic_set(sym_address(put.signal), put.value, put.dest_rank);
-  }
+  if (team.lane == 0) fence_then_set(put);
 }
 
 }  // namespace mk::rdma::nv
