@@ -23,6 +23,7 @@ NVSHMEM translates for that PE, which faults if device code dereferences it.
 
 from __future__ import annotations
 
+import math
 import weakref
 from types import ModuleType
 from typing import Any
@@ -107,6 +108,7 @@ class NvshmemTransport:
         _USERS += 1
         self._closed = False
         self._sym: dict[str, tuple[int, int]] = {}  # name -> (ptr, bytes)
+        self._allocs: list[int] = []  # allocate()'s, kept until close()
         self.status = StatusBlock()  # CommStatus in pinned memory, as the fused ops' launches
         self.launches = 0
 
@@ -115,32 +117,33 @@ class NvshmemTransport:
         """A zeroed symmetric buffer of at least ``nbytes`` (collective: every rank asks for the
         same), kept by name and grown when asked for more; its address and a uint8 view."""
         ptr, have = self._sym.get(name, (0, 0))
-        grown = have < nbytes
-        if grown:
-            if ptr:
-                torch.cuda.synchronize(self.device)
-                self.ext.free(ptr)
-            ptr = self.ext.malloc(nbytes)
-            self._sym[name] = (ptr, nbytes)
-            have = nbytes
-        view = torch.as_tensor(_CudaArray(ptr, (have,), "|u1"), device=self.device)
-        if grown:
-            # NOTE: nvshmem_malloc does not zero; no peer may put into it before it is zeroed
-            with torch.cuda.device(self.device):
-                view.zero_()
-                self.ext.barrier_all_on_stream(torch.cuda.current_stream().cuda_stream)
+        if have >= nbytes:
+            return ptr, self._view(ptr, have)
+        if ptr:
+            torch.cuda.synchronize(self.device)
+            self.ext.free(ptr)
+        ptr, view = self._zeroed(nbytes)
+        self._sym[name] = (ptr, nbytes)
         return ptr, view
 
     def allocate(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """A zeroed symmetric allocation of ``nbytes`` kept until ``close()`` (collective: every
         rank allocates the same sizes in the same order); its address and a uint8 view."""
+        ptr, view = self._zeroed(nbytes)
+        self._allocs.append(ptr)
+        return ptr, view
+
+    def _zeroed(self, nbytes: int) -> tuple[int, torch.Tensor]:
         ptr = self.ext.malloc(max(1, nbytes))
-        self._sym[f"_alloc{len(self._sym)}"] = (ptr, nbytes)
-        view = torch.as_tensor(_CudaArray(ptr, (nbytes,), "|u1"), device=self.device)
+        view = self._view(ptr, nbytes)
+        # NOTE: nvshmem_malloc does not zero; no peer may put into it before it is zeroed
         with torch.cuda.device(self.device):
             view.zero_()
             self.barrier()
         return ptr, view
+
+    def _view(self, ptr: int, nbytes: int) -> torch.Tensor:
+        return torch.as_tensor(_CudaArray(ptr, (nbytes,), "|u1"), device=self.device)
 
     def barrier(self) -> None:
         """Every rank's work queued so far on its current stream is done (collective)."""
@@ -221,9 +224,10 @@ class NvshmemTransport:
         if self._closed:
             return
         torch.cuda.synchronize(self.device)
-        for ptr, _ in self._sym.values():
+        for ptr in [p for p, _ in self._sym.values()] + self._allocs:
             self.ext.free(ptr)
         self._sym.clear()
+        self._allocs.clear()
         self._closed = True
         _USERS -= 1
         if _USERS == 0:
@@ -317,10 +321,7 @@ def world_buffer(world: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
 
     nv = world_transport(world)
     _WORLDS.add(world)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     ptr, view = nv.allocate(nbytes)
     t = view[:nbytes].view(dtype).view(shape)
     table = peer_table(ptr, world.rank, world.size, world.ranks_per_node, nv.ext.peer_ptr)

@@ -250,3 +250,42 @@ def test_shutdown_makes_the_worlds_forget_their_nvshmem_buffers(monkeypatch):
     rn.shutdown()
     assert closed == [True] and rn._TRANSPORT is None
     assert world._buffers == {} and world._plans == {} and len(rn._WORLDS) == 0
+
+
+def test_symmetric_buffers_grow_by_name_and_close_frees_every_allocation(monkeypatch):
+    import mkernel.rdma_nvshmem as rn
+
+    class Ext(_FakeNvshmem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: list[int] = []
+            self.next = 0x1000
+
+        def malloc(self, nbytes: int) -> int:
+            self.next += 0x1000
+            self.live.append(self.next)
+            return self.next
+
+        def free(self, ptr: int) -> None:
+            self.live.remove(ptr)
+
+    monkeypatch.setattr(rn, "StatusBlock", lambda: None)
+    monkeypatch.setattr(rn, "_USERS", 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(
+        rn.NvshmemTransport, "_view", lambda self, p, n: torch.ones(n, dtype=torch.uint8)
+    )
+    monkeypatch.setattr(rn.NvshmemTransport, "barrier", lambda self: None)
+    ext = Ext()
+    world = World(size=4, device=torch.device("cuda", 0), kind="distributed", nodes=2, rank=1)
+    nv = NvshmemTransport(world, ext=ext)
+    p1, v1 = nv.symmetric("dst", 64)
+    assert not v1.any()  # zeroed before any peer may put into it
+    assert nv.symmetric("dst", 32)[0] == p1  # big enough: kept
+    p2, v2 = nv.symmetric("dst", 128)  # grown: the old one freed
+    assert p2 != p1 and ext.live == [p2] and v2.numel() == 128 and not v2.any()
+    p3, v3 = nv.allocate(16)
+    assert ext.live == [p2, p3] and not v3.any()
+    nv.close()
+    assert ext.live == [] and ext.finalized == 1

@@ -68,16 +68,12 @@ def loop(world, op: str, sched, calls: int) -> None:
     """``calls`` asynchronous calls on the same operands, then one check of the last result (into
     a poisoned output)."""
     W, r = world.size, world.rank
-    a, b, _ = operands(op, W, 128, 256, 128, 7)
+    a, b, shape = operands(op, W, 128, 256, 128, 7)
     la, lb = a[r].to(world.device), b[r].to(world.device)
     world.sync_checks = False
     try:
         for i in range(calls):
-            last = (
-                poisoned(operands(op, W, 128, 256, 128, 7)[2], world.device)
-                if i == calls - 1
-                else None
-            )
+            last = poisoned(shape, world.device) if i == calls - 1 else None
             out = getattr(mkernel, op)(la, lb, world=world, schedule=sched, out=last)
         world.check()
     finally:
