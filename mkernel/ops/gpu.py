@@ -247,13 +247,13 @@ def _plan_record(world: World, plan: Plan) -> array:
     put("ranks_per_node", world.size // plan.nodes)
     if plan.nodes > 1:
         plan.extra["_puts_per_ring"] = check_cross_node_raises(plan)
-    if plan.nodes > 1 and emulated:  # the proxy transport's rings carry the raises across nodes
-        from ..rdma import fused_rings
+        if emulated:  # the proxy transport's rings carry the raises across nodes (else NVSHMEM)
+            from ..rdma import fused_rings
 
-        rings = fused_rings(world)
-        put("rdma_rings", rings.rings.ptr)
-        put("rdma_reserve", rings.reserve.data_ptr())
-        put("rdma_capacity", rings.capacity)
+            rings = fused_rings(world)
+            put("rdma_rings", rings.rings.ptr)
+            put("rdma_reserve", rings.reserve.data_ptr())
+            put("rdma_capacity", rings.capacity)
     operands = []
     for i, b in enumerate(spec.buffers):
         if b.kind == "symmetric":
@@ -272,9 +272,10 @@ def _plan_record(world: World, plan: Plan) -> array:
 
 
 def check_cross_node_raises(plan: Plan) -> int:
-    """A raise on a rank of another node travels as a put whose signal the proxy's stream sets
-    (kPutSetDevice): it must be a "set" (an "add" is not atomic there). Returns the most puts a
-    rank's ring takes per call (one per cross-node raise)."""
+    """A raise on a rank of another node travels as a put whose signal is then set (by the proxy's
+    stream, kPutSetDevice, or NVSHMEM's atomic set): it must be a "set" (an "add" is not atomic
+    on the proxy's path). Returns the most puts a rank's ring takes per call (one per cross-node
+    raise)."""
     R = plan.world_size // plan.nodes
     most = 0
     for rank in range(plan.world_size):
@@ -389,8 +390,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
     stream = _current_stream(world)
-    proxied = plan.nodes > 1 and world.emulated_world
-    tracked = proxied and before_nodes_launch(world, plan, stream)
+    tracked = plan.nodes > 1 and world.emulated_world and before_nodes_launch(world, plan, stream)
     launch = plan.extra.get("_launch")
     if launch is None:
         launch = plan.extra["_launch"] = getattr(
