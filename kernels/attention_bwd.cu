@@ -55,7 +55,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
 
 // One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq
 // zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy. With
-// packed (variant 0's rows) also the row's lse * log2 e and delta there; the last row of a
+// packed (the rows of variants 0 and 2) also the row's lse * log2 e and delta there; the last row of a
 // sequence pads its q tile (+inf, 0: rows past S_q see nothing).
 __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out,
                                           const float* dlse, const float* lse, float* delta,

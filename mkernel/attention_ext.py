@@ -205,6 +205,10 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.stack([lse2, d], dim=3).contiguous()
 
 
+# Variants whose consumer warps fetch packed lse / delta rows (rows_of) by one bulk copy.
+_PACKED_ROWS = (0, 2)
+
+
 def _check_variant(variant: int) -> int:
     if not isinstance(variant, int) or isinstance(variant, bool) or variant not in (0, 1, 2):
         raise ValueError(f"variant must be 0, 1 or 2, got {variant!r}")
@@ -213,7 +217,7 @@ def _check_variant(variant: int) -> int:
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """Variants 0 and 2: the packed rows (kept by the caller until the launch is enqueued)."""
-    if args.variant == 1:
+    if args.variant not in _PACKED_ROWS:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()
@@ -291,8 +295,8 @@ def attention_backward(
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
     summed over the query heads of each kv head. Three launches: delta and a zeroed dq (one small
-    kernel, which also packs variant 0's rows), the backward, dq -> bf16. ``variant``: as
-    ``attention_backward_into``."""
+    kernel, which also packs the rows of variants 0 and 2), the backward, dq -> bf16.
+    ``variant``: as ``attention_backward_into``."""
     for name, t in (("dout", dout), ("q", q), ("out", out)):
         _check(name, t)
     if not (dout.shape == q.shape == out.shape):
@@ -316,7 +320,7 @@ def attention_backward(
     if dlse is not None:
         args.dlse = dlse.data_ptr()
     rows = None
-    if args.variant == 0:  # packed by the prep kernel, from lse and the delta it computes
+    if args.variant in _PACKED_ROWS:  # packed by the prep kernel, from lse and its delta
         rows = torch.empty(B, Hq, -(-S_q // 64), 2, 64, device=q.device, dtype=torch.float32)
         args.rows = rows.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)
