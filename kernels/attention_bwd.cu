@@ -55,7 +55,7 @@ int launch(const AttentionBwdArgs& a, cudaStream_t stream) {
 
 // One warp per (b, s, h) row: delta = sum_d dout * out in fp32 (minus dlse), and the row of dq
 // zeroed (the backward reduce-adds into it). 8 bf16 per lane per load: D / 8 lanes busy. With
-// packed (the rows of variants 0 and 2) also the row's lse * log2 e and delta there; the last row of a
+// packed (variant 0's rows) also the row's lse * log2 e and delta there; the last row of a
 // sequence pads its q tile (+inf, 0: rows past S_q see nothing).
 __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out,
                                           const float* dlse, const float* lse, float* delta,
@@ -117,7 +117,7 @@ const char* attention_bwd_status_string(int s) {
     case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
     case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
     case kAttnBwdBadPointer:
-      return "q, k, v, dout, dq (and rows for variants 0, 2) must be non-null and 16-byte "
+      return "q, k, v, dout, dq (and rows for variant 0) must be non-null and 16-byte "
              "aligned, lse and delta 4-byte, dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
@@ -148,9 +148,9 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 5 || a.variant < 0 || a.variant > 2) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 5 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
   if (a.variant != 0 && a.probe != 0) return kAttnBwdBadFlag;  // probes: variant 0 only
-  if (a.variant != 1 && !aligned(a.rows, 16)) return kAttnBwdBadPointer;
+  if (a.variant == 0 && !aligned(a.rows, 16)) return kAttnBwdBadPointer;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
   if (!aligned(a.q, 16) || !aligned(a.k, 16) || !aligned(a.v, 16) || !aligned(a.dout, 16) ||
       !aligned(a.lse, 4) || !aligned(a.delta, 4) || !aligned(a.dq, 16) ||
@@ -160,9 +160,6 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   if (a.variant == 1)
     return a.D == 64 ? launch<AttnBwdConfig<64, 0, false>>(a, stream)
                      : launch<AttnBwdConfig<128, 0, false>>(a, stream);
-  if (a.variant == 2)
-    return a.D == 64 ? launch<AttnBwdConfig<64, 0, true, true>>(a, stream)
-                     : launch<AttnBwdConfig<128, 0, true, true>>(a, stream);
   if (a.D == 64) return a.probe == 0 ? launch<AttnBwdConfig<64>>(a, stream) : kAttnBwdBadFlag;
   switch (a.probe) {  // the probes are built for the benchmark's head dim only
     case 1: return launch<AttnBwdConfig<128, 1>>(a, stream);

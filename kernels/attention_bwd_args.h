@@ -36,8 +36,7 @@ struct AttentionBwdArgs {
                            // then delta (0 past S_q). Read by the backward; the prep kernel
                            // writes it when set (then lse is read there too)
   int variant = 0;  // 0: each consumer warp fetches its lse / delta rows from `rows` by a bulk
-                    // copy; 1: every lane loads them from lse and delta and stages them; 2: as 0
-                    // (`rows` too), dQ's MMAs before dK's and its staging beside them (DQ_FIRST)
+                    // copy; 1: every lane loads them from lse and delta and stages them
   int probe = 0;    // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its staging and
                     // reduce-adds, 3 loads Q alone (used as dO too), 4 no reduce-add issued, 5 no
                     // staging stores

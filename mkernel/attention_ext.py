@@ -182,9 +182,8 @@ def attention_backward_into(
     or pass partial sums). dk, dv [B, S_kv, Hkv, D]: bf16 (stored) or fp32 (stored, or added to
     with ``accumulate``). ``variant`` 0 (default, the faster): each consumer warp fetches its lse /
     delta rows by a bulk copy from a packed copy (``rows_of``, made here); 1: every lane loads
-    them from lse and delta; 2: as 0, with dQ's MMAs issued before dK's and dQ's staging and
-    reduce-add beside dK's (FlashAttention-3's order; not yet timed). ``probe`` is for
-    measurements only (D = 128; dq is then wrong): kernels/attention_bwd_args.h lists them."""
+    them from lse and delta. ``probe`` is for measurements only (D = 128; dq is then wrong):
+    kernels/attention_bwd_args.h lists them."""
     ext = load()
     args = _backward_args(ext, dout, q, k, v, lse, delta, causal, scale, dq, dk, dv, accumulate)
     args.variant, args.probe = _check_variant(variant), int(probe)
@@ -205,19 +204,15 @@ def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.stack([lse2, d], dim=3).contiguous()
 
 
-# Variants whose consumer warps fetch packed lse / delta rows (rows_of) by one bulk copy.
-_PACKED_ROWS = (0, 2)
-
-
 def _check_variant(variant: int) -> int:
-    if not isinstance(variant, int) or isinstance(variant, bool) or variant not in (0, 1, 2):
-        raise ValueError(f"variant must be 0, 1 or 2, got {variant!r}")
+    if not isinstance(variant, int) or isinstance(variant, bool) or variant not in (0, 1):
+        raise ValueError(f"variant must be 0 or 1, got {variant!r}")
     return variant
 
 
 def _rows_for(args, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """Variants 0 and 2: the packed rows (kept by the caller until the launch is enqueued)."""
-    if args.variant not in _PACKED_ROWS:
+    """Variant 0: the packed rows (kept by the caller until the launch is enqueued)."""
+    if args.variant != 0:
         return None
     rows = rows_of(lse, delta)
     args.rows = rows.data_ptr()
@@ -295,7 +290,7 @@ def attention_backward(
     for the incoming ``dout`` (and ``dlse``, the gradient of lse, if any), from the forward's
     ``out`` and ``lse``. Accumulated in fp32 (dq across kv tiles by fp32 reduce-adds); GQA: dk, dv
     summed over the query heads of each kv head. Three launches: delta and a zeroed dq (one small
-    kernel, which also packs the rows of variants 0 and 2), the backward, dq -> bf16.
+    kernel, which also packs variant 0's rows), the backward, dq -> bf16.
     ``variant``: as ``attention_backward_into``."""
     for name, t in (("dout", dout), ("q", q), ("out", out)):
         _check(name, t)
@@ -320,7 +315,7 @@ def attention_backward(
     if dlse is not None:
         args.dlse = dlse.data_ptr()
     rows = None
-    if args.variant in _PACKED_ROWS:  # packed by the prep kernel, from lse and its delta
+    if args.variant == 0:  # packed by the prep kernel, from lse and the delta it computes
         rows = torch.empty(B, Hq, -(-S_q // 64), 2, 64, device=q.device, dtype=torch.float32)
         args.rows = rows.data_ptr()
     _launch(ext, "launch_attention_bwd_prep", args, q.device)

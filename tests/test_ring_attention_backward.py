@@ -596,11 +596,11 @@ def test_a_late_rank_changes_nothing():
     _assert_workspace_zero(world)
 
 
-def test_the_backward_engine_variants_are_0_1_2_and_nothing_else():
+def test_the_backward_engine_variants_are_0_1_and_nothing_else():
     # checked before anything is loaded or launched (mkernel/attention_ext.py)
     from mkernel.attention_ext import _check_variant
 
-    assert [_check_variant(v) for v in (0, 1, 2)] == [0, 1, 2]
-    for bad in (3, -1, True, "2", 2.0):
-        with pytest.raises(ValueError, match="variant must be 0, 1 or 2"):
+    assert [_check_variant(v) for v in (0, 1)] == [0, 1]
+    for bad in (2, -1, True, "1", 1.0):
+        with pytest.raises(ValueError, match="variant must be 0 or 1"):
             _check_variant(bad)

@@ -7,7 +7,6 @@ causal. Each version is timed on the backward alone (the forward ran once, outsi
   rowsum(dO * O), a zeroed fp32 dq, the packed lse / delta rows), the kernel, dq -> bf16;
 - ``mk_rows_lanes``: the same with variant 1 (every lane loads and stages its lse / delta rows;
   the default, variant 0, fetches them by one bulk copy per warp from rows the prep packed);
-- ``mk_dq_first``: the same with variant 2 (dQ's MMAs before dK's, dQ's staging beside dK's);
 - ``mk_kernel``: the kernel launch alone (delta and dq made once; dq keeps accumulating, so its
   values are meaningless: this row only shows what the torch glue around the kernel costs);
 - ``cudnn`` / ``flash``: ``torch.autograd.grad`` through SDPA with that backend on [B, H, S, D]
@@ -68,9 +67,6 @@ def _versions(q, k, v, dout, causal: bool) -> dict[str, Callable[[], object]]:
         "mk": lambda: attention_ext.attention_backward(dout, q, k, v, out, lse, causal),
         "mk_rows_lanes": lambda: attention_ext.attention_backward(
             dout, q, k, v, out, lse, causal, variant=1
-        ),
-        "mk_dq_first": lambda: attention_ext.attention_backward(
-            dout, q, k, v, out, lse, causal, variant=2
         ),
         "mk_kernel": lambda: attention_ext.attention_backward_into(
             dout, q, k, v, lse, delta, causal, scale, dq, dk, dv

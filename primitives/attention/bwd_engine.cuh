@@ -37,9 +37,11 @@
 // from rows the prep kernel packs (TMA_ROWS, the default) 0.74-0.76x (benchmarks/results/
 // attention_bwd_2026-12-01_*rows*.json). Issuing half of dK's MMAs after dQ's, so that dQ's
 // staging stores overlap them, read 0.70x with lane-loaded rows and no better with fetched ones
-// (_split_variants.json, _warp_fetched_rows.json): not kept. Variant 2 (DQ_FIRST) issues all of
-// dQ's MMAs before dK's (FlashAttention-3's order): its SASS has the staging stores and the
-// reduce-add between dK's HGMMAs and their wait (DEPBAR.LE gsb0, 0x0); not yet timed. Deferring
+// (_split_variants.json, _warp_fetched_rows.json): not kept. Issuing all of dQ's MMAs before dK's
+// (FlashAttention-3's order), with dQ's staging and reduce-add between dK's MMAs and their wait
+// (no spills), read 0.66x / 0.75x cuDNN where this form read 0.80x / 0.87x in the same run
+// (attention_bwd_2026-12-02_dq_first_rejected.json): the barrier on the other warpgroup's dS^T
+// then stalls before any MMA of the step is in flight; removed (commit 4803a1d has it). Deferring
 // a step's dQ stores into the next step (behind its S^T and dP^T MMAs) does not compile well:
 // ptxas injects a wgmma wait before the reads of registers a wgmma wrote in the previous
 // iteration, and (D = 128) spills.
@@ -81,7 +83,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true, bool DQ_FIRST_ = false>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
@@ -94,11 +96,6 @@ struct AttnBwdConfig {
   // brought the rows with Q and dO into the stage got racecheck hazards between the consumers'
   // reads and the next bulk write, ordered only through the stage's mbarriers.)
   static constexpr bool TMA_ROWS = TMA_ROWS_;
-  // true (variant 2): after the barrier on dS^T, dQ's MMAs are issued before dK's, and dQ's
-  // staging and reduce-add (wgmma_wait<1>: dQ done) run while dK's MMAs do (FlashAttention-3's
-  // order); false: dK's MMAs go first (they cover the barrier's wait), dQ's staging after both.
-  static constexpr bool DQ_FIRST = DQ_FIRST_;
-  static_assert(!DQ_FIRST || (PROBE_ == 0 && TMA_ROWS_), "variant 2: no probes, fetched rows");
   static constexpr int BQ = 64;   // query rows per step
   static constexpr int BKV = 128; // kv rows per CTA = CONSUMERS x 64
   static constexpr int CONSUMERS = 2;
@@ -483,25 +480,16 @@ struct AttnBwdEngine {
           }
         }
         // dK's MMAs first: they keep the tensor cores busy through the wait for the other
-        // warpgroup's half of dS^T; or (DQ_FIRST) dQ's first, so that its staging runs beside dK's
-        if constexpr (!Cfg::DQ_FIRST) {
-          wgmma_fence();
-          mma_dk(dk, dsp, q_st);
-          wgmma_commit();
-        }
+        // warpgroup's half of dS^T
+        wgmma_fence();
+        mma_dk(dk, dsp, q_st);
+        wgmma_commit();
         if constexpr (Cfg::PROBE != 1) {
           fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
           named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
           wgmma_fence();
           mma_dq(dq, smem_u32(ds), k_cols);
           wgmma_commit();
-        }
-        if constexpr (Cfg::DQ_FIRST) {
-          mma_dk(dk, dsp, q_st);
-          wgmma_commit();
-          wgmma_wait<1>();  // dQ done; dK still running
-          fence_operands(dq);
-          reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
         }
         wgmma_wait<0>();
         fence_operands(dq);
@@ -512,7 +500,7 @@ struct AttnBwdEngine {
         // Q, dO: read by wgmma only
         if (lane == 0) mbar_arrive(&bars.q_empty[st.stage]);
         st.advance();
-        if constexpr (!Cfg::DQ_FIRST && Cfg::PROBE != 1 && Cfg::PROBE != 2)
+        if constexpr (Cfg::PROBE != 1 && Cfg::PROBE != 2)
           reduce_dq(p, w, wg, lt, hq, q0, dq, dq_smem);
       }
     }

@@ -87,7 +87,7 @@ def _formula(q, k, v, dout, causal, scale):
     return torch.autograd.grad(out, leaves, dout.double())
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2])
+@pytest.mark.parametrize("variant", [0, 1])
 @pytest.mark.parametrize("D", [64, 128])
 def test_launch_contract_unequal_lengths_unseen_tiles_and_accumulate(D, variant):
     g = torch.Generator().manual_seed(D)
@@ -146,15 +146,14 @@ def test_prep_kernel_packs_the_rows_that_rows_of_makes(S):
     torch.testing.assert_close(rows, attention_ext.rows_of(lse, delta), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_variants_1_and_2_agree_with_variant_0(D, causal, variant):
-    """Variant 1 stages the rows by every lane, variant 2 issues dQ's MMAs before dK's."""
+def test_variant_1_agrees_with_variant_0(D, causal):
+    """Variant 1 loads and stages the lse / delta rows by every lane."""
     q, k, v, dout = (x[0].cuda() for x in _inputs(1, 2, 333, 4, 2, D=D, seed=D + causal))
     out, lse = attention_ext.attention_forward(q, k, v, causal)
     want = attention_ext.attention_backward(dout, q, k, v, out, lse, causal)
-    got = attention_ext.attention_backward(dout, q, k, v, out, lse, causal, variant=variant)
+    got = attention_ext.attention_backward(dout, q, k, v, out, lse, causal, variant=1)
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2, msg=name)
 
