@@ -11,6 +11,10 @@ from hypothesis import settings
 # takes. HYPOTHESIS_PROFILE picks one by name.
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)
+# NaN-fill the results and per-call workspaces that ops without ``out`` allocate on a GPU too
+# (mkernel.ops.common.result_buffer), so that a row the kernel never writes fails a test.
+os.environ.setdefault("MKERNEL_POISON", "1")
+
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )

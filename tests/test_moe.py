@@ -427,6 +427,41 @@ def test_bad_dispatch_input_is_named_before_anything_runs(case):
     assert len(_bad_dispatch_cases()) == 16
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_one_host_read_counts_bad_ids_repeats_and_rows_per_destination(seed):
+    """routing_summary (check_ids' and the counts exchange's one read of the device): per source
+    rank, ids outside [-1, E), ids a token repeats, and its used slots per destination rank,
+    counted here token by token; check_ids returns the counts of good ids."""
+    from mkernel.ops.moe_common import check_ids, routing_summary
+
+    g = torch.Generator().manual_seed(seed)
+    W, T, k, E = 3, 17, 4, 2
+    ids = torch.stack([torch.randperm(W * E + 1, generator=g)[:k] - 1 for _ in range(W * T)])
+    ids = ids.view(W, T, k).to(torch.int32 if seed % 2 else torch.int64)
+    want = [[0, 0] + [int(((ids[s] >= 0) & (ids[s] // E == d)).sum()) for d in range(W)]
+            for s in range(W)]  # fmt: skip
+    assert routing_summary(ids, W * E, E).tolist() == want
+    assert check_ids(ids, W * E, E) == [row[2:] for row in want]
+    bad = ids.clone()
+    bad[1, 5, 0], bad[2, 0] = W * E, torch.tensor([1, 1, -1, -1])
+    got = routing_summary(bad, W * E, E).tolist()
+    assert [row[:2] for row in got] == [[0, 0], [1, 0], [0, 1]]
+    was = int(ids[1, 5, 0])  # the id the bad one replaced: no longer counted
+    assert got[1][2:] == [n - (was >= 0 and d == was // E) for d, n in enumerate(want[1][2:])]
+
+
+def test_results_without_out_are_nan_on_the_cpu_whatever_the_poison_switch(monkeypatch):
+    """common.result_buffer: the interpreter's results are always poisoned (its kernel-end check
+    and the tests rely on it); MKERNEL_POISON only decides on a GPU."""
+    for value in (None, "0", "1"):
+        if value is None:
+            monkeypatch.delenv("MKERNEL_POISON", raising=False)
+        else:
+            monkeypatch.setenv("MKERNEL_POISON", value)
+        t = common.result_buffer((3, 5), torch.float32, torch.device("cpu"))
+        assert t.shape == (3, 5) and t.dtype == torch.float32 and bool(t.isnan().all())
+
+
 def test_bad_combine_input_is_named_before_anything_runs():
     world, x, ids, w1, w2, weights = _good()
     res = dispatch(x, ids, w1, world)

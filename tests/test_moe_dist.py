@@ -77,7 +77,13 @@ def _counts_worker(rank: int, W: int, port: int, folder: str) -> None:
     with gloo_world(rank, W, port) as world:
         ids = routing(W, 6, 2, 2, "uniform", 1)
         got = {"rows": rows_per_rank(world, ids[rank].to(torch.int32), 2)}
-        for case, mine in (("short", ids[rank, : 6 - (rank == W - 1)]), ("refused", None)):
+        bad = ids[rank].clone()
+        bad[4, 1] = 2 * W if rank == 0 else bad[4, 1]  # outside [-1, E): rank 0 names it
+        for case, mine in (
+            ("short", ids[rank, : 6 - (rank == W - 1)]),
+            ("refused", None),
+            ("bad id", bad),
+        ):
             mine = None if case == "refused" and rank == 1 else ids[rank] if mine is None else mine
             try:
                 rows_per_rank(world, mine, 2)
@@ -90,8 +96,9 @@ def _counts_worker(rank: int, W: int, port: int, folder: str) -> None:
 @pytest.mark.parametrize("W", [2, 3])
 def test_the_rows_per_rank_exchange_counts_every_source_and_fails_on_every_rank(W, tmp_path):
     """moe_common.rows_per_rank (the fused dispatch's counts in a distributed world): each rank's
-    rows are the used slots of every source routed to its experts; a rank with another T, or one
-    that refused its inputs (ids None), makes EVERY rank raise, naming the cause, not wait."""
+    rows are the used slots of every source routed to its experts; a rank with another T, one
+    that refused its inputs (ids None) or one with an id outside [-1, E) (checked by the same
+    exchange: that rank names the id) makes EVERY rank raise, naming the cause, not wait."""
     mp.spawn(_counts_worker, args=(W, _free_port(), str(tmp_path)), nprocs=W, join=True)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(W)]
     ids = routing(W, 6, 2, 2, "uniform", 1)
@@ -100,6 +107,8 @@ def test_the_rows_per_rank_exchange_counts_every_source_and_fails_on_every_rank(
         assert got[r]["rows"] == want, f"rank {r}"
         assert "same number of tokens T" in got[r]["short"] and "[6, " in got[r]["short"]
         assert "rank(s) [1] refused their inputs" in got[r]["refused"], got[r]["refused"]
+        want_bad = f"expert id {2 * W} of rank 0, token 4 (slot 1)" if r == 0 else "rank(s) [0]"
+        assert want_bad in got[r]["bad id"], got[r]["bad id"]
 
 
 def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypatch):
@@ -120,7 +129,7 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     s = dict(tokens=T, hidden=H, inter=N, experts=E, k=k)
     ids = torch.tensor([[0, 3], [2, -1], [1, 2]], dtype=torch.int32)
     plan = types.SimpleNamespace(sizes={"max_rows": 12, "tokens": T})
-    checked = lambda x, t, w, wo, sc: (wo, mkernel.Schedule(), s, ids, plan)  # noqa: E731
+    checked = lambda x, t, w, wo, sc: (wo, mkernel.Schedule(), s, ids, plan, None)  # noqa: E731
     monkeypatch.setattr(mdg, "checked", checked)
     monkeypatch.setattr(mdg, "rows_per_rank", lambda w, i, e: [4, 5])
     monkeypatch.setattr(moe_dist, "dispatch", None)  # the unfused path would fail

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -184,6 +185,16 @@ def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
     if out.device.type != world.device.type or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor on {world.device}")
     return out
+
+
+def result_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A result or per-call workspace that the kernel writes in full before anything reads it,
+    made by an op that takes no ``out``: NaN-filled on the CPU (the interpreter) and wherever
+    ``MKERNEL_POISON=1`` (the test suites set it), so a row nobody writes shows; left
+    uninitialized on a GPU otherwise (the fill is a write of every byte, per call)."""
+    if device.type == "cpu" or os.environ.get("MKERNEL_POISON") == "1":
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int) -> Plan:

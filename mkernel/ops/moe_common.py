@@ -209,26 +209,28 @@ def partial_rows(peak: int) -> int:
 
 def rows_per_rank(world: World, ids: torch.Tensor | None, experts: int) -> list[int]:
     """A distributed world's rows per rank (used slots routed to each rank's experts, every
-    source's) by one all-gather of each rank's counts; also checks that every rank has the same
-    T (the symmetric receive rows are sized by it). A host synchronize, as the emulated world's
-    one bincount. ``ids`` None: this rank refused its inputs; it still takes part, so that every
-    rank raises (a ValueError naming the refusing ranks) instead of waiting for it."""
+    source's) by one all-gather of each rank's T, id check (routing_summary) and counts: the
+    call's one host synchronize, as the emulated world's one read of check_ids. Also checks that
+    every rank has the same T (the symmetric receive rows are sized by it). ``ids`` None: this
+    rank refused its inputs; it still takes part, so that every rank raises (a ValueError naming
+    the refusing ranks; a rank with a bad id names the id) instead of waiting for it."""
     import torch.distributed as dist
 
     W = world.size
     if ids is None:
-        mine = torch.full((W + 1,), -1, dtype=torch.long)
+        mine = torch.full((W + 3,), -1, dtype=torch.long)
     else:
-        used = ids[ids >= 0].long()
-        counts = torch.bincount(used // experts, minlength=W)
-        mine = torch.cat((torch.tensor([ids.shape[0]], device=ids.device), counts))
+        summary = routing_summary(ids[None], W * experts, experts)[0]
+        mine = torch.cat((torch.tensor([ids.shape[0]], device=ids.device), summary))
     gloo = dist.get_backend(world.group) == "gloo"  # gloo moves CPU tensors
     mine = mine.cpu() if gloo else mine.to(world.device)
     parts = [torch.empty_like(mine) for _ in range(W)]
     dist.all_gather(parts, mine, group=world.group)
     every = torch.stack(parts).cpu()
+    if ids is not None and bool(every[world.rank, 1:3].any()):
+        raise_bad_ids(ids[None], W * experts, world.rank)  # names the id (peers: "refused")
     tokens = every[:, 0].tolist()
-    refused = [r for r, t in enumerate(tokens) if t < 0]
+    refused = [r for r, t in enumerate(tokens) if t < 0 or bool(every[r, 1:3].any())]
     if refused:
         raise ValueError(
             f"moe_dispatch_gemm: rank(s) {refused} refused their inputs (each says why); nothing "
@@ -239,16 +241,17 @@ def rows_per_rank(world: World, ids: torch.Tensor | None, experts: int) -> list[
             f"every rank must pass the same number of tokens T (its symmetric receive rows are "
             f"sized by it; pad with -1 ids): ranks have T = {tokens}"
         )
-    return every[:, 1:].sum(dim=0).tolist()
+    return every[:, 3:].sum(dim=0).tolist()
 
 
 def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Tensor:
     """Ragged per-rank [R_d, C] tensors as one [W, rows, C] tensor (the interpreter's buffers hold
     every rank at the same shape), padded with ``fill``."""
     C = parts[0].shape[1]
-    out = torch.full((len(parts), rows, C), fill, dtype=parts[0].dtype, device=parts[0].device)
-    for d, p in enumerate(parts):
+    out = torch.empty((len(parts), rows, C), dtype=parts[0].dtype, device=parts[0].device)
+    for d, p in enumerate(parts):  # each byte written once (a fill first would write them twice)
         out[d, : p.shape[0]] = p
+        out[d, p.shape[0] :] = fill
     return out
 
 
@@ -298,14 +301,42 @@ def bad_id(value: int, rank: int, token: int, slot: int, experts_total: int) -> 
     return f"{where} is outside [-1, E={experts_total})"
 
 
-def check_ids(ids: torch.Tensor, experts_total: int, first_rank: int = 0) -> None:
-    """topk_ids [W, T, k] (a distributed world's [T, k] as [1, T, k], ``first_rank`` its rank):
-    every id in [-1, E) (an id outside names its rank and token), no expert twice in a token.
-    Reads the ids, so not under CUDA-graph capture: there (and for ids written after a call's
-    checks) the device layout finds such an id, ignores it (nothing written for it) and reports it
-    as it does a timeout (DeviceInputError)."""
+def routing_summary(ids: torch.Tensor, experts_total: int, experts_local: int) -> torch.Tensor:
+    """Per source rank of topk_ids [n, T, k], on the ids' device without a host read: [n, 2 + W]
+    int64 = (ids outside [-1, E), ids a token repeats, then its used slots routed to the experts
+    of rank 0 .. W - 1). No boolean indexing: that would read the device."""
+    n, T, k = ids.shape
+    W = experts_total // experts_local
+    ids = ids.long()
+    bad = (ids < -1) | (ids >= experts_total)
+    used = (ids >= 0) & ~bad
+    dest = torch.where(used, ids // experts_local, 0).view(n, -1)
+    counts = torch.zeros(n, W, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(1, dest, used.view(n, -1).long())
+    repeats = torch.zeros(n, dtype=torch.long, device=ids.device)
+    if k > 1 and T:
+        s = ids.sort(dim=-1).values
+        repeats = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).view(n, -1).sum(dim=1)
+    return torch.cat((bad.view(n, -1).sum(dim=1, keepdim=True), repeats[:, None], counts), 1)
+
+
+def check_ids(ids: torch.Tensor, experts_total: int, experts_local: int) -> list[list[int]] | None:
+    """topk_ids [W, T, k] of an emulated world: every id in [-1, E) (an id outside names its rank
+    and token), no expert twice in a token; returns each source rank's used slots per destination
+    rank ([W][W], from routing_summary: the call's one host read). Not under CUDA-graph capture
+    (None): there (and for ids written after a call's checks) the device layout finds such an id,
+    ignores it (nothing written for it) and reports it as it does a timeout (DeviceInputError)."""
     if capturing(ids):
-        return
+        return None
+    summary = routing_summary(ids, experts_total, experts_local).tolist()  # NOTE: the host read
+    if any(row[0] or row[1] for row in summary):
+        raise_bad_ids(ids, experts_total)
+    return [row[2:] for row in summary]
+
+
+def raise_bad_ids(ids: torch.Tensor, experts_total: int, first_rank: int = 0) -> None:
+    """The ValueError naming the first bad id of topk_ids [n, T, k] (``first_rank``: the rank of
+    ids[0]), once routing_summary has counted one."""
     W, T, k = ids.shape
     bad = (ids < -1) | (ids >= experts_total)
     if bool(bad.any()):

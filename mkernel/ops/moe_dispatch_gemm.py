@@ -203,24 +203,25 @@ def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
         )
     check_columns("H (columns of x)", H)
     check_columns("I (columns of w1)", N)
-    if world.emulated_world:
-        check_ids(topk_ids, world.size * E)
-    else:  # this rank's [T, k]
-        check_ids(topk_ids[None], world.size * E, world.rank)
     return {"tokens": T, "hidden": H, "inter": N, "experts": E, "k": k}
 
 
 def checked(
     x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
-) -> tuple[World, Schedule, dict[str, int], torch.Tensor, Plan]:
-    """Every check, before anything runs (both paths), then the shapes, the routing ids as int32
-    and the cached plan."""
+) -> tuple[World, Schedule, dict[str, int], torch.Tensor, Plan, list[list[int]] | None]:
+    """Every check, before anything runs (both paths), then the shapes, the routing ids as int32,
+    the cached plan and (emulated world, not under capture) each source rank's used slots per
+    destination rank, from check_ids' one host read. A distributed world's ids are checked by
+    the counts exchange (rows_per_rank), so that every rank raises when one refuses its ids."""
     world = common.check_world_for(SPEC, world)
     schedule = common.check_schedule(schedule)
     s = shapes(x, topk_ids, w1, world)
+    counts = None
+    if world.emulated_world:
+        counts = check_ids(topk_ids, world.size * s["experts"], s["experts"])
     common.check_faults(schedule, world)
     plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    return world, schedule, s, topk_ids.to(torch.int32).contiguous(), plan
+    return world, schedule, s, topk_ids.to(torch.int32).contiguous(), plan, counts
 
 
 def prepare(
@@ -229,7 +230,7 @@ def prepare(
     """Every check, then what one call runs in the interpreter: the cached plan, the routing (the
     host knows it in the emulated world: it sizes ``y`` and gives src and expert_offsets) and the
     buffers by name."""
-    world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
+    world, schedule, s, ids, plan, _ = checked(x, topk_ids, w1, world, schedule)
     routing = route(ids.tolist(), s["experts"])
     W, E, H, N = world.size, s["experts"], s["hidden"], s["inter"]
     rows = max(len(r) for r in routing.rows)
@@ -298,14 +299,14 @@ def dispatch_gpu(
 ) -> MoeDispatch:
     """The fused kernel (kernels/moe_dispatch_gemm.cu), one launch: every rank of an emulated
     world, or this process's rank of a distributed one. The host learns the rows per rank once
-    (emulated: a bincount of every rank's ids on the device; distributed: an all-gather of each
-    rank's counts, rows_per_rank), the one synchronize of the call, to size y / src and return
-    each rank's rows; the kernel's layout phase computes the same counts, the offsets, src and
-    every task on the device."""
+    (emulated: check_ids' one read of every rank's id check and counts; distributed: an
+    all-gather of each rank's, rows_per_rank), the one synchronize of the call, to size y / src
+    and return each rank's rows; the kernel's layout phase computes the same counts, the
+    offsets, src and every task on the device."""
     emulated = world.emulated_world
     check_capture(SPEC.name, world)
     try:
-        world, schedule, s, ids, plan = checked(x, topk_ids, w1, world, schedule)
+        world, schedule, s, ids, plan, counts = checked(x, topk_ids, w1, world, schedule)
     except (TypeError, ValueError):
         graph = isinstance(topk_ids, torch.Tensor) and capturing(topk_ids)
         if not emulated and not graph:
@@ -320,9 +321,8 @@ def dispatch_gpu(
     captured = capturing(ids)
     if captured:  # no host read: the results hold the worst case's rows (MoeDispatch.captured)
         per_rank = [plan.sizes["max_rows"]] * W
-    elif emulated:
-        used = ids[ids >= 0].long()
-        per_rank = torch.bincount(used // E, minlength=W).tolist()  # NOTE: the host synchronize
+    elif emulated:  # check_ids' one host read: every source's slots to each rank
+        per_rank = [sum(col) for col in zip(*counts, strict=True)]
     else:
         per_rank = rows_per_rank(world, ids, E)  # NOTE: the host synchronize (and a collective)
     ranks = list(range(W)) if emulated else [world.rank]  # this process's
@@ -330,7 +330,7 @@ def dispatch_gpu(
     rows = max(1, *(per_rank[d] for d in ranks))
     dev = x.device
     out = {
-        "y": torch.full((n, rows, N), float("nan"), dtype=torch.bfloat16, device=dev),  # poisoned
+        "y": common.result_buffer((n, rows, N), torch.bfloat16, dev),
         # workspace, every row written before it is read: not poisoned (a write of every row)
         "expanded": torch.empty((n, rows, H), dtype=torch.bfloat16, device=dev),
         "src": torch.full((n, rows, 3), -1, dtype=torch.int32, device=dev),

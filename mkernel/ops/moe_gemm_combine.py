@@ -242,8 +242,8 @@ def prepare(
             "w2": w2.view(W, E * N, H),
             "src": stacked(dispatch.src, rows),
             "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
-            "out": torch.full((W, T, H), float("nan"), dtype=torch.bfloat16, device=dev),
-            "partial": torch.full((W, rows, H), float("nan"), dtype=torch.float32, device=dev),
+            "out": common.result_buffer((W, T, H), torch.bfloat16, dev),
+            "partial": common.result_buffer((W, rows, H), torch.float32, dev),
         }
     else:  # this rank's tensors (at least one row: the engine's TMA maps need one)
         hd = h if isinstance(h, torch.Tensor) else h[0]
@@ -253,11 +253,11 @@ def prepare(
             "w2": w2.view(E * N, H),
             "src": stacked([dispatch.src[0]], rows, -1)[0],
             "expert_offsets": dispatch.expert_offsets[0].view(1, E + 1),
-            "out": torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev),
+            "out": common.result_buffer((T, H), torch.bfloat16, dev),
             "partial": torch.empty((1, H), dtype=torch.float32, device=dev),  # partial_peers'
         }
-    # poisoned: out and partial rows nobody writes show as NaN; run_cpu / run_gpu add the
-    # workspace (partial_peers among it in a distributed world)
+    # out and partial: NaN where poisoned (result_buffer), so rows nobody writes show; run_cpu /
+    # run_gpu add the workspace (partial_peers among it in a distributed world)
     buffers["topk_weights"] = topk_weights
     return world, schedule, plan, buffers
 

@@ -456,9 +456,10 @@ def ring_attention(
     plan = common.cached_plan(module, schedule, world, **s)
     lead = (world.size,) if world.emulated_world else ()
     B, S, H, D = s["batch"], s["seq"], s["heads"], s["head_dim"]
-    # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
-    out = torch.full((*lead, B, S, H, D), float("nan"), dtype=torch.bfloat16, device=q.device)
-    lse = torch.full((*lead, B, H, S), float("nan"), dtype=torch.float32, device=q.device)
+    # NaN where poisoned (result_buffer): a tile the plan forgets shows (and the kernel end
+    # reports it unwritten)
+    out = common.result_buffer((*lead, B, S, H, D), torch.bfloat16, q.device)
+    lse = common.result_buffer((*lead, B, H, S), torch.float32, q.device)
     if world.on_gpu:  # the fused kernel (kernels/ring_attention.cu), one launch
         common.run_gpu(world, plan, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
         return out, lse

@@ -508,11 +508,9 @@ def run(
     common.check_faults(schedule, world)
     s["scale_bits"] = fwd.scale_bits(scale)
     plan = common.cached_plan(module, schedule, world, **s)
-    # NaN poison: a tile the plan forgets shows (and the kernel end reports it unwritten)
-    dev = q.device
-    dq = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-    dk = torch.full(k.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-    dv = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+    # NaN where poisoned (result_buffer): a tile the plan forgets shows (and the kernel end
+    # reports it unwritten)
+    dq, dk, dv = (common.result_buffer(t.shape, torch.bfloat16, q.device) for t in (q, k, v))
     if world.on_gpu:  # the fused kernel (kernels/ring_attention_bwd.cu), one launch
         ins = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
         common.run_gpu(world, plan, ins | dict(dq=dq, dk=dk, dv=dv))
