@@ -618,3 +618,30 @@ def test_a_world_of_17_ranks():
 def test_make_plan_called_directly_with_the_default_schedule():
     out, lse, world, (q, k, v) = _run(3, 20, "contiguous", False, mkernel.Schedule())
     _assert_attention(out, lse, q, k, v, False, 1 / 8, "contiguous", "direct make_plan")
+
+
+def test_one_gpu_rank_with_the_default_schedule_takes_the_engines():
+    """ring_attention.solo_engine: one rank on a GPU and a Schedule with nothing to observe or
+    inject runs the attention engines (tests/gpu/test_ring_attention_bwd_fused_gpu.py checks the
+    results); more ranks, the CPU, or a schedule that traces, injects a fault or sets the SMs or
+    the overlap keeps the fused protocol."""
+    import types
+
+    from mkernel.ops.ring_attention import solo_engine
+
+    def gpu_world(size: int) -> mkernel.World:
+        w = mkernel.World(size=size, device=torch.device("cuda", 0), kind="emulated")
+        w._status = types.SimpleNamespace(error=False)  # the pinned status block needs CUDA
+        return w
+
+    assert solo_engine(gpu_world(1), mkernel.Schedule(seed=3))
+    keep = [
+        mkernel.Schedule(trace=True),
+        mkernel.Schedule(overlap="intra_sm"),
+        mkernel.Schedule(overlap="inter_sm", comm_sms=2),
+        mkernel.Schedule(sms=8),
+        mkernel.Schedule(faults=mkernel.Faults(delay_rank=0, delay_us=5)),
+    ]
+    assert not any(solo_engine(gpu_world(1), s) for s in keep)
+    assert not solo_engine(gpu_world(2), mkernel.Schedule())
+    assert not solo_engine(mkernel.World.emulated(1), mkernel.Schedule())  # the interpreter

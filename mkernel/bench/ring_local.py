@@ -3,9 +3,11 @@ cost against the attention engine's own launch and cuDNN, before any link is inv
 
 ``python3 -m mkernel.bench.ring_local``: B = 1, H = 32 (Hkv = 32), D = 128, bf16, global S in
 {8192} full and causal; rows:
-- ``W=1``: ``ring_attention`` in a one-rank emulated world (the fused kernel: the plan's chains on
-  the persistent template) against ``attention_ext.attention_forward`` (the engine, one launch,
-  its default schedule) and SDPA's cuDNN backend ([B, H, S, D] contiguous: its faster layout);
+- ``W=1``: ``ring_attention`` in a one-rank emulated world, as a user calls it (``ring_w1``: the
+  default Schedule runs the engine, ring_attention.solo_engine) and with the fused kernel
+  (``ring_w1_fused``: the plan's chains on the persistent template, Schedule(overlap=RING_OVERLAP),
+  the overlap the default schedule had picked) against ``attention_ext.attention_forward`` (the
+  engine, one launch) and SDPA's cuDNN backend ([B, H, S, D] contiguous: its faster layout);
 - ``W=2``: an emulated world of two ranks sharing the GPU (66 SMs each; S_local = S / 2;
   contiguous when full, zigzag when causal), the K/V block pushed through local memory, for both
   overlaps: the same FLOPs as the W = 1 row, so ``vs_engine`` shows the ring's own cost.
@@ -22,6 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention
+from ..cost import RING_OVERLAP
 from ..schedule import Schedule
 from .attention import _bhsd, _event_ms
 from .timing import save, table
@@ -40,7 +43,11 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
         "cudnn": lambda: _bhsd(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
     }
     w1, w2 = World.emulated(1, device="cuda"), World.emulated(2, device="cuda")
+    fused = Schedule(overlap=RING_OVERLAP)  # the fused kernel at W = 1 (not solo_engine)
     one = dict(base, ring_w1=lambda: ring_attention(q[None], k[None], v[None], w1, causal))
+    one["ring_w1_fused"] = lambda: ring_attention(
+        q[None], k[None], v[None], w1, causal, None, "contiguous", fused
+    )
     layout = "zigzag" if causal else "contiguous"
     ranks = rank_rows((q, k, v), causal)
     two = dict(base)

@@ -6,7 +6,9 @@ S = 8192, full and causal; versions (``ring_local``'s rows, backward):
 - ``engine``: ``attention_ext.attention_backward`` as ``mkernel/bench/attention_bwd.py`` calls it
   (its prep kernel, the backward kernel, dq's fp32 -> bf16);
 - ``cudnn``: ``torch.autograd.grad`` through SDPA's cuDNN backend on [B, H, S, D];
-- ``ring_w1``: ``ring_attention_backward`` in a one-rank emulated world (the fused kernel);
+- ``ring_w1``: ``ring_attention_backward`` in a one-rank emulated world as a user calls it (the
+  default Schedule runs the backward engine, ring_attention.solo_engine); ``ring_w1_fused``: the
+  fused kernel there (Schedule(overlap=RING_OVERLAP), the default schedule's former pick);
 - ``ring_w2_<overlap>``: an emulated world of two ranks sharing the GPU (S_local = S / 2;
   contiguous when full, zigzag when causal): the same FLOPs, so ``vs_engine`` shows the ring's
   own cost (K/V sends, fp32 dK/dV partials, prep, dq and finish tails).
@@ -30,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention, ring_attention_backward
+from ..cost import RING_OVERLAP
 from ..ops import ring_attention as ra
 from ..ops import ring_attention_backward as rb
 from ..schedule import Schedule
@@ -51,8 +54,11 @@ def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]
     }
     w1, w2 = World.emulated(1, device="cuda"), World.emulated(2, device="cuda")
     one = dict(base)
-    one["ring_w1"] = lambda: ring_attention_backward(
-        dout[None], q[None], k[None], v[None], out[None], lse[None], w1, causal
+    ones = dout[None], q[None], k[None], v[None], out[None], lse[None]
+    one["ring_w1"] = lambda: ring_attention_backward(*ones, w1, causal)
+    fused = Schedule(overlap=RING_OVERLAP)  # the fused kernel at W = 1 (not solo_engine)
+    one["ring_w1_fused"] = lambda: ring_attention_backward(
+        *ones, w1, causal, None, "contiguous", fused
     )
     layout = "zigzag" if causal else "contiguous"
     rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)

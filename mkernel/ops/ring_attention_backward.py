@@ -469,7 +469,9 @@ def ring_attention_backward(
         before anything runs; CommTimeout if a wait passes the world's deadline (asynchronous on
         GPUs: raised by the next call or ``world.check()``). In an emulated GPU world: one launch
         of the fused kernel (kernels/ring_attention_backward.cu), in a distributed one too (this
-        rank's tensors, no rank dimension; every rank calls with the same shapes).
+        rank's tensors, no rank dimension; every rank calls with the same shapes). One rank with
+        a schedule that sets nothing but the seed: the backward engine's own launches
+        (``ring_attention.solo_engine``).
     """
     return run(dout, q, k, v, out, lse, world, causal, scale, layout, schedule, None)
 
@@ -496,9 +498,7 @@ def run(
     schedule = common.check_schedule(schedule)
     s = shapes(dout, q, k, v, out, lse, world, causal, layout)
     scale = fwd.check_scale(scale, s["head_dim"])
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
-    else:  # lse is checked: per rank [B, Hq, S_local] after the emulated world's rank dimension
+    if dlse is not None:  # lse is checked: per rank [B, Hq, S_local] after a rank dimension
         check_lse("dlse", dlse, world, tuple(lse.shape[1 if world.emulated_world else 0 :]))
     if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_KV_TILE):
         raise ValueError(
@@ -506,6 +506,15 @@ def run(
             f"{ENGINE_KV_TILE} rows (leave it None)"
         )
     common.check_faults(schedule, world)
+    if fwd.solo_engine(world, schedule):  # one rank: the backward engine (three launches)
+        from .. import attention_ext  # NOTE: on first use (attention_ext imports the registry)
+
+        ops = (fwd.solo(t, world) for t in (dout, q, k, v, out, lse))
+        dl = None if dlse is None else fwd.solo(dlse, world)
+        grads = attention_ext.attention_backward(*ops, causal, scale, dlse=dl)
+        return tuple(g[None] for g in grads) if world.emulated_world else grads
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
     s["scale_bits"] = fwd.scale_bits(scale)
     plan = common.cached_plan(module, schedule, world, **s)
     # NaN where poisoned (result_buffer): a tile the plan forgets shows (and the kernel end

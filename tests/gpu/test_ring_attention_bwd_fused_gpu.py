@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mkernel
+from mkernel import attention_ext
 from tests.helpers import assert_pads_zero, assert_within
 from tests.test_ring_attention_backward import _assert_grads, _exact, _inputs
 
@@ -47,6 +48,33 @@ def _run(W, B, S, heads, D, causal, layout, overlap, seed, scale=None, sms=None,
     _assert_grads(got, q, k, v, dout, out.cpu(), lse.cpu(), causal, s, layout, what, p_bf16=True)
     _assert_workspace_zero(world)
     return world
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("S", "heads", "D"), [(130, (4, 2), 64), (77, (2, 2), 128)])
+def test_one_rank_with_the_default_schedule_runs_the_engines(S, heads, D, layout, causal):
+    """W = 1 and the default Schedule (ring_attention.solo_engine): no K/V block travels, so the
+    forward, the backward and autograd are the attention engines' own launches. Within the
+    formula; no plan built; out, lse, dk, dv bit for bit the engines' (dq is summed by fp32
+    reduce-adds in arrival order: within the formula only); a Schedule that sets the overlap
+    keeps the fused kernel (the tests above)."""
+    world = _run(1, 1, S, heads, D, causal, layout, None, seed=S + D)  # against the formula
+    assert not world._plans, "the fused kernel's plan was built"
+    q, k, v, dout = (x.cuda() for x in _inputs(1, 1, S, *heads, D=D, seed=S))
+    out, lse = mkernel.ring_attention(q, k, v, world, causal, None, layout)
+    o1, l1 = mkernel.attention(q[0], k[0], v[0], causal)
+    assert torch.equal(out[0], o1) and torch.equal(lse[0], l1)
+    got = mkernel.ring_attention_backward(dout, q, k, v, out, lse, world, causal, None, layout)
+    want = attention_ext.attention_backward(dout[0], q[0], k[0], v[0], o1, l1, causal)
+    assert all(g.shape == q.shape[:1] + w.shape for g, w in zip(got, want, strict=True))
+    assert torch.equal(got[1][0], want[1]) and torch.equal(got[2][0], want[2])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o2, _ = mkernel.ring_attention(*leaves, world, causal, None, layout)
+    o2.backward(dout)
+    assert torch.equal(leaves[1].grad, got[1]) and torch.equal(leaves[2].grad, got[2])
+    torch.testing.assert_close(leaves[0].grad.float(), got[0].float(), atol=1e-2, rtol=1e-2)
+    assert not world._plans
 
 
 @pytest.mark.parametrize("overlap", OVERLAPS)
