@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -625,8 +626,6 @@ def test_one_gpu_rank_with_the_default_schedule_takes_the_engines():
     inject runs the attention engines (tests/gpu/test_ring_attention_bwd_fused_gpu.py checks the
     results); more ranks, the CPU, or a schedule that traces, injects a fault or sets the SMs or
     the overlap keeps the fused protocol."""
-    import types
-
     from mkernel.ops.ring_attention import solo_engine
 
     def gpu_world(size: int) -> mkernel.World:
@@ -645,3 +644,30 @@ def test_one_gpu_rank_with_the_default_schedule_takes_the_engines():
     assert not any(solo_engine(gpu_world(1), s) for s in keep)
     assert not solo_engine(gpu_world(2), mkernel.Schedule())
     assert not solo_engine(mkernel.World.emulated(1), mkernel.Schedule())  # the interpreter
+
+
+def test_engine_launches_take_the_raw_stream_when_the_device_is_current(monkeypatch):
+    """attention_ext._enqueue: on the current device a launcher gets torch's raw current stream
+    (no device switch, no Stream object); on another device it runs inside that device's context
+    with that device's current stream."""
+    import contextlib
+
+    from mkernel import attention_ext
+
+    switched: list[int] = []
+
+    @contextlib.contextmanager
+    def device(d):
+        switched.append(torch.device(d).index)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=7))
+    launch = lambda args, stream: (args, stream)  # noqa: E731
+    assert attention_ext._enqueue(launch, "a", torch.device("cuda", 0)) == ("a", 1000)
+    assert attention_ext._enqueue(launch, "a", torch.device("cuda")) == ("a", 1000)
+    assert switched == []
+    assert attention_ext._enqueue(launch, "b", torch.device("cuda", 1)) == ("b", 7)
+    assert switched == [1]
