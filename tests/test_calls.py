@@ -64,3 +64,43 @@ def test_a_plan_is_cached_per_schedule_setting(name):
         plan = sched.plan("ag_gemm", world, m=2 * 64, n=256, k=16)
         seen.append(shown(plan))
     assert seen[0] != seen[1] and seen[0] == seen[2], f"{name}: plans show {seen}"
+
+
+def test_a_call_on_a_world_of_another_gpu_launches_with_that_gpu_current(monkeypatch):
+    """gpu.run_gpu: a kernel launches into the current device's context, so a world on another
+    GPU than the current one makes that GPU current for the call (and only then: on the current
+    device nothing is switched)."""
+    import contextlib
+
+    import torch
+
+    from mkernel.ops import gpu
+
+    current = [0]
+    seen: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d).index
+        seen.append(("switch", current[0]))
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class Reached(Exception):
+        pass
+
+    def status_block(world):  # the first thing a launch does once on the right device
+        seen.append(("launch", current[0]))
+        raise Reached
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(gpu, "status_block", status_block)
+    for index in (1, 0):
+        world = mkernel.World(size=2, device=torch.device("cuda", index), kind="emulated")
+        with pytest.raises(Reached):
+            gpu.run_gpu(world, None, {})
+    assert seen == [("switch", 1), ("launch", 1), ("launch", 0)]
+    assert current[0] == 0  # switched back after the call

@@ -384,6 +384,9 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     and returns. A timeout left by an earlier launch on this world is raised first. With
     ``world.sync_checks`` (or a trace) it waits for the kernel and raises its timeout at once.
     Inside CUDA-graph capture nothing waits."""
+    if world.device.index != torch.cuda.current_device():  # kernels launch into the current
+        with torch.cuda.device(world.device):  # device's context: a world on another GPU
+            return run_gpu(world, plan, operands)
     status = status_block(world)
     if status.error:
         raise_timeout(world, status)
