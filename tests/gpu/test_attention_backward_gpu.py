@@ -58,8 +58,9 @@ def test_ring_attention_backward_in_emulated_worlds(W, layout, causal):
     _assert_grads(got, q, k, v, dout, out.cpu(), lse.cpu(), causal, 0.3, layout, what, p_bf16=True)
 
 
-def test_ring_autograd_with_the_gradient_of_lse_d128():
-    W, layout = 3, "zigzag"
+@pytest.mark.parametrize("W", [1, 3])  # 1: the engines alone (ring_attention.solo_engine)
+def test_ring_autograd_with_the_gradient_of_lse_d128(W):
+    layout = "zigzag"
     world = mkernel.World.emulated(W, device="cuda")
     q, k, v, dout = _inputs(W, 2, 96, 4, 1, D=128, seed=11)
     dlse = torch.randn(W, 2, 4, 96, generator=torch.Generator().manual_seed(2))
