@@ -33,13 +33,13 @@ world.check()
 plan = mkernel.Schedule().plan("gemm_rs", world, a, b)
 rec = gpu._record(world, plan, {"a": a, "b": b, "out": out}, 1)
 launch = gpu.extension().launch_gemm_rs
-stream = gpu._current_stream(world)
+stream = gpu.stream_handle(world.device.index)
 rows = {
     "matmul": per_call_us(lambda: torch.matmul(a[0], b[0])),
     "gemm_rs (whole call, out given)": per_call_us(lambda: mkernel.gemm_rs(a, b, world, out=out)),
     "C++ launcher on a prebuilt record": per_call_us(lambda: launch(rec.buffer_info()[0], stream)),
     "record only": per_call_us(lambda: gpu._record(world, plan, {"a": a, "b": b, "out": out}, 1)),
-    "current stream": per_call_us(lambda: gpu._current_stream(world)),
+    "current stream": per_call_us(lambda: gpu.stream_handle(world.device.index)),
 }
 plan.extra["_launch"] = lambda r, s: 0  # the Python path with a no-op launcher
 rows["gemm_rs, launcher stubbed"] = per_call_us(lambda: mkernel.gemm_rs(a, b, world, out=out))

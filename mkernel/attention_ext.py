@@ -13,6 +13,7 @@ import math
 import torch
 
 from . import jit
+from .ops.gpu import stream_handle
 
 __all__ = [
     "SPEC",
@@ -270,12 +271,11 @@ def _enqueue(launch, args, device: torch.device) -> int:
     device (a kernel launches into the current context). torch's device switch and its Stream
     object took ~40 us of host time per call (profiled on the H200: half of a forward's host
     time), so both are skipped when the device is already the current one."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None and index == torch.cuda.current_device():
-        return launch(args, raw(index))
+    current = torch.cuda.current_device()
+    if device.index is None or device.index == current:
+        return launch(args, stream_handle(current))
     with torch.cuda.device(device):
-        return launch(args, torch.cuda.current_stream().cuda_stream)
+        return launch(args, stream_handle(device.index))
 
 
 def _launch(ext, name: str, args, device: torch.device) -> None:

@@ -649,7 +649,7 @@ def test_one_gpu_rank_with_the_default_schedule_takes_the_engines():
 def test_engine_launches_take_the_raw_stream_when_the_device_is_current(monkeypatch):
     """attention_ext._enqueue: on the current device a launcher gets torch's raw current stream
     (no device switch, no Stream object); on another device it runs inside that device's context
-    with that device's current stream."""
+    with that device's current stream (gpu.stream_handle of its index)."""
     import contextlib
 
     from mkernel import attention_ext
@@ -664,10 +664,9 @@ def test_engine_launches_take_the_raw_stream_when_the_device_is_current(monkeypa
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=7))
     launch = lambda args, stream: (args, stream)  # noqa: E731
     assert attention_ext._enqueue(launch, "a", torch.device("cuda", 0)) == ("a", 1000)
     assert attention_ext._enqueue(launch, "a", torch.device("cuda")) == ("a", 1000)
     assert switched == []
-    assert attention_ext._enqueue(launch, "b", torch.device("cuda", 1)) == ("b", 7)
+    assert attention_ext._enqueue(launch, "b", torch.device("cuda", 1)) == ("b", 1001)
     assert switched == [1]

@@ -370,13 +370,14 @@ def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch:
     return rec
 
 
-def _current_stream(world: World) -> int:
-    """The current stream's handle on the world's device (torch's raw accessor when it has one: a
-    fraction of a microsecond instead of building a Stream object)."""
+def stream_handle(index: int) -> int:
+    """The current stream's handle on CUDA device ``index`` (torch's raw accessor when it has
+    one: a fraction of a microsecond instead of building a Stream object)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(world.device.index)
-    return torch.cuda.current_stream(world.device).cuda_stream
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
 
 
 def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None:
@@ -392,7 +393,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
-    stream = _current_stream(world)
+    stream = stream_handle(world.device.index)
     tracked = plan.nodes > 1 and world.emulated_world and before_nodes_launch(world, plan, stream)
     launch = plan.extra.get("_launch")
     if launch is None:
