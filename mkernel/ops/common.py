@@ -18,7 +18,13 @@ from ..protocol import (
 )
 from ..schedule import Plan, Schedule, resolve
 from ..world import SymBuffer, World
-from .gpu import extension, raise_timeout, run_gpu, status_block  # noqa: F401 (the GPU path)
+from .gpu import (  # noqa: F401 (the GPU path)
+    extension,
+    raise_pending,
+    raise_timeout,
+    run_gpu,
+    status_block,
+)
 
 ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pairs / quads
 

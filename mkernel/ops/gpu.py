@@ -379,7 +379,6 @@ def stream_handle(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-
 def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None:
     """Enqueues the op's kernel on the current stream with these operands (by the spec's names)
     and returns. A timeout left by an earlier launch on this world is raised first. With
@@ -388,9 +387,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     if world.device.index != torch.cuda.current_device():  # kernels launch into the current
         with torch.cuda.device(world.device):  # device's context: a world on another GPU
             return run_gpu(world, plan, operands)
-    status = status_block(world)
-    if status.error:
-        raise_timeout(world, status)
+    status = raise_pending(world)
     watch(world)
     rec = _record(world, plan, operands, status.launched(plan))
     stream = stream_handle(world.device.index)
@@ -411,6 +408,15 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
         if trace is not None:
             world.last_timeline = gpu_timeline(world, *trace)
+
+
+def raise_pending(world: World) -> StatusBlock:
+    """The world's status block, once a timeout an earlier launch left on it is raised: what
+    every launch on the world does first."""
+    status = status_block(world)
+    if status.error:
+        raise_timeout(world, status)
+    return status
 
 
 def filled_task_ids(plan: Plan, world: World, role: str, rank: int) -> list[int]:

@@ -515,9 +515,7 @@ def solo_engine(world: World, schedule: Schedule) -> bool:
         return False
     if schedule.overlap is not None or schedule.comm_sms is not None:
         return False
-    status = common.status_block(world)
-    if status.error:
-        common.raise_timeout(world, status)
+    common.raise_pending(world)
     return True
 
 
