@@ -175,13 +175,11 @@ def check_faults(schedule: Schedule, world: World) -> None:
 
 
 def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
-    """The result tensor: the caller's ``out`` (checked) or a new one, poisoned with NaN on the CPU
-    so that an unwritten tile shows."""
+    """The result tensor: the caller's ``out`` (checked) or a new one (``result_buffer``: NaN on
+    the CPU and under MKERNEL_POISON=1, so that an unwritten tile shows)."""
     full = (world.size, *shape) if world.emulated_world else shape
     if out is None:
-        if world.on_gpu:
-            return torch.empty(full, dtype=torch.bfloat16, device=world.device)
-        return torch.full(full, float("nan"), dtype=torch.bfloat16)
+        return result_buffer(full, torch.bfloat16, world.device)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out.dtype != torch.bfloat16 or tuple(out.shape) != full:
