@@ -117,8 +117,8 @@ const char* attention_bwd_status_string(int s) {
     case kAttnBwdBadHeadDim: return "head dim D must be 64 or 128";
     case kAttnBwdBadHeads: return "Hq must be a multiple of Hkv";
     case kAttnBwdBadPointer:
-      return "q, k, v, dout, dq (and rows for variant 0) must be non-null and 16-byte "
-             "aligned, lse and delta 4-byte, dk and dv 16-byte (bf16) or 8-byte (fp32)";
+      return "q, k, v, dout, dq (and rows for variant 0) must be non-null and 16-byte aligned, lse "
+             "and delta 4-byte, dk and dv 16-byte (bf16) or 8-byte (fp32)";
     case kAttnBwdBadScale: return "scale must be finite and > 0";
     case kAttnBwdBadFlag:
       return "causal, kv_f32, kv_accumulate must be 0 or 1, and kv_accumulate needs kv_f32";

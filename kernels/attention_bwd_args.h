@@ -47,7 +47,7 @@ enum AttentionBwdStatus : int {
   kAttnBwdBadShape = 1,      // a size < 1, or B * Hkv * kv tiles beyond 2^31
   kAttnBwdBadHeadDim = 2,    // D not in {64, 128}
   kAttnBwdBadHeads = 3,      // Hq % Hkv != 0
-  kAttnBwdBadPointer = 4,    // a pointer null or misaligned (rows: variants 0 and 2)
+  kAttnBwdBadPointer = 4,    // a pointer null or misaligned (rows: variant 0 only)
   kAttnBwdBadScale = 5,      // scale not finite or <= 0
   kAttnBwdBadFlag = 6,       // a flag not 0 / 1, accumulate on bf16, variant / probe unknown
   kAttnBwdTensorMap = 7,     // cuTensorMapEncodeTiled unavailable or failed

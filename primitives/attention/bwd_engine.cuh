@@ -482,13 +482,21 @@ struct AttnBwdEngine {
         // dK's MMAs first: they keep the tensor cores busy through the wait for the other
         // warpgroup's half of dS^T
         wgmma_fence();
-        mma_dk(dk, dsp, q_st);
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
+          WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
+                          desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
         wgmma_commit();
         if constexpr (Cfg::PROBE != 1) {
           fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
           named_barrier_sync(kBarDS, 128 * Cfg::CONSUMERS);
+          const uint32_t ds_u32 = smem_u32(ds);
           wgmma_fence();
-          mma_dq(dq, smem_u32(ds), k_cols);
+#pragma unroll
+          for (int kk = 0; kk < BKV / 16; ++kk)  // dQ[:, cols of wg] = dS K
+            WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds_u32 + kk * 16 * 128, Map::kDSBytes),
+                                 desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes),
+                                 kk > 0);
           wgmma_commit();
         }
         wgmma_wait<0>();
@@ -519,27 +527,6 @@ struct AttnBwdEngine {
       f(g, i + 1);
     else if (g + 1 < p.group)
       f(g + 1, w.q_begin);
-  }
-
-  // dK += dS^T Q: dS^T from registers (RS), Q of the stage MN-major.
-  __device__ static __forceinline__ void mma_dk(float (&dk)[kKVRegs], const uint32_t (&dsp)[kPRegs],
-                                                uint32_t q_st) {
-    using namespace gemm;
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
-                      desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
-  }
-
-  // dQ[:, this warpgroup's columns] = dS K: both operands MN-major from shared memory (WgmmaTT),
-  // dS^T from the swizzled [BKV][64] tile at ds, K's columns at k_cols.
-  __device__ static __forceinline__ void mma_dq(float (&dq)[kQCols / 2], uint32_t ds,
-                                                uint32_t k_cols) {
-    using namespace gemm;
-#pragma unroll
-    for (int kk = 0; kk < BKV / 16; ++kk)
-      WgmmaTT<kQCols>::mma(dq, desc_mn_major_sw128(ds + kk * 16 * 128, Map::kDSBytes),
-                           desc_mn_major_sw128(k_cols + kk * 16 * 128, Map::kKVChunkBytes), kk > 0);
   }
 
   // acc = A_wg B^T over D: both operands K-major in 128-byte swizzled chunks (S^T from K and Q,
