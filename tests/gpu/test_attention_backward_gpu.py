@@ -149,8 +149,7 @@ def test_prep_kernel_packs_the_rows_that_rows_of_makes(S):
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_variant_1_agrees_with_variant_0(D, causal):
-    """Variant 1 loads and stages the lse / delta rows by every lane."""
+def test_variant_1_lanes_stage_rows_agrees_with_variant_0(D, causal):
     q, k, v, dout = (x[0].cuda() for x in _inputs(1, 2, 333, 4, 2, D=D, seed=D + causal))
     out, lse = attention_ext.attention_forward(q, k, v, causal)
     want = attention_ext.attention_backward(dout, q, k, v, out, lse, causal)
