@@ -452,10 +452,7 @@ struct AttnBwdEngine {
         }
         pack_rows(s, pp);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)  // dV += P^T dO
-          WgmmaRS<D>::mma(dv, pp[4 * kk], pp[4 * kk + 1], pp[4 * kk + 2], pp[4 * kk + 3],
-                          desc_mn_major_sw128(do_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+        mma_rs(dv, pp, do_st);  // dV += P^T dO
         wgmma_commit();
 
         wgmma_wait<1>();  // dP^T done (dV still running)
@@ -482,10 +479,7 @@ struct AttnBwdEngine {
         // dK's MMAs first: they keep the tensor cores busy through the wait for the other
         // warpgroup's half of dS^T
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)  // dK += dS^T Q
-          WgmmaRS<D>::mma(dk, dsp[4 * kk], dsp[4 * kk + 1], dsp[4 * kk + 2], dsp[4 * kk + 3],
-                          desc_mn_major_sw128(q_st + kk * 16 * 128, Map::kQChunkBytes), 1u);
+        mma_rs(dk, dsp, q_st);  // dK += dS^T Q
         wgmma_commit();
         if constexpr (Cfg::PROBE != 1) {
           fence_proxy_async_smem();  // the dS^T stores, before wgmma reads them (async proxy)
@@ -527,6 +521,17 @@ struct AttnBwdEngine {
       f(g, i + 1);
     else if (g + 1 < p.group)
       f(g + 1, w.q_begin);
+  }
+
+  // acc += A B over a step's BQ query rows: A (P^T or dS^T) from registers as bf16 pairs (RS),
+  // B (dO or Q) the stage's tile, MN-major.
+  __device__ static __forceinline__ void mma_rs(float (&acc)[kKVRegs], const uint32_t (&a)[kPRegs],
+                                                uint32_t b) {
+    using namespace gemm;
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      WgmmaRS<D>::mma(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
+                      desc_mn_major_sw128(b + kk * 16 * 128, Map::kQChunkBytes), 1u);
   }
 
   // acc = A_wg B^T over D: both operands K-major in 128-byte swizzled chunks (S^T from K and Q,
