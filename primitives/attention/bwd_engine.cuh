@@ -88,7 +88,8 @@ struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
   // dO (half the per-step L2 reads: whether they limit the kernel), 4 stages dQ but issues no
-  // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there)
+  // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there), 6
+  // makes every warp wait at dQ's staging barrier (the form before 2026-12-02)
   static constexpr int PROBE = PROBE_;
   // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
   // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
@@ -434,21 +435,31 @@ struct AttnBwdEngine {
         mma_kk(dp, v_wg, do_st);  // dP^T = V_wg dO^T
         wgmma_commit();
 
+        // this thread's columns' lse2 (8j + 2 q4 + e), read while the MMAs run
+        float2 col_lse2[kSRegs / 4];
+#pragma unroll
+        for (int j = 0; j < kSRegs / 4; ++j)
+          col_lse2[j] = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * q4);
+
         wgmma_wait<1>();  // S^T done
         fence_operands(s);
-        const bool masked = kv_clipped || (w.causal && kv_row0 + 63 > q0);
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int col = 8 * j + 2 * q4 + (e & 1);
-            float x = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -lse2[col]));
-            if (masked) {
-              const int kv = kv_row0 + row_wg + 8 * (e >> 1);
-              if (kv >= p.S_kv || (w.causal && kv > q0 + col)) x = 0.f;
-            }
-            s[4 * j + e] = x;
+            const float l = (e & 1) ? col_lse2[j].y : col_lse2[j].x;
+            s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -l));
           }
+        }
+        // key kv > S_kv or (causal) kv > query q0 + col: P = 0, i.e. col < kv - q0
+        if (kv_clipped || (w.causal && kv_row0 + 63 > q0)) {
+          int lo[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int kv = kv_row0 + row_wg + 8 * h;
+            lo[h] = kv >= p.S_kv ? BQ : w.causal ? kv - q0 : 0;
+          }
+          zero_columns_below(s, q4, lo);
         }
         pack_rows(s, pp);
         wgmma_fence();
@@ -576,7 +587,9 @@ struct AttnBwdEngine {
     using namespace gemm;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;
-    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
+    // The previous step's reduce has read the tile. (Warps 1-3 only arrived on this barrier at
+    // the end of that step; the dS^T barrier since keeps them from reaching it twice.)
+    if (lt == 0) bulk_wait_read();
     named_barrier_sync(kBarDQ0 + wg, 128);
     // 8-column group j: chunk j / 4, 16-byte unit below (probe 5: none stored)
 #pragma unroll
@@ -591,7 +604,12 @@ struct AttnBwdEngine {
       }
     }
     fence_proxy_async_smem();
-    named_barrier_sync(kBarDQ0 + wg, 128);
+    // only the issuing warp waits for the tile to be whole; the others go on to the next step
+    if (lt >= 32 && Cfg::PROBE != 6) {
+      named_barrier_arrive_unaligned(kBarDQ0 + wg, 128);
+      return;
+    }
+    named_barrier_sync_unaligned(kBarDQ0 + wg, 128);
     if (lt == 0 && Cfg::PROBE != 4) {
 #pragma unroll
       for (int c = 0; c < kQCols / 32; ++c)

@@ -46,6 +46,21 @@ __device__ __forceinline__ void mask_columns(float (&s)[R], int q, const int (&l
   }
 }
 
+// Sets s to 0 where column < lo[half] (the backward's transposed tiles: rows are keys, columns
+// queries). Selects, no branches: the caller branches once per tile on whether any is masked (a
+// branch per element, as a guarded `if` compiles, cost ~17% of the backward's warp time).
+template <int R>
+__device__ __forceinline__ void zero_columns_below(float (&s)[R], int q, const int (&lo)[2]) {
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 8 * j + 2 * q + (e & 1);
+      s[4 * j + e] = col < lo[e >> 1] ? 0.f : s[4 * j + e];
+    }
+  }
+}
+
 struct OnlineSoftmax {
   float m[2];  // running row maximum of the RAW scores (unscaled), per row half
   float l[2];  // per-thread partial row sum of exp2(s*c - m*c)
