@@ -89,7 +89,8 @@ struct AttnBwdConfig {
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
   // dO (half the per-step L2 reads: whether they limit the kernel), 4 stages dQ but issues no
   // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there), 6
-  // makes every warp wait at dQ's staging barrier (the form before 2026-12-02)
+  // fetches the next step's rows before the step's first MMAs, 7 reads delta after dP^T's wait (the
+  // forms before 2026-12-02)
   static constexpr int PROBE = PROBE_;
   // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
   // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
@@ -406,11 +407,7 @@ struct AttnBwdEngine {
           // order, then __syncwarp) before lane 0 rewrites it with the next step's
           const int buf = step & 1;
           __syncwarp();
-          if (lane == 0) {
-            with_next(p, w, g, i, [&](int ng, int ni) {
-              fetch_rows(p, w, ng, ni, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
-            });
-          }
+          if (Cfg::PROBE == 6 && lane == 0) fetch_next_rows(p, w, g, i, rows, rows_full, buf ^ 1);
           mbar_wait(&rows_full[buf], (step >> 1) & 1);
           lse2 = rows + buf * 2 * BQ;
         } else {
@@ -434,6 +431,10 @@ struct AttnBwdEngine {
         wgmma_commit();
         mma_kk(dp, v_wg, do_st);  // dP^T = V_wg dO^T
         wgmma_commit();
+        // lane 0 issues the next step's row fetch while the MMAs run (issuing it before them
+        // stalled the warp for ~4% of its time: probe 6)
+        if (Cfg::TMA_ROWS && Cfg::PROBE != 6 && lane == 0)
+          fetch_next_rows(p, w, g, i, rows, rows_full, (step & 1) ^ 1);
 
         // this thread's columns' lse2 (8j + 2 q4 + e), read while the MMAs run
         float2 col_lse2[kSRegs / 4];
@@ -466,14 +467,22 @@ struct AttnBwdEngine {
         mma_rs(dv, pp, do_st);  // dV += P^T dO
         wgmma_commit();
 
+        float2 col_delta[kSRegs / 4];  // as col_lse2, read while dP^T finishes
+        if constexpr (Cfg::PROBE != 7)
+#pragma unroll
+          for (int j = 0; j < kSRegs / 4; ++j)
+            col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
+
         wgmma_wait<1>();  // dP^T done (dV still running)
         fence_operands(dp);
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
+          if constexpr (Cfg::PROBE == 7)
+            col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int col = 8 * j + 2 * q4 + (e & 1);
-            dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - delta[col]) * p.scale;
+            const float d = (e & 1) ? col_delta[j].y : col_delta[j].x;
+            dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d) * p.scale;
           }
         }
         pack_rows(dp, dsp);
@@ -557,6 +566,15 @@ struct AttnBwdEngine {
     }
   }
 
+  // TMA_ROWS, one lane: the rows of the step after (g, i), if any, into the warp's buffer buf.
+  __device__ static __forceinline__ void fetch_next_rows(const AttnBwdParams& p, const Work& w,
+                                                         int g, int i, float* rows,
+                                                         uint64_t* rows_full, int buf) {
+    with_next(p, w, g, i, [&](int ng, int ni) {
+      fetch_rows(p, w, ng, ni, rows + buf * 2 * BQ, rows_full + buf);
+    });
+  }
+
   // TMA_ROWS, one lane: q tile i of group head g's packed rows (lse2, delta) -> dst, landing on bar.
   __device__ static void fetch_rows(const AttnBwdParams& p, const Work& w, int g, int i, float* dst,
                                     uint64_t* bar) {
@@ -587,9 +605,7 @@ struct AttnBwdEngine {
     using namespace gemm;
     const int lane = lt % 32, q4 = lane % 4;
     const int row_wg = 16 * (lt / 32) + lane / 4;
-    // The previous step's reduce has read the tile. (Warps 1-3 only arrived on this barrier at
-    // the end of that step; the dS^T barrier since keeps them from reaching it twice.)
-    if (lt == 0) bulk_wait_read();
+    if (lt == 0) bulk_wait_read();  // the previous step's reduce has read the tile
     named_barrier_sync(kBarDQ0 + wg, 128);
     // 8-column group j: chunk j / 4, 16-byte unit below (probe 5: none stored)
 #pragma unroll
@@ -604,12 +620,7 @@ struct AttnBwdEngine {
       }
     }
     fence_proxy_async_smem();
-    // only the issuing warp waits for the tile to be whole; the others go on to the next step
-    if (lt >= 32 && Cfg::PROBE != 6) {
-      named_barrier_arrive_unaligned(kBarDQ0 + wg, 128);
-      return;
-    }
-    named_barrier_sync_unaligned(kBarDQ0 + wg, 128);
+    named_barrier_sync(kBarDQ0 + wg, 128);
     if (lt == 0 && Cfg::PROBE != 4) {
 #pragma unroll
       for (int c = 0; c < kQCols / 32; ++c)
