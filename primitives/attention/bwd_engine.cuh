@@ -89,8 +89,8 @@ struct AttnBwdConfig {
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
   // dO (half the per-step L2 reads: whether they limit the kernel), 4 stages dQ but issues no
   // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there), 6
-  // fetches the next step's rows before the step's first MMAs, 7 reads delta after dP^T's wait (the
-  // forms before 2026-12-02)
+  // fetches the next step's rows before the step's first MMAs and reads delta after dP^T's wait, 7
+  // only the latter (the forms before 2026-12-02)
   static constexpr int PROBE = PROBE_;
   // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
   // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
@@ -468,7 +468,7 @@ struct AttnBwdEngine {
         wgmma_commit();
 
         float2 col_delta[kSRegs / 4];  // as col_lse2, read while dP^T finishes
-        if constexpr (Cfg::PROBE != 7)
+        if constexpr (Cfg::PROBE != 6 && Cfg::PROBE != 7)
 #pragma unroll
           for (int j = 0; j < kSRegs / 4; ++j)
             col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
@@ -477,7 +477,7 @@ struct AttnBwdEngine {
         fence_operands(dp);
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
-          if constexpr (Cfg::PROBE == 7)
+          if constexpr (Cfg::PROBE == 6 || Cfg::PROBE == 7)
             col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
