@@ -3,11 +3,9 @@
 ``python3 benchmarks/attention_bwd_probe.py [S ...]``: B=1, H=32, D=128, full and causal; times the
 kernel launch alone (``attention_backward_into``) with ``probe`` 0 (the real kernel), 2 (no dQ
 reduce-adds nor staging), 1 (no dQ at all: no barrier, MMA or reduce-adds), 3 (Q loaded alone and
-used as dO: half the per-step L2 reads), 4 (dQ staged, no reduce-add issued), 5 (reduce-adds
-issued from an unwritten staging tile), 6 (the next step's rows fetched before the step's MMAs, as
-before 2026-12-02) and 7 (delta read from shared memory after dP^T's wait, as before),
-interleaved in rounds, and prints TFLOP/s counting the full backward's 2.5x forward FLOPs in every
-row (so the rows compare times).
+used as dO: half the per-step L2 reads), 4 (dQ staged, no reduce-add issued) and 5 (reduce-adds
+issued from an unwritten staging tile), interleaved in rounds, and prints TFLOP/s counting the full
+backward's 2.5x forward FLOPs in every row (so the rows compare times).
 ``--ncu``: one real launch only (for ``ncu -k regex:attention_bwd -c 1``).
 """
 
@@ -36,16 +34,7 @@ def setup(S: int, causal: bool):
 
 
 # probe -> column (kernels/attention_bwd_args.h: what each probe leaves out)
-PROBES = {
-    0: "real",
-    6: "fetch_first",
-    7: "lds_delta",
-    2: "no_red",
-    1: "no_dq",
-    3: "half_loads",
-    4: "no_tma_red",
-    5: "no_stage",
-}
+PROBES = {0: "real", 2: "no_red", 1: "no_dq", 3: "half_loads", 4: "no_tma_red", 5: "no_stage"}
 
 
 def main(argv: list[str]) -> None:

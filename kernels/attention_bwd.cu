@@ -148,7 +148,7 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
   for (int f : {a.causal, a.kv_f32, a.kv_accumulate})
     if (f != 0 && f != 1) return kAttnBwdBadFlag;
   if (a.kv_accumulate && !a.kv_f32) return kAttnBwdBadFlag;
-  if (a.probe < 0 || a.probe > 7 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
+  if (a.probe < 0 || a.probe > 5 || a.variant < 0 || a.variant > 1) return kAttnBwdBadFlag;
   if (a.variant != 0 && a.probe != 0) return kAttnBwdBadFlag;  // probes: variant 0 only
   if (a.variant == 0 && !aligned(a.rows, 16)) return kAttnBwdBadPointer;
   const uintptr_t kv_align = a.kv_f32 ? 8 : 16;
@@ -167,8 +167,6 @@ int launch_attention_bwd(const AttentionBwdArgs& a, cudaStream_t stream) {
     case 3: return launch<AttnBwdConfig<128, 3>>(a, stream);
     case 4: return launch<AttnBwdConfig<128, 4>>(a, stream);
     case 5: return launch<AttnBwdConfig<128, 5>>(a, stream);
-    case 6: return launch<AttnBwdConfig<128, 6>>(a, stream);
-    case 7: return launch<AttnBwdConfig<128, 7>>(a, stream);
     default: return launch<AttnBwdConfig<128>>(a, stream);
   }
 }

@@ -39,7 +39,7 @@ struct AttentionBwdArgs {
                     // copy; 1: every lane loads them from lse and delta and stages them
   int probe = 0;    // measurement only, D = 128 (results wrong): 1 skips dQ, 2 its staging and
                     // reduce-adds, 3 loads Q alone (used as dO too), 4 no reduce-add issued, 5 no
-                    // staging stores, 6 rows fetched before the MMAs, 7 delta read after dP^T
+                    // staging stores
 };
 
 enum AttentionBwdStatus : int {

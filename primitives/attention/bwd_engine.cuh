@@ -57,6 +57,14 @@
 // writer reducing an unwritten tile, 393 with the tile stored and nothing reduced): the
 // consumers then wait for the writer's reduce to have read the single staging tile (no room
 // for two: 227 KiB), reverted.
+// The mask of the tiles that cross the diagonal or the end of the keys is applied after the exp,
+// under one uniform branch per step: written as a guarded `if` per element, it compiled to 32
+// branch blocks that every step ran (~17% of the warps' stall samples in ncu at S = 8192 full),
+// and hoisting it made the kernel 1.11x faster (benchmarks/results/
+// attention_bwd_probe_2026-12-02.txt). Measured there and not kept: only the reduce-issuing warp
+// waiting at dQ's staging barrier (the others arriving: no faster, and it spilled), the next
+// step's row fetch issued after the step's MMAs and delta's columns read before dP^T's wait
+// (together 0.98x-1.00x).
 //
 // Causal is top-left (as the forward): key j > query i is masked; q tiles wholly before the kv
 // tile are never visited, tiles that cross the diagonal or the end of the keys are masked. A CTA
@@ -88,9 +96,7 @@ struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
   // dO (half the per-step L2 reads: whether they limit the kernel), 4 stages dQ but issues no
-  // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there), 6
-  // fetches the next step's rows before the step's first MMAs and reads delta after dP^T's wait, 7
-  // only the latter (the forms before 2026-12-02)
+  // reduce-add, 5 issues the reduce-adds without the staging stores (of whatever is there)
   static constexpr int PROBE = PROBE_;
   // true: each consumer warp's lane 0 fetches the next step's lse2 / delta rows by one 512-byte
   // bulk copy (from the packed [B, Hq, q_tiles, 2, BQ] rows the host prepares) into the warp's own
@@ -407,7 +413,11 @@ struct AttnBwdEngine {
           // order, then __syncwarp) before lane 0 rewrites it with the next step's
           const int buf = step & 1;
           __syncwarp();
-          if (Cfg::PROBE == 6 && lane == 0) fetch_next_rows(p, w, g, i, rows, rows_full, buf ^ 1);
+          if (lane == 0) {
+            with_next(p, w, g, i, [&](int ng, int ni) {
+              fetch_rows(p, w, ng, ni, rows + (buf ^ 1) * 2 * BQ, rows_full + (buf ^ 1));
+            });
+          }
           mbar_wait(&rows_full[buf], (step >> 1) & 1);
           lse2 = rows + buf * 2 * BQ;
         } else {
@@ -431,10 +441,6 @@ struct AttnBwdEngine {
         wgmma_commit();
         mma_kk(dp, v_wg, do_st);  // dP^T = V_wg dO^T
         wgmma_commit();
-        // lane 0 issues the next step's row fetch while the MMAs run (issuing it before them
-        // stalled the warp for ~4% of its time: probe 6)
-        if (Cfg::TMA_ROWS && Cfg::PROBE != 6 && lane == 0)
-          fetch_next_rows(p, w, g, i, rows, rows_full, (step & 1) ^ 1);
 
         // this thread's columns' lse2 (8j + 2 q4 + e), read while the MMAs run
         float2 col_lse2[kSRegs / 4];
@@ -452,7 +458,7 @@ struct AttnBwdEngine {
             s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], p.scale_log2, -l));
           }
         }
-        // key kv > S_kv or (causal) kv > query q0 + col: P = 0, i.e. col < kv - q0
+        // key kv >= S_kv, or (causal) kv > query q0 + col, i.e. col < kv - q0: P = 0
         if (kv_clipped || (w.causal && kv_row0 + 63 > q0)) {
           int lo[2];
 #pragma unroll
@@ -467,22 +473,14 @@ struct AttnBwdEngine {
         mma_rs(dv, pp, do_st);  // dV += P^T dO
         wgmma_commit();
 
-        float2 col_delta[kSRegs / 4];  // as col_lse2, read while dP^T finishes
-        if constexpr (Cfg::PROBE != 6 && Cfg::PROBE != 7)
-#pragma unroll
-          for (int j = 0; j < kSRegs / 4; ++j)
-            col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
-
         wgmma_wait<1>();  // dP^T done (dV still running)
         fence_operands(dp);
 #pragma unroll
         for (int j = 0; j < kSRegs / 4; ++j) {
-          if constexpr (Cfg::PROBE == 6 || Cfg::PROBE == 7)
-            col_delta[j] = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * q4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float d = (e & 1) ? col_delta[j].y : col_delta[j].x;
-            dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - d) * p.scale;
+            const int col = 8 * j + 2 * q4 + (e & 1);
+            dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - delta[col]) * p.scale;
           }
         }
         pack_rows(dp, dsp);
@@ -564,15 +562,6 @@ struct AttnBwdEngine {
       WgmmaKK<BQ>::mma(acc, desc_k_major_sw128(a + c * Map::kKVChunkBytes + off),
                        desc_k_major_sw128(b + c * Map::kQChunkBytes + off), kk > 0);
     }
-  }
-
-  // TMA_ROWS, one lane: the rows of the step after (g, i), if any, into the warp's buffer buf.
-  __device__ static __forceinline__ void fetch_next_rows(const AttnBwdParams& p, const Work& w,
-                                                         int g, int i, float* rows,
-                                                         uint64_t* rows_full, int buf) {
-    with_next(p, w, g, i, [&](int ng, int ni) {
-      fetch_rows(p, w, ng, ni, rows + buf * 2 * BQ, rows_full + buf);
-    });
   }
 
   // TMA_ROWS, one lane: q tile i of group head g's packed rows (lse2, delta) -> dst, landing on bar.

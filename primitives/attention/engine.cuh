@@ -179,6 +179,13 @@ struct PlainWork {
   __device__ Cursor cursor(const WorkTile& t) const { return Cursor{p, t, 0}; }
 };
 
+// Arrive on a named barrier without waiting. The unaligned form (like
+// mk::gemm::named_barrier_sync_unaligned): the ping-pong barriers are reached from several static
+// sites (first tile, loop, last tile) and from different warpgroups.
+__device__ __forceinline__ void named_barrier_arrive_unaligned(int id, int count) {
+  asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 template <class Cfg>
 struct AttnEngine {
   using Map = AttnSmem<Cfg>;
@@ -402,7 +409,7 @@ struct AttnEngine {
       // NOTE: warpgroup 1 handed warpgroup 0 the first turn at start; it skips its very last
       // hand-over so that every barrier phase is completed exactly (no arrival left at exit).
       if constexpr (Cfg::PINGPONG) {
-        if (!(last && wg == 1)) gemm::named_barrier_arrive_unaligned(kBarTurn0 + (wg ^ 1), 256);
+        if (!(last && wg == 1)) named_barrier_arrive_unaligned(kBarTurn0 + (wg ^ 1), 256);
       }
     }
   };
@@ -429,8 +436,7 @@ struct AttnEngine {
     PipeState<STAGES> ks, vs;
     uint32_t q_phase = 0;
     if constexpr (Cfg::PINGPONG) {
-      if (c.wg == 1)
-        gemm::named_barrier_arrive_unaligned(kBarTurn0, 256);  // warpgroup 0 issues first
+      if (c.wg == 1) named_barrier_arrive_unaligned(kBarTurn0, 256);  // warpgroup 0 issues first
     }
 
     WorkTile t;

@@ -89,11 +89,4 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(int id, int count) 
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// Arrive on a named barrier without waiting, unaligned likewise: the attention forward's
-// ping-pong barriers are reached from several static sites (first tile, loop, last tile), and the
-// backward's dQ staging barrier is arrived at by three warps while the fourth waits on it.
-__device__ __forceinline__ void named_barrier_arrive_unaligned(int id, int count) {
-  asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 }  // namespace mk::gemm
