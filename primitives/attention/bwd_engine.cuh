@@ -466,7 +466,7 @@ struct AttnBwdEngine {
             const int kv = kv_row0 + row_wg + 8 * h;
             lo[h] = kv >= p.S_kv ? BQ : w.causal ? kv - q0 : 0;
           }
-          zero_columns_below(s, q4, lo);
+          set_columns_where(s, q4, 0.f, [&](int col, int h) { return col < lo[h]; });
         }
         pack_rows(s, pp);
         wgmma_fence();

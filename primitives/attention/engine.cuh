@@ -355,7 +355,7 @@ struct AttnEngine {
           if (kt.diag) lim = min(lim, row + 1 - kt.row);
           limit[h] = lim;
         }
-        mask_columns(s, q4, limit);
+        set_columns_where(s, q4, -INFINITY, [&](int col, int h) { return col >= limit[h]; });
       }
       sm.step(s, p.scale_log2, corr);
     }
