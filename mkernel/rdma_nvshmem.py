@@ -93,11 +93,7 @@ class NvshmemTransport:
         self.device = world.device
         global _USERS
         if ext.initialized():  # another transport of this process (e.g. the fused ops' world's)
-            if (ext.my_pe(), ext.n_pes()) != (self.rank, self.world_size):
-                raise ValueError(
-                    f"NVSHMEM runs as PE {ext.my_pe()} of {ext.n_pes()} in this process; a world "
-                    f"of {self.world_size} ranks (rank {self.rank}) cannot use it"
-                )
+            _check_same_pes(ext.my_pe(), ext.n_pes(), world)
         else:
             uid = [ext.get_unique_id() if self.rank == 0 else None]
             src = dist.get_global_rank(world.group, 0)
@@ -261,12 +257,19 @@ def world_transport(world: Any) -> NvshmemTransport:
                 f"{dist.get_world_size()}"
             )
         _TRANSPORT = NvshmemTransport(world)
-    elif (_TRANSPORT.world_size, _TRANSPORT.rank) != (world.size, world.rank):
-        raise ValueError(
-            f"NVSHMEM runs over {_TRANSPORT.world_size} PEs in this process (rank "
-            f"{_TRANSPORT.rank}); a world of {world.size} ranks (rank {world.rank}) cannot use it"
-        )
+    else:
+        _check_same_pes(_TRANSPORT.rank, _TRANSPORT.world_size, world)
     return _TRANSPORT
+
+
+def _check_same_pes(pe: int, n_pes: int, world: Any) -> None:
+    """NVSHMEM, initialized once per process as PE ``pe`` of ``n_pes``, serves ``world`` only if
+    the world's ranks are those PEs."""
+    if (pe, n_pes) != (world.rank, world.size):
+        raise ValueError(
+            f"NVSHMEM runs as PE {pe} of {n_pes} in this process; a world of {world.size} ranks "
+            f"(rank {world.rank}) cannot use it"
+        )
 
 
 def shutdown() -> None:
