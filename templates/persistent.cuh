@@ -224,8 +224,9 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
 //                                        int dest);
 // the bytes that go with task `row`'s raise on `dest` (a rank of another node: dst, src, bytes per
 // row, rows and pitches; bytes = 0 for none, an arrival); the template fills in the rest: the put
-// carries the raise (put-with-signal: the proxy's stream sets the flag after the copy). The interpreter's twin is program.put_on_completion; a cross-node raise is a "set"
-// (the host refuses a plan with an "add" across nodes). Every CTA of such an op ends with the
+// carries the raise (put-with-signal: the proxy's stream sets the flag after the copy). The
+// interpreter's twin is program.put_on_completion; a cross-node raise is a "set" (the host
+// refuses a plan with an "add" across nodes). Every CTA of such an op ends with the
 // quiet: its rank's ring has finished every put, so the caller may rewrite their sources.
 template <class Op, class = void>
 struct op_nodes : std::false_type {};
