@@ -69,8 +69,16 @@ def _bhsd(backend: SDPBackend, q, k, v, causal: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
 
 
+LEAD_CYCLES = 2_000_000  # ~1 ms of GPU clock: longer than any API's host work before its launch
+
+
 def _event_ms(fn: Callable[[], object], reps: int) -> float:
+    """Device ms per call of ``reps`` back-to-back calls. A sleep kernel queued before the start
+    event keeps the GPU busy while the host prepares the first call, so the host's time before
+    its launch (which a training loop hides behind earlier work) is not counted; host time per
+    call is measured on its own (``bench host``, benchmarks/host_attention.py)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(LEAD_CYCLES)
     a.record()
     for _ in range(reps):
         fn()
