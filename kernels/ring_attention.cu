@@ -6,9 +6,10 @@
 // each filled once per call, so no send waits for a reader). Comm task (s, part, row0, rows)
 // copies rows [row0, row0 + rows) of K and V from the block it holds at step s into slot s + 1 of
 // rank r + 1; the template then adds 1 to landed[s + 1] there (parts adds make the block whole).
-// A compute task is one (q tile, K / V chunk of one step); a unit runs its q tiles' tasks
-// step-major, a tile's online-softmax state in the `state` workspace between its tasks (fp32:
-// unnormalised O, max, sum), out and lse stored by its last.
+// A compute task is one (q tile, K / V chunk of one step); a unit runs a q tile's tasks back to
+// back while their blocks should have landed (the plan's chain_order), else turns to another
+// tile, the left tile's online-softmax state in the `state` workspace until it resumes (fp32:
+// unnormalised O, max, sum); out and lse stored by its last.
 //
 //   W = 3, contiguous, causal (Bp = the K/V block of rank p; comm parts not shown)
 //   step:     0                        1                          2
@@ -41,8 +42,9 @@ struct RingTask {
 constexpr int kTagKey = spec::ring_attention::kTagKey;
 constexpr int kStepMask = (1 << (kTagKey - 3)) - 1;
 
-// A unit's work, in the plan's order (step-major): a work item is a run of one q tile's tasks of
-// one step (zigzag: both K / V chunks of a block), its kv tiles those of each task in turn. An
+// A unit's work, in the plan's order: a work item is a run of one q tile's tasks next to each
+// other on the unit (of one step or several: the producer runs each task's landed wait before
+// its first K / V load), its kv tiles those of each task in turn. An
 // item that does not begin its tile resumes the tile's online-softmax state from the `state`
 // workspace; one that does not end it stores it there (the same consumer threads reload it: the
 // plan keeps a q tile on one unit); the tile's last item stores out and lse.
@@ -76,10 +78,10 @@ struct TaskWork {
     w.lse_off = (long long)bh * p.S_q * C + (long long)cq * p.S_q;
     w.n_tiles = tiles_of(t);
     w.load_state = !t.first;
-    const int key = t.key, m0 = t.m0, step = t.step;
-    while (!t.last && i + 1 < n) {  // the tile's next task, if of the same step, joins the item
+    const int key = t.key, m0 = t.m0;
+    while (!t.last && i + 1 < n) {  // the tile's next task, if next on the unit, joins the item
       const RingTask u = hooks.task(i + 1);
-      if (u.key != key || u.m0 != m0 || u.step != step || u.rows == 0) break;
+      if (u.key != key || u.m0 != m0 || u.rows == 0) break;
       t = u;
       ++i;
       w.n_tiles += tiles_of(t);

@@ -74,6 +74,13 @@ class Rates:
     # a warp is an eighth of that 256-thread CTA: 1.2 GB/s.
     loop: Link = Link(9.8, 1.2, 358.0)
     local_gbps: float = 4000.0  # local stores at 132 CTAs: 4.0-4.2 TB/s (/work/shared/FACTS.md)
+    # The attention forward engine on 132 SMs: 640-680 TFLOP/s at S = 8192, D = 128
+    # (benchmarks/results/ring_local_2026-12-02.json, attention_2026-12-01_final.json).
+    attention_tflops: float = 650.0
+    # One ring-attention K / V send piece (a BulkRing of 4 x 8 KB on an intra_sm spare warp):
+    # ~10 GB/s (16 pieces of a 64 MB block in ~420 us beside the engine, emulated W = 2,
+    # benchmarks/results/ring_local_bwd_2026-12-01_home_bf16_trace.txt).
+    ring_part_gbps: float = 10.0
 
 
 RATES = Rates()
@@ -308,6 +315,23 @@ def ring_attention_comm_sms(sms: int) -> int:
     is 134 MB against ~1 ms of engine work on 132 SMs: ~134 GB/s, 3 BulkRing CTAs at ~45 GB/s
     each over NVLink (the issue's probe); 8 leave room. Scaled by the SMs a rank has."""
     return max(1, min(8, sms // 16))
+
+
+def ring_block_lag(
+    block_bytes: int, parts: int, q_rows: int, head_dim: int, emulated: bool, rates: Rates = RATES
+) -> float:
+    """How far one compute unit of ring attention gets while a K / V block crosses one hop, in
+    key rows folded into a q tile of ``q_rows`` rows (the plan's task cost unit): the plan's
+    ``chain_order`` runs a q tile's next step in the same work item only once its block should
+    have landed. The block moves as ``parts`` BulkRing pieces at ``rates.ring_part_gbps`` each, at
+    most the link's ceiling (an emulated world copies within one GPU's memory: reads and writes);
+    a unit (one SM) runs at the attention engine's rate per SM. 1.5x margin: a chain that waits
+    for its block stalls its unit, one that turns early costs a state round trip."""
+    ceiling = rates.local_gbps / 2 if emulated else rates.tma.ceiling
+    seconds = block_bytes / (min(parts * rates.ring_part_gbps, ceiling) * 1e9)
+    flops_per_row = 4.0 * q_rows * head_dim  # QK^T and PV for one key row
+    rows_per_second = rates.attention_tflops * 1e12 / rates.engine_sms / flops_per_row
+    return 1.5 * seconds * rows_per_second
 
 
 # Ring attention's overlap by rule (no model yet): intra_sm, the block pushed by the idle

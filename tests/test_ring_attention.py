@@ -225,15 +225,39 @@ def _work(plan, rank: int) -> list[tuple[int, int]]:
     return [(ra.unpack_tag(x.tag)[1], x.cols) for x in tiles if x.rows > 0]
 
 
+def _check_turns(runs: list[tuple], lag: float, what: str) -> None:
+    """A unit's order against the arrival model it was planned with: block s lands at s * lag (0
+    for the own block), the unit's clock adds each task's cost (key rows) and waits for a block
+    that has not landed. Laws: a unit leaves a q tile before its last task only when that tile's
+    next block has not landed by the clock (else the tile's state would cross memory for
+    nothing), and it waits for a block only when no started or new tile's next task has landed.
+    ``runs``: (tile, step, cost) per task in the unit's order, each tile's tasks in chain order."""
+    landed = lambda step: 0.0 if step == 0 else step * lag  # noqa: E731
+    left: dict = {}  # each tile's tasks not yet run, in order
+    for tile, s, _ in runs:
+        left.setdefault(tile, []).append(s)
+    clock = 0.0
+    for i, (tile, s, cost) in enumerate(runs):
+        nexts = [steps[0] for x, steps in left.items() if steps]
+        if landed(s) > clock:  # a stall: nothing else could run
+            assert all(landed(n) >= landed(s) for n in nexts), f"{what}: task {i} waits needlessly"
+        clock = max(clock, landed(s)) + cost
+        left[tile].pop(0)
+        following = runs[i + 1][0] if i + 1 < len(runs) else None
+        if left[tile] and following != tile:  # the tile is left with tasks to go
+            nxt = landed(left[tile][0])
+            assert nxt > clock, f"{what}: task {i} leaves {tile} whose next block has landed"
+
+
 def _check_plan(plan, what: str) -> None:
     """The forward plan's laws, each from the tables and the layout's positions (_positions):
 
     - the out tiles cut every (b, h) row range of each chunk into q tiles of ``q_tile`` rows;
     - compute unit u of a rank runs rows u, u + units, ... (the template's rule, as the
-      interpreter's ``tasks_of``), step-major (the steps of its tasks never decrease: every step-0
-      task first, while the next block is on its way); all tasks of a q tile (its chain) run on
-      one unit, which keeps the tile's state between them, the first flag on the first task and
-      the last flag on the last; empty tasks only pad a unit's end;
+      interpreter's ``tasks_of``) in an order that keeps ``_check_turns``'s laws for the plan's
+      lag; all tasks of a q tile (its chain) run on one unit, which keeps the tile's state
+      between them, the first flag on the first task and the last flag on the last; empty tasks
+      only pad a unit's end;
     - a chain has exactly the (step, K/V chunk) pairs with a key its rows may see (causal: no pair
       wholly in the future), each once, the diagonal (its own chunk) first, then by step; a tile
       addresses its chunk in k / v (step 0) or in the step's slot of k_ring / v_ring;
@@ -271,6 +295,7 @@ def _check_plan(plan, what: str) -> None:
             assert [t.id for t in mine] == plan.tasks_of("compute", r, u), what
             at = f"{what}: rank {r} unit {u}"
             steps, going, padded = [], set(), False
+            runs = []  # (chain, step, cost) of the unit's tasks in order, for _check_turns
             for t in mine:
                 tile = plan.tiles[t.args[0]]
                 assert t.raises == (), at
@@ -291,6 +316,7 @@ def _check_plan(plan, what: str) -> None:
                 assert home.get(chain) == u, f"{at}: task {t.id} of {chain}, not begun here"
                 assert chain in going, f"{at}: task {t.id} of {chain} after its last"
                 chains[chain].append((s, ck, diag))
+                runs.append((chain, s, min(Sc, tile.m0 + tile.rows) if diag else Sc))
                 if last:
                     going.remove(chain)
                 steps.append(s)
@@ -302,7 +328,7 @@ def _check_plan(plan, what: str) -> None:
                         ("landed", r, (s,), parts)
                     ], at
                     waits.setdefault((r, s), []).append(t.waits[0])
-            assert steps == sorted(steps), f"{at}: not step-major: steps {steps}"
+            _check_turns(runs, plan.extra["lag"], at)
             assert not going, f"{at}: q tiles {sorted(going)} never end"
         if len(out_tiles) >= units:  # longest first onto the least loaded unit: none idles
             assert all(plan.tiles[t.args[0]].rows for t in tasks[:units]), f"{what}: idle unit"
@@ -367,6 +393,51 @@ def test_the_plan_keeps_each_q_tile_on_one_unit(W, B, S, heads, causal, layout, 
     sched = dict(overlap=overlap, sms=sms, chunk_rows=rows)
     plan = _plan(W, S, causal, layout, B, heads, **sched)
     _check_plan(plan, f"W={W} B={B} S={S} heads={heads} causal={causal} {layout} {sched}")
+
+
+_chains = st.lists(  # a unit's q tiles: each a chain of (step, cost), steps from 0, never down
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9)), min_size=1, max_size=5).map(
+        lambda c: [(0, c[0][1])] + sorted(c[1:])
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chains=_chains, lag=st.sampled_from([0.0, 0.5, 3.0, 7.5, 20.0, math.inf]))
+def test_chain_order_runs_a_tile_on_until_its_next_block_is_late(chains, lag):
+    ids = [[(10 * i + j, s, c) for j, (s, c) in enumerate(ch)] for i, ch in enumerate(chains)]
+    order = ra.chain_order(ids, lag)
+    where = {t: (i, s, c) for i, ch in enumerate(ids) for t, s, c in ch}
+    assert sorted(order) == sorted(where), "every task once"
+    for ch in ids:
+        mine = [t for t in order if t in {x[0] for x in ch}]
+        assert mine == [x[0] for x in ch], "a tile's tasks keep their order"
+    _check_turns([where[t] for t in order], lag, f"lag={lag}")
+    if lag == 0:  # every block is there: each tile's tasks back to back, tiles in the given order
+        assert order == [t for ch in ids for t, _, _ in ch]
+
+
+def test_chain_order_from_step_major_to_chains():
+    a, b, c = ([(10 * i, 0, 4), (10 * i + 1, 1, 4)] for i in range(3))
+    assert ra.chain_order([a, b, c], math.inf) == [0, 10, 20, 1, 11, 21]  # step-major
+    assert ra.chain_order([a, b, c], 0) == [0, 1, 10, 11, 20, 21]  # chains
+    assert ra.chain_order([a, b, c], 6) == [0, 10, 11, 1, 20, 21]  # A0 | B0 B1 | A1 | C0 C1
+
+
+def test_gpu_plans_estimate_when_the_next_block_lands():
+    """The cost model's lag grows with the block and shrinks with the pieces carrying it (up to
+    the link's ceiling); an emulated world's copies stay in one GPU's memory."""
+    from mkernel.cost import RATES, ring_block_lag
+
+    def lag(nbytes: int, parts: int, emulated: bool = False) -> float:
+        return ring_block_lag(nbytes, parts, 128, 128, emulated)
+
+    assert lag(2 << 26, 16) == pytest.approx(2 * lag(1 << 26, 16))
+    assert lag(1 << 26, 16) == pytest.approx(2 * lag(1 << 26, 32))
+    capped = int(RATES.tma.ceiling / RATES.ring_part_gbps) + 1
+    assert lag(1 << 26, capped) == pytest.approx(lag(1 << 26, 4 * capped))
+    assert lag(1 << 26, 1000, emulated=True) < lag(1 << 26, 1000)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..cost import ring_block_lag
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -214,6 +215,48 @@ def row_parts(n: int, k: int) -> list[tuple[int, int]]:
     return [(bounds[p], bounds[p + 1] - bounds[p]) for p in range(k)]
 
 
+def chain_order(chains: list[list[tuple[int, int, int]]], lag: float) -> list[int]:
+    """One compute unit's task order. ``chains``: its q tiles in the order they were given to it,
+    each tile's tasks as (id, step, cost) in the tile's order (the diagonal first, then by step);
+    block s is taken to land at s * ``lag`` (costs and lag in key rows, ``block_lag``).
+
+    The unit runs a tile's tasks back to back (one work item on the GPU: the tile's state stays
+    in registers) while their blocks have landed by its clock; a tile whose next block has not
+    yet landed is left (its state goes to the workspace) for the first tile, in order, whose next
+    task's block has, and resumed later; when none has, the one whose block lands first (a
+    stall). Step-major order is lag = infinity's first pass; chains back to back is lag = 0.
+
+        lag = 1.5 steps; tiles A, B, C of two steps:  A0 | B0 B1 | A1 | C0 C1  (| a new item)"""
+    pos = [0] * len(chains)
+    live = [i for i, c in enumerate(chains) if c]
+    landed = lambda step: 0.0 if step == 0 else step * lag  # noqa: E731
+    clock, order = 0.0, []
+    while live:
+        ready = [i for i in live if landed(chains[i][pos[i]][1]) <= clock]
+        i = ready[0] if ready else min(live, key=lambda i: landed(chains[i][pos[i]][1]))
+        clock = max(clock, landed(chains[i][pos[i]][1]))
+        while pos[i] < len(chains[i]) and landed(chains[i][pos[i]][1]) <= clock:
+            task, _, cost = chains[i][pos[i]]
+            order.append(task)
+            clock += cost
+            pos[i] += 1
+        if pos[i] == len(chains[i]):
+            live.remove(i)
+    return order
+
+
+def block_lag(
+    world: World, block_bytes: int, parts: int, q_rows: int, head_dim: int, seq: int
+) -> float:
+    """``chain_order``'s lag for this world: on a GPU the cost model's estimate
+    (cost.ring_block_lag); in the CPU interpreter one and a half steps of a q tile (``seq`` key
+    rows a step), so its runs see tiles both chained and left for later."""
+    if not world.on_gpu:
+        return 1.5 * seq
+    emulated = world.emulated_world
+    return ring_block_lag(block_bytes, parts, q_rows, head_dim, emulated)
+
+
 def ring_sends(readers: list[list[int]]) -> list[list[int]]:
     """The steps s < W - 1 at which rank r sends on the K/V block it holds, from ``readers[r][s]``
     (rank r's compute tasks on the block of step s): a block goes on only while a rank downstream
@@ -258,9 +301,11 @@ def ring_tasks(
     tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
     parts = max(1, min(MAX_PARTS, comm_units, B * S))
+    lag = block_lag(world, B * S * kv_heads * D * 4, parts, tq, D, Sc)
 
     tiles: list[Tile] = []
-    qtiles: list[list[tuple[int, list[int]]]] = []  # per rank, per q tile: (cost, its tasks' tiles)
+    # per rank, per q tile: (cost, its chain: (tile id, step, cost) per task, in order)
+    qtiles: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
     readers = [[0] * W for _ in range(W)]
     out_tiles: list[tuple[int, int, int, int]] = []  # per q tile of rank 0: (b, h, row0, rows)
     for r in range(W):
@@ -279,16 +324,15 @@ def ring_tasks(
                                     pairs.append((s, ck, False))
                                 elif gk == gq:
                                     pairs.insert(0, (s, ck, True))
-                        ids, cost = [], 0
+                        chain = []  # (tile id, step, cost in key rows)
                         for i, (s, ck, diag) in enumerate(pairs):
                             outer = b * C + ck if s == 0 else ((s - 1) * B + b) * C + ck
                             key = (b * H + h) * C + cq
                             tag = pack_tag(key, s, diag, i == 0, i == len(pairs) - 1)
-                            ids.append(len(tiles))
+                            chain.append((len(tiles), s, min(Sc, m0 + n) if diag else Sc))
                             tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
                             readers[r][s] += 1
-                            cost += min(Sc, m0 + n) if diag else Sc
-                        mine.append((cost, ids))
+                        mine.append((sum(c for *_, c in chain), chain))
                         if r == 0:
                             out_tiles.append((b, h, cq * Sc + m0, n))
         qtiles.append(mine)
@@ -315,17 +359,17 @@ def ring_tasks(
                 for p, (r0, n) in enumerate(row_parts(B * S, parts))
             ]
         )
-        # q tiles to units, longest first onto the least loaded unit; a unit runs its tiles'
-        # tasks step-major (every step-0 task first: the next block is still on its way), so a
-        # q tile's tasks are all on the unit that keeps its state between them. Unit u's tasks
+        # q tiles to units, longest first onto the least loaded unit, so a q tile's tasks are
+        # all on the unit that keeps its state between them; each unit's order is chain_order's
+        # (a tile's steps back to back once their blocks should have landed). Unit u's tasks
         # are rows u, u + units, ... (the template's rule); empty tasks pad the shorter units.
-        load, lists = [0] * units, [[] for _ in range(units)]
-        for cost, ids in sorted(qtiles[r], key=lambda c: -c[0]):
+        load, chains = [0] * units, [[] for _ in range(units)]
+        for cost, chain in sorted(qtiles[r], key=lambda c: -c[0]):
             u = min(range(units), key=load.__getitem__)
             load[u] += cost
-            lists[u].extend(ids)
+            chains[u].append(chain)
+        lists = [chain_order(c, lag) for c in chains]
         step_of = lambda t: unpack_tag(tiles[t].tag)[1]  # noqa: E731
-        lists = [sorted(ids, key=step_of) for ids in lists]  # stable: a tile's diagonal first
         depth = max(len(x) for x in lists)
         rows = []
         for i in range(depth):
@@ -350,6 +394,7 @@ def ring_tasks(
         "state_cols": D + 2,
     } | shapes
     extra = {"chunks": C, "q_tile": tq, "parts": parts, "sends": sends, "out_tiles": out_tiles}
+    extra["lag"] = lag
     return RingTasks(schedule, compute, comm, tiles, shapes, sizes, extra, readers)
 
 
