@@ -222,18 +222,29 @@ def chain_order(chains: list[list[tuple[int, int, int]]], lag: float) -> list[in
 
     The unit runs a tile's tasks back to back (one work item on the GPU: the tile's state stays
     in registers) while their blocks have landed by its clock; a tile whose next block has not
-    yet landed is left (its state goes to the workspace) for the first tile, in order, whose next
-    task's block has, and resumed later; when none has, the one whose block lands first (a
-    stall). Step-major order is lag = infinity's first pass; chains back to back is lag = 0.
+    yet landed is left (its state goes to the workspace) and resumed later. Next comes the first
+    tile, in order, whose next block has landed and whose remaining tasks would then all run
+    without another turn (a tile that needs only the own block, while the others' travel), else
+    the first whose next block has landed, else the one whose block lands first (a stall).
+    Step-major order is lag = infinity's first pass; chains back to back is lag = 0.
 
         lag = 1.5 steps; tiles A, B, C of two steps:  A0 | B0 B1 | A1 | C0 C1  (| a new item)"""
     pos = [0] * len(chains)
     live = [i for i, c in enumerate(chains) if c]
     landed = lambda step: 0.0 if step == 0 else step * lag  # noqa: E731
+
+    def runs_out(i: int, clock: float) -> bool:  # tile i's remaining tasks, with no turn
+        for _, step, cost in chains[i][pos[i] :]:
+            if landed(step) > clock:
+                return False
+            clock += cost
+        return True
+
     clock, order = 0.0, []
     while live:
         ready = [i for i in live if landed(chains[i][pos[i]][1]) <= clock]
-        i = ready[0] if ready else min(live, key=lambda i: landed(chains[i][pos[i]][1]))
+        whole = [i for i in ready if runs_out(i, clock)]
+        i = (whole or ready or [min(live, key=lambda i: landed(chains[i][pos[i]][1]))])[0]
         clock = max(clock, landed(chains[i][pos[i]][1]))
         while pos[i] < len(chains[i]) and landed(chains[i][pos[i]][1]) <= clock:
             task, _, cost = chains[i][pos[i]]
