@@ -424,7 +424,7 @@ def test_chain_order_from_step_major_to_chains():
     assert ra.chain_order([a, b, c], 0) == [0, 1, 10, 11, 20, 21]  # chains
     assert ra.chain_order([a, b, c], 6) == [0, 10, 11, 1, 20, 21]  # A0 | B0 B1 | A1 | C0 C1
     # a tile that needs only the own block goes first while the next block travels
-    assert ra.chain_order([a, [(30, 0, 4)]], 4) == [30, 0, 1]
+    assert ra.chain_order([a, [(30, 0, 4)]], 5) == [30, 0, 1]
 
 
 def test_gpu_plans_estimate_when_the_next_block_lands():
