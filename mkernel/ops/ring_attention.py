@@ -70,7 +70,10 @@ from . import common, ring_attention_gpu
 
 Q_TILE = 16  # query rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_Q_TILE = 128  # the GPU engine's (primitives/attention/engine.cuh, BM): its only tile
-MAX_PARTS = 16  # a step's block travels as at most this many comm tasks (one per comm unit)
+# A step's block travels as at most this many comm tasks (one per comm unit): each piece's TMA
+# ring moves ~10 GB/s beside the engine, so the block lands sooner the more units carry it
+# (emulated W = 2 on one H200: 66 pieces land in ~105 us, 16 in ~330; docs/ring_attention.md).
+MAX_PARTS = 132
 LAYOUTS = ("contiguous", "zigzag")
 HEAD_DIMS = (64, 128)
 # The inputs (the backward declares them too).
