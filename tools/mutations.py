@@ -632,12 +632,19 @@ MUTATIONS = [
         "ring attention: a step's landed flag does not count the forward among its consumers",
     ),
     Mutation(
-        "ra_not_step_major",
+        "ra_chain_ignores_landing",
         RA,
-        "lists = [sorted(ids, key=step_of) for ids in lists]",
-        "lists = [list(ids) for ids in lists]",
-        "ring attention: a unit walks each q tile through every step (each unit needs every "
-        "block after its first tile: no overlap)",
+        "        while pos[i] < len(chains[i]) and landed(chains[i][pos[i]][1]) <= clock:",
+        "        while pos[i] < len(chains[i]):",
+        "ring attention: a unit walks each q tile through every step whether or not the next "
+        "block can have landed (its unit stalls where another tile could run)",
+    ),
+    Mutation(
+        "ra_chain_turns_early",
+        RA,
+        "        whole = [i for i in ready if runs_out(i, clock)]",
+        "        whole = []",
+        "ring attention: a unit starts a tile that must turn before one that would run out",
     ),
     Mutation(
         "ra_rows_by_unit",

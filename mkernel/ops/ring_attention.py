@@ -21,12 +21,14 @@ a reader). Its comm tasks of step s (the block in ``parts`` row ranges, one per 
 it into slot s + 1 of rank r + 1 by bulk copies, each adding 1 to ``landed[step=s+1]`` there;
 before, they wait for their own ``landed[s]`` (s > 0). A compute task is one (q tile, K/V chunk
 of one step) pair: it waits ``landed[s]`` (s > 0) and folds softmax(q k^T) v into the tile's fp32
-state (running max, sum, unnormalised accumulator). A unit runs its q tiles' tasks step-major
-(every step-0 task first, while the next block travels); a tile's tasks all run on that unit,
-which leaves the state in the ``state`` workspace between them and reloads it (program order: no
-signal), and the tile's last task stores out (bf16) and lse (fp32) once. Causal: a (q tile, K/V
-chunk) pair wholly in the future has no task, the diagonal pair (masked) comes first, and a block
-nobody downstream uses is not sent (contiguous: the ring never wraps, the last rank sends nothing).
+state (running max, sum, unnormalised accumulator). A tile's tasks all run on one unit, in the
+order ``chain_order`` gives: a tile's tasks back to back (one work item on the GPU, the state in
+registers) while their blocks should have landed (the cost model's arrival estimate), else the
+unit turns to another tile and the left one's state waits in the ``state`` workspace until it
+resumes (program order: no signal); the tile's last task stores out (bf16) and lse (fp32) once.
+Causal: a (q tile, K/V chunk) pair wholly in the future has no task, the diagonal pair (masked)
+comes first, and a block nobody downstream uses is not sent (contiguous: the ring never wraps,
+the last rank sends nothing).
 
     W = 3, contiguous, causal; Bp = the K/V block of rank p (sends in `parts` pieces)
     step:     0                            1                            2
@@ -35,9 +37,11 @@ nobody downstream uses is not sent (contiguous: the ring never wraps, the last r
                                            B0 -> r2 slot 2
     rank 2:   q.B2                         wait landed[1]: q.B1         wait landed[2]: q.B0
 
-Why this shape (docs/ring_attention.md): a unit that walked one q tile through every step with the
-state in registers needs each step's whole block right after its first tile (measured 0.48-0.70x
-of the engine on one GPU); with two slots it also deadlocks from W = 4.
+Why this shape (docs/ring_attention.md): with W - 1 slots filled once per call no send waits for
+a compute task, so any order of a unit's tasks is deadlock-free; walking every tile through every
+step at once waits for each block right after the first tile (0.48-0.70x of the engine on one
+GPU), step-major order (every step-0 task first) sends every tile's state through memory between
+steps (0.74-0.83x); the chains in between measured 0.89-0.92x (emulated W = 2).
 """
 
 from __future__ import annotations
@@ -102,9 +106,9 @@ KV_RING = (
 #   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
 #         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
 #   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
-# first / last: the task begins / ends its q tile's tasks (all on one unit, step-major among the
-# unit's other tiles): a task after the first loads the tile's online-softmax state from the
-# ``state`` workspace, one before the last stores it there, the last stores out and lse.
+# first / last: the task begins / ends its q tile's tasks (all on one unit, in chain_order): a
+# work item that begins after the tile's first task loads its online-softmax state from the
+# ``state`` workspace, one that ends before its last stores it there, the last stores out and lse.
 TAG_KEY = 11  # step: 8 bits (W <= 256); the kernel reads it as spec::ring_attention::kTagKey
 STEP_MASK = (1 << (TAG_KEY - 3)) - 1
 
@@ -300,8 +304,8 @@ def ring_tasks(
 ) -> RingTasks:
     """The forward's plan shape for ``spec`` (this op's, or one built on it): the K/V ring (W - 1
     slots, ``landed`` counted, ``parts`` comm tasks per step) and one compute task per (q tile,
-    K/V chunk of one step), a q tile's tasks on one unit, each unit's rows step-major. ``shapes``
-    and the scalar sizes hold ``spec.scalars``."""
+    K/V chunk of one step), a q tile's tasks on one unit, each unit's rows in chain_order.
+    ``shapes`` and the scalar sizes hold ``spec.scalars``."""
     W, S, D, B, H = world.size, seq, head_dim, batch, heads
     if W > 256 or B * H * 2 >= 1 << (31 - TAG_KEY):
         raise ValueError(
