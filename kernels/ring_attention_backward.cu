@@ -180,8 +180,24 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr float kLog2e = 1.4426950408889634f;
-  static constexpr int kRowsAhead = 4;   // prep: rows a lane group has in flight
-  static constexpr int kQuadsAhead = 8;  // dq, home, finish: float4 loads a lane has in flight
+  // The row tasks' loads land in the consumers' dQ staging tiles (32 KB, idle between items:
+  // the item's last dQ reduce-add has read them, its end barrier orders that) by 16-byte
+  // cp.async copies, which hold no register in flight: loads into registers were spilled one at
+  // a time (the consumers keep most of their 240 registers live across the item loop), about
+  // one load in flight per lane. A lane's slots: 16 bytes each, 256 lanes a slot.
+  using StageMap = typename Engine::Core::Map;
+  static constexpr int kStageLanes = 256;                               // the row tasks' team
+  static constexpr int kStageBytes = 2 * StageMap::kDQBytesPerWG;       // both warpgroups' tiles
+  static constexpr int kQuadsAhead = kStageBytes / (16 * kStageLanes);  // a lane's copies in flight
+  static constexpr int kRowsAhead = kQuadsAhead / (2 * D / 64);  // prep: V uint4 of dO and of O
+  static_assert(kQuadsAhead >= 4, "staging for a few copies a lane (D = 64: 16 KB, 128: 32 KB)");
+  static_assert(kRowsAhead >= 1, "a prep row's dO and O fit a lane's slots");
+
+  // Slot k of this lane (k < kQuadsAhead) in the staging tiles.
+  static __device__ __forceinline__ uint32_t slot(const Team& team, int k) {
+    extern __shared__ __align__(1024) char smem[];  // the kernel's dynamic shared memory
+    return smem_u32(smem + StageMap::kDQOffset) + (k * kStageLanes + team.lane) * 16;
+  }
 
   static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
     return {};
@@ -260,9 +276,9 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const float* dlse = l.dlse.at(lr);
     float* packed = l.delta.map(cta.rank);
     const int sub = team.lane % G, groups = team.size / G;
+    if (team.size != kStageLanes) __trap();  // the slots are laid out for the consumer team
     const int total = n * T;  // rows; every lane of a warp runs the same trips (shuffles)
     for (int e0 = team.lane / G; e0 - team.lane / G < total; e0 += U * groups) {
-      uint4 x[U][V], y[U][V];
       int t[U], j[U];
       float lv[U], dl[U];  // lane sub == 0: the row's lse and dlse
       bool live[U];
@@ -280,8 +296,8 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
           const uint4* py = reinterpret_cast<const uint4*>(out + row * D) + sub * V;
 #pragma unroll
           for (int c = 0; c < V; ++c) {
-            x[u][c] = px[c];
-            y[u][c] = py[c];
+            gemm::cp_async_16(slot(team, 2 * (u * V + c)), px + c, 16);
+            gemm::cp_async_16(slot(team, 2 * (u * V + c) + 1), py + c, 16);
           }
           if (sub == 0) {
             const long long at = ((long long)b * H + h) * S + (long long)cq * Sc + i;  // [B, H, S]
@@ -290,14 +306,17 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
           }
         }
       }
+      gemm::cp_async_wait_all();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float acc = 0.f;
         if (live[u]) {
 #pragma unroll
           for (int c = 0; c < V; ++c) {
-            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&x[u][c]);
-            const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&y[u][c]);
+            const uint4 x = gemm::lds_16(slot(team, 2 * (u * V + c)));
+            const uint4 y = gemm::lds_16(slot(team, 2 * (u * V + c) + 1));
+            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+            const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&y);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
               const float2 f = __bfloat1622float2(u2[k]), g = __bfloat1622float2(v2[k]);
@@ -371,24 +390,28 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     }, src);
   }
 
-  // f(e, src[e]) for every 16-byte element e < quads of the team's share, kQuadsAhead loads a
-  // lane issued before any of their uses.
+  // f(e, src[e]) for every 16-byte element e < quads of the team's share (the 256 consumer
+  // threads), kQuadsAhead copies a lane in flight into its staging slots before any use.
   template <class T, class F>
   static __device__ __forceinline__ void for_quads(long long quads, const Team& team, F&& f,
                                                    const T* src) {
     static_assert(sizeof(T) == 16, "16-byte elements");
     constexpr int U = kQuadsAhead;
+    if (team.size != kStageLanes) __trap();  // the slots are laid out for the consumer team
     for (long long e0 = team.lane; e0 < quads; e0 += (long long)U * team.size) {
-      T x[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const long long e = e0 + (long long)u * team.size;
-        if (e < quads) x[u] = src[e];
+        if (e < quads) gemm::cp_async_16(slot(team, u), src + e, 16);
       }
+      gemm::cp_async_wait_all();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const long long e = e0 + (long long)u * team.size;
-        if (e < quads) f(e, x[u]);
+        if (e < quads) {
+          const uint4 x = gemm::lds_16(slot(team, u));
+          f(e, *reinterpret_cast<const T*>(&x));
+        }
       }
     }
   }

@@ -58,6 +58,19 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* src, 
                "r"(src_bytes)
                : "memory");
 }
+// This thread's cp.async copies so far, committed as a group and waited for: their bytes are in
+// shared memory, visible to this thread (others: after a barrier).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ uint4 lds_16(uint32_t smem_src) {
+  uint4 x;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(smem_src)
+               : "memory");
+  return x;
+}
 // The mbarrier's arrival when all of this thread's earlier cp.async copies have landed; counts as
 // one of the barrier's expected arrivals (.noinc).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
