@@ -19,11 +19,9 @@ import sys
 from collections.abc import Callable
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from mkernel import World, attention_ext, ring_attention, ring_attention_backward
-from mkernel.bench.attention import _bhsd
-from mkernel.bench.attention_bwd import _sdpa_backward
+from mkernel.bench import ring_local, ring_local_bwd
 from mkernel.bench.ring_local import B, D, H, S, interleaved_rows, rank_rows
 from mkernel.bench.timing import save
 from mkernel.ops import ring_attention as ra
@@ -44,13 +42,7 @@ ra.block_lag = _lag
 
 
 def _forward(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
-    q, k, v = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(3))
-    out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
-    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    fns: dict[str, Callable[[], object]] = {
-        "engine": lambda: attention_ext.attention_forward(q, k, v, causal, None, out=out, lse=lse),
-        "cudnn": lambda: _bhsd(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
-    }
+    (q, k, v), fns = ring_local.baselines(causal)
     w2 = World.emulated(2, device="cuda")
     layout = "zigzag" if causal else "contiguous"
     ranks = rank_rows((q, k, v), causal)
@@ -73,12 +65,7 @@ def _forward(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], objec
 
 
 def _backward(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
-    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
-    out, lse = attention_ext.attention_forward(q, k, v, causal)
-    fns: dict[str, Callable[[], object]] = {
-        "engine": lambda: attention_ext.attention_backward(dout, q, k, v, out, lse, causal),
-        "cudnn": _sdpa_backward(SDPBackend.CUDNN_ATTENTION, q, k, v, dout, causal),
-    }
+    (q, k, v, dout, out, lse), fns = ring_local_bwd.baselines(causal)
     w2 = World.emulated(2, device="cuda")
     layout = "zigzag" if causal else "contiguous"
     rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)

@@ -34,14 +34,20 @@ ROUNDS = 10
 TARGET_MS = 2.0
 
 
-def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
+def baselines(causal: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, Callable[[], object]]]:
+    """Fresh q, k, v [B, S, H, D] and the versions every case is measured against: the engine's
+    own launch and SDPA's cuDNN backend ([B, H, S, D] contiguous copies: its faster layout)."""
     q, k, v = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(3))
     out, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
     qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    base: dict[str, Callable[[], object]] = {
+    return (q, k, v), {
         "engine": lambda: attention_ext.attention_forward(q, k, v, causal, None, out=out, lse=lse),
         "cudnn": lambda: _bhsd(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
     }
+
+
+def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
+    (q, k, v), base = baselines(causal)
     w1, w2 = World.emulated(1, device="cuda"), World.emulated(2, device="cuda")
     fused = Schedule(overlap=RING_OVERLAP)  # the fused kernel at W = 1 (not solo_engine)
     one = dict(base, ring_w1=lambda: ring_attention(q[None], k[None], v[None], w1, causal))

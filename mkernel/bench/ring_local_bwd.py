@@ -45,13 +45,19 @@ ROUNDS = 8
 TARGET_MS = 4.0
 
 
-def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
+def baselines(causal: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, Callable[[], object]]]:
+    """Fresh q, k, v, dout [B, S, H, D], the forward's out and lse, and the versions every case
+    is measured against: the backward engine's own launch and SDPA's cuDNN backward."""
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
     out, lse = attention_ext.attention_forward(q, k, v, causal)
-    base: dict[str, Callable[[], object]] = {
+    return (q, k, v, dout, out, lse), {
         "engine": lambda: attention_ext.attention_backward(dout, q, k, v, out, lse, causal),
         "cudnn": _sdpa_backward(SDPBackend.CUDNN_ATTENTION, q, k, v, dout, causal),
     }
+
+
+def _case(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
+    (q, k, v, dout, out, lse), base = baselines(causal)
     w1, w2 = World.emulated(1, device="cuda"), World.emulated(2, device="cuda")
     one = dict(base)
     ones = dout[None], q[None], k[None], v[None], out[None], lse[None]
