@@ -6,8 +6,7 @@ knobs, each with its own cached plan (a distinct ``backoff_ns`` keys it; the wai
 not matter here): ``sm<P>`` step-major order (chain_order with an infinite lag), ``ch<P>`` the
 default chain_order (the cost model's lag), ``ch<P>_0`` chains back to back (lag 0); ``<P>`` the
 most pieces a block travels in (ring_attention.MAX_PARTS; the units of a rank cap it, 66 here).
-Then the backward with 16 and 66 K/V pieces (ring_attention_backward.KV_PARTS). Every version
-is checked against the default plan, then timed interleaved with the engine and cuDNN
+Every version is checked against the default plan, then timed interleaved with the engine and cuDNN
 (mkernel.bench.ring_local's method); writes ring_order_probe_<date>.json under
 $MKERNEL_BENCH_DIR. ``--landing``: one traced call per piece count, when the pieces land.
 """
@@ -20,16 +19,14 @@ from collections.abc import Callable
 
 import torch
 
-from mkernel import World, attention_ext, ring_attention, ring_attention_backward
-from mkernel.bench import ring_local, ring_local_bwd
+from mkernel import World, attention_ext, ring_attention
+from mkernel.bench import ring_local
 from mkernel.bench.ring_local import B, D, H, S, interleaved_rows, rank_rows
 from mkernel.bench.timing import save
 from mkernel.ops import ring_attention as ra
-from mkernel.ops import ring_attention_backward as rb
 from mkernel.schedule import Schedule
 
 FORWARD = {"sm66": (math.inf, 66), "ch66": (None, 66), "ch66_0": (0.0, 66), "ch16": (None, 16)}
-BACKWARD = (16, 66)
 _model_lag = ra.block_lag
 _knob: dict[str, float | None] = {"lag": None}
 
@@ -64,30 +61,6 @@ def _forward(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], objec
     return [("W=2", causal, fns)]
 
 
-def _backward(causal: bool) -> list[tuple[str, bool, dict[str, Callable[[], object]]]]:
-    (q, k, v, dout, out, lse), fns = ring_local_bwd.baselines(causal)
-    w2 = World.emulated(2, device="cuda")
-    layout = "zigzag" if causal else "contiguous"
-    rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
-    rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
-    ref = None
-    for j, parts in enumerate(BACKWARD):
-        sched = Schedule(overlap="intra_sm", backoff_ns=3000 + j)
-
-        def fn(sched=sched, parts=parts):
-            rb.KV_PARTS = parts
-            return ring_attention_backward(rdo, rq, rk, rv, rout, rlse, w2, causal, None, layout,
-                                           sched)  # fmt: skip
-
-        grads = [g.float().clone() for g in fn()]
-        ref = ref or grads
-        err = max((a - b).abs().max().item() for a, b in zip(grads, ref, strict=True))
-        print(f"backward causal={causal} {parts} pieces: max diff to the first {err:.3g}")
-        assert err < 5e-2, err
-        fns[f"bwd_p{parts}"] = fn
-    return [("W=2 bwd", causal, fns)]
-
-
 def landing() -> None:
     """One traced forward call per piece count: when the K/V pieces land, against the compute."""
     for causal in (False, True):
@@ -112,8 +85,6 @@ def run() -> None:
     attention_ext.load()
     fwd_flops = lambda causal: 4.0 * B * H * S * S * D / (2 if causal else 1)  # noqa: E731
     rows = interleaved_rows(_forward(False) + _forward(True), fwd_flops, 10, 6.0)
-    bwd_flops = lambda causal: 2.5 * fwd_flops(causal)  # noqa: E731
-    rows += interleaved_rows(_backward(False) + _backward(True), bwd_flops, 8, 6.0)
     print("saved", save("ring_order_probe", rows))
 
 

@@ -604,3 +604,14 @@ def test_the_backward_engine_variants_are_0_1_and_nothing_else():
     for bad in (2, -1, True, "1", 1.0):
         with pytest.raises(ValueError, match="variant must be 0 or 1"):
             _check_variant(bad)
+
+
+def test_the_plan_refuses_more_kv_pieces_than_the_kernel_tells_from_grad_sends(monkeypatch):
+    """A K/V piece's index is its comm task's args[1]; the kernel reads GRAD and up as a grad
+    send, so a plan with more pieces than GRAD would send some K/V rows as gradients."""
+    plan = _plan(2, 64, False, "contiguous")
+    assert 1 < plan.extra["parts"] <= rb.GRAD
+    # (the interpreter's worlds have few comm units: a smaller kind id stands in for more units)
+    monkeypatch.setattr(rb, "GRAD", plan.extra["parts"] - 1)
+    with pytest.raises(AssertionError, match="grad sends"):
+        _plan(2, 64, False, "contiguous")

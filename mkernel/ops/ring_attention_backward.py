@@ -63,9 +63,10 @@ from . import ring_attention as fwd
 # compute role's row tasks (their tile's key, AUX set): the finish, the prep, the dq store, home
 # (the last holder's sum of a block, bf16, to its owner)
 GRAD, FINISH, PREP, DQ, HOME = (16 + i for i in range(5))
-# A block's K/V send in at most this many pieces (the forward sends in up to MAX_PARTS): more
-# pieces measured slower here (one H200, emulated W = 2: 66 pieces 0.713x / 0.530x of the engine,
-# full / causal, 16 pieces 0.732x / 0.549x in the same run; docs/ring_attention.md)
+# A block's K/V send in at most this many pieces (a piece's index is its comm args[1], below
+# GRAD). The forward sends in up to MAX_PARTS so that its chains find their blocks sooner; here
+# the K/V tiles run step-major and a unit's step-0 tiles (~3 ms at the bench's shapes) outlast
+# the sends (~330 us for 16 pieces, emulated W = 2), so more pieces would buy nothing.
 KV_PARTS = GRAD
 # compute tile tag bits beyond the forward's diag: AUX, a row task (prep, dq, home or finish: kind
 # in the key, the step in the step bits, first tile / row in m0, count in rows), run by the
@@ -232,6 +233,8 @@ def make_plan(
     tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
     units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
     parts = max(1, min(KV_PARTS, comm_units, B * S))
+    if parts > GRAD:  # the kernel reads args[1] >= GRAD as a grad send
+        raise AssertionError(f"{parts} K/V pieces: their indices reach the grad sends' kind")
     # grad sends: one part per comm unit (their kind is args[1], not a part); prep, home, dq and
     # finish: one part per compute unit (row tasks); a prep part is a range of 64-row tiles of the
     # (q chunk, head) pairs' rows
