@@ -180,26 +180,23 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr float kLog2e = 1.4426950408889634f;
-  // The row tasks' loads land in the consumers' dS^T and dQ staging tiles (64 KB at D = 128, 48
-  // at 64; idle between items: every MMA of the item has been waited for and its last dQ
-  // reduce-add has read them, its end barrier orders that) by 16-byte cp.async copies, which
-  // hold no register in flight: loads into registers were spilled one at a time (the consumers
-  // keep most of their 240 registers live across the item loop), about one load in flight per
-  // lane. A lane's slots: 16 bytes each, 256 lanes a slot.
+  // The row tasks' loads land in the consumers' dQ staging tiles (32 KB, idle between items:
+  // the item's last dQ reduce-add has read them, its end barrier orders that) by 16-byte
+  // cp.async copies, which hold no register in flight: loads into registers were spilled one at
+  // a time (the consumers keep most of their 240 registers live across the item loop), about
+  // one load in flight per lane. A lane's slots: 16 bytes each, 256 lanes a slot.
   using StageMap = typename Engine::Core::Map;
-  static_assert(StageMap::kDQOffset == StageMap::kDSOffset + 2 * StageMap::kDSBytes,
-                "dS^T's tiles and dQ's staging are one span");
-  static constexpr int kStageLanes = 256;  // the row tasks' team
-  static constexpr int kStageBytes = StageMap::kRowOffset - StageMap::kDSOffset;
+  static constexpr int kStageLanes = 256;                               // the row tasks' team
+  static constexpr int kStageBytes = 2 * StageMap::kDQBytesPerWG;       // both warpgroups' tiles
   static constexpr int kQuadsAhead = kStageBytes / (16 * kStageLanes);  // a lane's copies in flight
   static constexpr int kRowsAhead = kQuadsAhead / (2 * D / 64);  // prep: V uint4 of dO and of O
-  static_assert(kQuadsAhead >= 8, "staging for several copies a lane");
+  static_assert(kQuadsAhead >= 4, "staging for a few copies a lane (D = 64: 16 KB, 128: 32 KB)");
   static_assert(kRowsAhead >= 1, "a prep row's dO and O fit a lane's slots");
 
   // Slot k of this lane (k < kQuadsAhead) in the staging tiles.
   static __device__ __forceinline__ uint32_t slot(const Team& team, int k) {
     extern __shared__ __align__(1024) char smem[];  // the kernel's dynamic shared memory
-    return smem_u32(smem + StageMap::kDSOffset) + (k * kStageLanes + team.lane) * 16;
+    return smem_u32(smem + StageMap::kDQOffset) + (k * kStageLanes + team.lane) * 16;
   }
 
   static __device__ typename Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) {
