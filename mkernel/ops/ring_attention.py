@@ -247,11 +247,20 @@ def chain_order(chains: list[list[tuple[int, int, int]]], lag: float) -> list[in
             clock += cost
         return True
 
+    def pick(clock: float) -> int:  # the rule above, scanning the live tiles in order once
+        first_ready = None
+        for i in live:
+            if landed(chains[i][pos[i]][1]) <= clock:
+                if runs_out(i, clock):
+                    return i
+                first_ready = i if first_ready is None else first_ready
+        if first_ready is not None:
+            return first_ready
+        return min(live, key=lambda i: landed(chains[i][pos[i]][1]))
+
     clock, order = 0.0, []
     while live:
-        ready = [i for i in live if landed(chains[i][pos[i]][1]) <= clock]
-        whole = [i for i in ready if runs_out(i, clock)]
-        i = (whole or ready or [min(live, key=lambda i: landed(chains[i][pos[i]][1]))])[0]
+        i = pick(clock)
         clock = max(clock, landed(chains[i][pos[i]][1]))
         while pos[i] < len(chains[i]) and landed(chains[i][pos[i]][1]) <= clock:
             task, _, cost = chains[i][pos[i]]
