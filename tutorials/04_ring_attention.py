@@ -49,9 +49,10 @@ for layout in ("contiguous", "zigzag"):
 # `landed[s+1]` there; every reader of a slot waits for `landed[s] == parts`. Each q tile has a
 # chain of compute tasks, one per (step, K/V chunk) it sees, the masked diagonal first. All of a
 # tile's tasks run on one unit (rows u, u + units, ... of the table are unit u's; empty tasks pad
-# the shorter units), step-major among the unit's other tiles: every step-0 task first, while the
-# next block is on its way; between a tile's tasks its online-softmax state waits in the `state`
-# workspace, where the same unit left it (no signal needed). With a causal mask a contiguous ring
+# the shorter units), back to back while their blocks should have landed (`ra.chain_order`, with
+# the cost model's arrival estimate; here, on the CPU, 1.5 steps, so some tiles are left and
+# resumed); while a tile is left its online-softmax state waits in the `state` workspace, where
+# the same unit left it (no signal needed). With a causal mask a contiguous ring
 # never wraps: rank r needs only ranks 0..r, so the last rank sends nothing and rank 0 computes
 # one step; zigzag gives every rank the same number of compute tasks.
 
