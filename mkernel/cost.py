@@ -75,11 +75,12 @@ class Rates:
     loop: Link = Link(9.8, 1.2, 358.0)
     local_gbps: float = 4000.0  # local stores at 132 CTAs: 4.0-4.2 TB/s (/work/shared/FACTS.md)
     # The attention forward engine on 132 SMs: 640-680 TFLOP/s at S = 8192, D = 128
-    # (benchmarks/results/ring_local_2026-12-02.json, attention_2026-12-01_final.json).
+    # (benchmarks/results/ring_local_2026-12-02_final.json, attention_2026-12-01_final.json).
     attention_tflops: float = 650.0
     # One ring-attention K / V send piece (a BulkRing of 4 x 8 KB on an intra_sm spare warp):
-    # ~10 GB/s (16 pieces of a 64 MB block in ~420 us beside the engine, emulated W = 2,
-    # benchmarks/results/ring_local_bwd_2026-12-01_home_bf16_trace.txt).
+    # ~10 GB/s beside the engine, emulated W = 2 (a 64 MB block: 16 pieces in ~335-420 us, 66 in
+    # ~110-150 us; benchmarks/results/ring_local_bwd_2026-12-01_home_bf16_trace.txt,
+    # ring_kv_landing_2026-12-02.txt).
     ring_part_gbps: float = 10.0
 
 
