@@ -1,0 +1,128 @@
+"""What one work item of the attention backward costs beyond its steps (issue 13 diagnostics).
+
+The fused ring backward at W = 2 runs twice the items of W = 1 (each walking half the q rows) and
+its K/V tile phase takes ~0.6 ms longer on the same FLOPs. Two measurements tell whether a fixed
+cost per item explains it:
+
+1. the backward engine's own launch (``attention_backward_into``, full attention, B = 1, H = 32,
+   D = 128) on shapes of equal FLOPs, S_q x S_kv = 8192^2, with 1024 .. 8192 items of 256 .. 32
+   q steps; interleaved rounds; a least-squares fit of time = items * o / SMs + steps * c / SMs;
+2. one traced call of the fused kernel per case (W = 1 and emulated W = 2, full and causal): a
+   unit's item time is the gap between the ends of its consecutive K/V tile tasks; fit
+   time = o + c * steps (a step: 64 q rows of one q head against the item's 128 K/V rows).
+
+``python3 benchmarks/bwd_item_cost.py``; prints both tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from mkernel import World, attention_ext, ring_attention, ring_attention_backward
+from mkernel.bench.attention import _event_ms
+from mkernel.bench.ring_local import B, D, H, S, rank_rows
+from mkernel.ops import ring_attention_backward as rb
+from mkernel.schedule import Schedule
+
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
+
+
+def fit(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a * x0 + b * x1: (a, b)."""
+    a = torch.tensor(xs, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    sol = torch.linalg.lstsq(a, y).solution
+    return float(sol[0]), float(sol[1])
+
+
+def engine_shapes() -> None:
+    shapes = [(16384, 4096), (8192, 8192), (4096, 16384), (2048, 32768)]
+    fns = {}
+    for s_q, s_kv in shapes:
+        q, dout = (torch.randn(B, s_q, H, D, device="cuda").bfloat16() for _ in range(2))
+        k, v = (torch.randn(B, s_kv, H, D, device="cuda").bfloat16() for _ in range(2))
+        out, lse = attention_ext.attention_forward(q, k, v, False)
+        delta = attention_ext.delta_of(dout, out)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        fns[(s_q, s_kv)] = lambda a=(dout, q, k, v, lse, delta), o=(dq, dk, dv): (
+            attention_ext.attention_backward_into(*a, False, D**-0.5, *o)
+        )
+    times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    for f in fns.values():
+        f()
+    for _ in range(8):
+        for s, f in fns.items():
+            times[s].append(_event_ms(f, 3))
+    xs, ys = [], []
+    print("engine: S_q x S_kv, items, steps an item, ms")
+    for s_q, s_kv in shapes:
+        items, steps = B * H * s_kv // 128, s_q // 64
+        ms = statistics.median(times[(s_q, s_kv)])
+        xs.append((items / SMS, items * steps / SMS))
+        ys.append(ms * 1e3)
+        print(f"  {s_q:6d} x {s_kv:6d}  {items:5d}  {steps:4d}  {ms:.3f}")
+    o, c = fit(xs, ys)
+    print(f"engine fit: {o:.1f} us an item, {c:.3f} us a step")
+
+
+def _steps(plan, tile) -> int:
+    """q steps of a K/V tile task: 64-row q tiles of each q head it walks."""
+    diag = bool(tile.tag & 1)  # ring_attention.pack_tag's bit 0; cols: the q chunk's rows
+    group = plan.shapes["heads"] // plan.shapes["kv_heads"]
+    return group * -(-(tile.cols - (tile.m0 if diag else 0)) // 64)
+
+
+def fused_traces() -> None:
+    print("fused: case, items, item us (median), fit o us, fit c us a step")
+    for causal in (False, True):
+        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
+        out, lse = attention_ext.attention_forward(q, k, v, causal)
+        rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
+        layout = "zigzag" if causal else "contiguous"
+        w2 = World.emulated(2, device="cuda")
+        rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
+        w1 = World.emulated(1, device="cuda")
+        ones = (dout[None], q[None], k[None], v[None], out[None], lse[None])
+        for name, world, args, lay in (
+            ("W=1", w1, ones, "contiguous"),
+            ("W=2", w2, (rdo, rq, rk, rv, rout, rlse), layout),
+        ):
+            for tr in (False, False, True):
+                ring_attention_backward(
+                    *args, world, causal, None, lay, Schedule(overlap="intra_sm", trace=tr)
+                )
+            torch.cuda.synchronize()
+            tl = world.last_timeline
+            plan = next(
+                p
+                for p in world._plans.values()
+                if p.op == rb.SPEC.name and p.extra.get("trace") and p.overlap == "intra_sm"
+            )
+            per_unit: dict[tuple[int, str], list] = {}
+            for x in tl.spans:
+                if x.unit.startswith("comm"):
+                    continue
+                per_unit.setdefault((x.rank, x.unit), []).append(x)
+            xs, ys = [], []
+            for spans in per_unit.values():
+                spans.sort(key=lambda x: x.end)
+                prev = None
+                for x in spans:
+                    tile = plan.tiles[x.task]
+                    kv = tile.rows and not tile.tag & rb.AUX
+                    if kv and prev is not None:
+                        xs.append((1.0, float(_steps(plan, tile))))
+                        ys.append((x.end - prev) / 1e3)
+                    prev = x.end
+            o, c = fit(xs, ys)
+            print(f"  {name} causal={causal}: {len(ys)} items, median {statistics.median(ys):.1f}"
+                  f" us, o {o:.1f} us, c {c:.3f} us a step")  # fmt: skip
+
+
+if __name__ == "__main__":
+    attention_ext.load()
+    engine_shapes()
+    fused_traces()
