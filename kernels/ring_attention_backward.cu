@@ -12,7 +12,8 @@
 //                          q chunk (all q heads of its K/V head): waits landed[s] (and, a unit's
 //                          first, landed[0]); dQ reduce-added (TMA, fp32) into dq_acc, dK and dV
 //                          red.added (fp32) into dkv_acc slot s, or (DIRECT: nobody else adds to
-//                          the block) stored in bf16 into dk, dv; +1 computed[s]
+//                          the block) stored in bf16 into dk, dv; a unit's last task of step s:
+//                          computed[s] += the unit's step-s tasks
 //   grad    (comm)         waits computed[s], dlanded[s] (s > 0): slot s's rows reduce-added (TMA
 //                          bulk .add.f32) into slot s + 1 of rank r + 1; zeroed; +1 dlanded there
 //   home    (row task)     the block's last holder: waits computed[s], dlanded[s]: slot s's rows
@@ -129,8 +130,15 @@ struct BwdTasks {
   __device__ void begin(const attn::BwdWork&) { hooks.before_load(i); }  // producer: its waits
 
   // Every consumer thread, after the item's dQ reduce-adds landed and its dK, dV red.adds: both
-  // warpgroups' writes fenced, then one thread raises (computed[step]).
+  // warpgroups' writes fenced, then one thread raises (computed[step]). Only a unit's last task of
+  // a step raises (make_plan); the others need no fence: each thread's fence at that task orders
+  // its earlier tasks' writes too (program order), and nothing else waits at this barrier (the
+  // row tasks and the next item synchronise by their own barriers).
   __device__ void end(const attn::BwdWork&) {
+    if (!hooks.raises(i)) {
+      if (threadIdx.x == 128) hooks.stamp(i, 1);
+      return;
+    }
     __threadfence();
     asm volatile("bar.sync 4, 256;" ::: "memory");  // kBarEnd: both consumer warpgroups
     if (threadIdx.x == 128) {
@@ -181,7 +189,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
   static constexpr float kLog2e = 1.4426950408889634f;
   // The row tasks' loads land in the consumers' dQ staging tiles (32 KB, idle between items:
-  // the item's last dQ reduce-add has read them, its end barrier orders that) by 16-byte
+  // the item's last dQ reduce-add has read them, run_rows' first barrier orders that) by 16-byte
   // cp.async copies, which hold no register in flight: loads into registers were spilled one at
   // a time (the consumers keep most of their 240 registers live across the item loop), about
   // one load in flight per lane. A lane's slots: 16 bytes each, 256 lanes a slot.

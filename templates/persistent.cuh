@@ -351,6 +351,10 @@ struct PlanHooks {
     run_raises_of<Op>(a, cta, kRoleCompute, tasks[i]);
     stamp(i, 1);
   }
+  __device__ bool raises(int i) const {  // task i raises a signal (its writes must be fenced)
+    const int* span = c().role[kRoleCompute].raise_span + 2 * tasks[i];
+    return span[1] > span[0];
+  }
   // Nobody waits for this launch's tiles (and no timeline): skip the per-tile completion.
   __device__ bool signals() const { return c().compute_signals || c().timeline != nullptr; }
   // NOTE: a completion deferred to task i+1's epilogue runs after task i+1's waits. When task i

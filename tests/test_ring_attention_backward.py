@@ -405,7 +405,12 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
                     assert hs in homes and waits == [("computed", (hs,)), ("dlanded", (hs,))]
                     assert raises == [("dlanded", (r - hs) % W, (0,), "add")]
                     continue
-                assert raises == [("computed", r, (s,), "add")]
+                # the unit's last task of a step raises for its tasks of the step, no other
+                here = [_step(back, x) for x in mine if _kind(back, x) is None]
+                at = mine.index(t) - kinds.index(None)  # t's index among the unit's K/V tiles
+                last = at + 1 == len(here) or here[at + 1] != s
+                want_raise = [("computed", r, (s,), "add", here.count(s))] if last else []
+                assert [(*x, y.value) for x, y in zip(raises, t.raises)] == want_raise
                 want = ({("landed", (0,))} if first else set()) | (
                     {("landed", (s,))} if s else set()
                 )

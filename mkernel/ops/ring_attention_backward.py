@@ -18,8 +18,8 @@ Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the fo
 (W - 1 slots per rank, ``landed`` counted, ``parts`` sends per step); a compute task is one K/V
 tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
 dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
-``dkv_acc`` slot s (or, a block nobody else adds to, storing dk, dv in bf16: ``DIRECT``) and
-adding 1 to ``computed[s]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
+``dkv_acc`` slot s (or, a block nobody else adds to, storing dk, dv in bf16: ``DIRECT``); a
+unit's last task of step s adds its count of step-s tasks to ``computed[s]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
 consumer warpgroups): each unit's prep part first (delta rows, ``landed[0]``), its home, dq and
 finish parts last; comm tasks: the K/V sends and the grad sends (slot s on to slot s + 1 of rank
 r + 1, ``dlanded``). Home: the block's last holder stores the slot's sum in bf16 into the owner's
@@ -198,8 +198,9 @@ def make_plan(
     - compute (step s, K/V tile, q chunk): waits ``landed[s]`` (s > 0); reduce-adds its dQ into
       ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s, or, when nobody else adds to the block's
       dK, dV (never sent, one q chunk: W = 1, the last rank of a contiguous causal ring), stores
-      them in bf16 into dk, dv (the tile's ``DIRECT`` bit; that rank has no finish); adds 1 to
-      ``computed[s]``;
+      them in bf16 into dk, dv (the tile's ``DIRECT`` bit; that rank has no finish); a unit's
+      last task of step s adds the unit's number of step-s tasks to ``computed[s]`` (one fence
+      for all of them);
     - grad (comm, step s, rows): the block goes on: waits ``computed[s]`` and, s > 0,
       ``dlanded[s]``; reduce-adds the slot's rows into slot s + 1 of rank r + 1 (``dlanded[s +
       1]``), zeroes them;
@@ -335,10 +336,15 @@ def make_plan(
         for p, t in enumerate(prep_tiles):
             rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
         for u, ids in enumerate(lists):
-            for i, t in enumerate(ids):
-                s = fwd.unpack_tag(tiles[t].tag)[1]
+            steps_of = [fwd.unpack_tag(tiles[t].tag)[1] for t in ids]
+            for i, (t, s) in enumerate(zip(ids, steps_of)):
                 waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())
-                raises = (Raise("computed", r, (s,), op="add"),)
+                # NOTE: the unit's last task of a step raises for all of them (computed[s] += its
+                # count): the others end without a fence (it waited for their dK, dV red.adds,
+                # ~3% of a W = 2 causal call) and their tasks come earlier in the unit's rows
+                last = i + 1 == len(ids) or steps_of[i + 1] != s
+                n_s = steps_of.count(s)
+                raises = (Raise("computed", r, (s,), value=n_s, op="add"),) if last else ()
                 rows[(i + 1) * units + u] = Task(t, (t,), waits, raises)
         row = depth + 1
         for s in homes:  # the sum of the block held at step s (mine + the previous holders')
