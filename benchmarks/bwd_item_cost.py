@@ -17,12 +17,14 @@ cost per item explains it:
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
 from mkernel import World, attention_ext, ring_attention, ring_attention_backward
 from mkernel.bench.attention import _event_ms
 from mkernel.bench.ring_local import B, D, H, S, rank_rows
+from mkernel.ops import ring_attention as ra
 from mkernel.ops import ring_attention_backward as rb
 from mkernel.schedule import Schedule
 
@@ -106,23 +108,42 @@ def fused_traces() -> None:
                 if x.unit.startswith("comm"):
                     continue
                 per_unit.setdefault((x.rank, x.unit), []).append(x)
-            xs, ys = [], []
-            for spans in per_unit.values():
+            xs, ys, cats = [], [], []
+            t0 = min(x.start for x in tl.spans)
+            ends: dict[tuple[int, str], tuple[float, int]] = {}
+            for key, spans in per_unit.items():
                 spans.sort(key=lambda x: x.end)
-                prev = None
+                prev, n = None, 0
                 for x in spans:
                     tile = plan.tiles[x.task]
                     kv = tile.rows and not tile.tag & rb.AUX
                     if kv and prev is not None:
                         xs.append((1.0, float(_steps(plan, tile))))
                         ys.append((x.end - prev) / 1e3)
+                        cats.append((ra.unpack_tag(tile.tag)[1], tile.tag & 1))  # (step, diag)
+                    if kv:
+                        n += 1
+                        ends[key] = ((x.end - t0) / 1e3, n)
                     prev = x.end
             o, c = fit(xs, ys)
             print(f"  {name} causal={causal}: {len(ys)} items, median {statistics.median(ys):.1f}"
                   f" us, o {o:.1f} us, c {c:.3f} us a step")  # fmt: skip
+            res: dict[tuple[int, int], list[float]] = {}
+            for (_, st), y, cat in zip(xs, ys, cats, strict=True):
+                res.setdefault(cat, []).append(y - o - c * st)
+            for cat, r in sorted(res.items()):
+                print(f"    step {cat[0]} diag {cat[1]}: {len(r)} items, residual median "
+                      f"{statistics.median(r):.1f} us, p10 {sorted(r)[len(r) // 10]:.1f}, p90 "
+                      f"{sorted(r)[len(r) * 9 // 10]:.1f}")  # fmt: skip
+            order = sorted(ends.items(), key=lambda kv: kv[1][0])
+            for rank in range(world.size):
+                mine = [(k[1], e, n) for k, (e, n) in order if k[0] == rank]
+                print(f"    rank {rank} units' last K/V tile end (us, items): first "
+                      f"{mine[:4]}, last {mine[-4:]}")  # fmt: skip
 
 
 if __name__ == "__main__":
     attention_ext.load()
-    engine_shapes()
+    if "--fused" not in sys.argv:
+        engine_shapes()
     fused_traces()
