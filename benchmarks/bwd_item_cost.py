@@ -108,7 +108,7 @@ def fused_traces() -> None:
                 if x.unit.startswith("comm"):
                     continue
                 per_unit.setdefault((x.rank, x.unit), []).append(x)
-            xs, ys, cats = [], [], []
+            xs, ys, cats, when = [], [], [], []
             t0 = min(x.start for x in tl.spans)
             ends: dict[tuple[int, str], tuple[float, int]] = {}
             for key, spans in per_unit.items():
@@ -121,6 +121,7 @@ def fused_traces() -> None:
                         xs.append((1.0, float(_steps(plan, tile))))
                         ys.append((x.end - prev) / 1e3)
                         cats.append((ra.unpack_tag(tile.tag)[1], tile.tag & 1))  # (step, diag)
+                        when.append((x.end - t0) / 1e3)
                     if kv:
                         n += 1
                         ends[key] = ((x.end - t0) / 1e3, n)
@@ -135,6 +136,13 @@ def fused_traces() -> None:
                 print(f"    step {cat[0]} diag {cat[1]}: {len(r)} items, residual median "
                       f"{statistics.median(r):.1f} us, p10 {sorted(r)[len(r) // 10]:.1f}, p90 "
                       f"{sorted(r)[len(r) * 9 // 10]:.1f}")  # fmt: skip
+            by_time: dict[int, list[float]] = {}  # residuals by when the item ended, 250 us bins
+            for (_, st), y, t in zip(xs, ys, when, strict=True):
+                by_time.setdefault(int(t // 250), []).append(y - o - c * st)
+            print("    residual by end time (us bin: items, median, p90): " + ", ".join(
+                f"{b * 250}: {len(r)}, {statistics.median(r):.0f}, "
+                f"{sorted(r)[len(r) * 9 // 10]:.0f}"
+                for b, r in sorted(by_time.items())))  # fmt: skip
             order = sorted(ends.items(), key=lambda kv: kv[1][0])
             for rank in range(world.size):
                 mine = [(k[1], e, n) for k, (e, n) in order if k[0] == rank]
