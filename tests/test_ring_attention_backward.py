@@ -410,7 +410,7 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
                 at = mine.index(t) - kinds.index(None)  # t's index among the unit's K/V tiles
                 last = at + 1 == len(here) or here[at + 1] != s
                 want_raise = [("computed", r, (s,), "add", here.count(s))] if last else []
-                assert [(*x, y.value) for x, y in zip(raises, t.raises)] == want_raise
+                assert [(*x, y.value) for x, y in zip(raises, t.raises, strict=True)] == want_raise
                 want = ({("landed", (0,))} if first else set()) | (
                     {("landed", (s,))} if s else set()
                 )

@@ -19,12 +19,13 @@ Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the fo
 tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
 dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
 ``dkv_acc`` slot s (or, a block nobody else adds to, storing dk, dv in bf16: ``DIRECT``); a
-unit's last task of step s adds its count of step-s tasks to ``computed[s]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
-consumer warpgroups): each unit's prep part first (delta rows, ``landed[0]``), its home, dq and
-finish parts last; comm tasks: the K/V sends and the grad sends (slot s on to slot s + 1 of rank
-r + 1, ``dlanded``). Home: the block's last holder stores the slot's sum in bf16 into the owner's
-``dkv_home`` (``dlanded[0]``); the finish copies it into dk, dv; dq is bf16(dq_acc) once. Each
-reader of an fp32 accumulator zeroes what it read.
+unit's last task of step s adds its count of step-s tasks to ``computed[s]``. Row tasks of the
+compute role (``AUX`` tiles, run by the engine's consumer warpgroups): each unit's prep part
+first (delta rows, ``landed[0]``), its home, dq and finish parts last; comm tasks: the K/V sends
+and the grad sends (slot s on to slot s + 1 of rank r + 1, ``dlanded``). Home: the block's last
+holder stores the slot's sum in bf16 into the owner's ``dkv_home`` (``dlanded[0]``); the finish
+copies it into dk, dv; dq is bf16(dq_acc) once. Each reader of an fp32 accumulator zeroes what it
+read.
 
     W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
     previous holders' partial, added into the same slot)
@@ -68,6 +69,10 @@ GRAD, FINISH, PREP, DQ, HOME = (16 + i for i in range(5))
 # the K/V tiles run step-major and a unit's step-0 tiles (~3 ms at the bench's shapes) outlast
 # the sends (~330 us for 16 pieces, emulated W = 2), so more pieces would buy nothing.
 KV_PARTS = GRAD
+# A step's grad sends in at most this many parts (one a comm unit): each part is one unit's TMA
+# ring, so fewer parts move the same bytes at a lower rate (the partial is needed only by the
+# end of the next step), leaving more memory bandwidth to the compute units beside them.
+GRAD_PARTS = 1 << 30
 # compute tile tag bits beyond the forward's diag: AUX, a row task (prep, dq, home or finish: kind
 # in the key, the step in the step bits, first tile / row in m0, count in rows), run by the
 # engine's consumer warpgroups between its tiles; DIRECT, a K/V tile whose dK, dV nobody else adds
@@ -240,7 +245,7 @@ def make_plan(
     # finish: one part per compute unit (row tasks); a prep part is a range of 64-row tiles of the
     # (q chunk, head) pairs' rows
     qt = -(-Sc // ROW_TILE)
-    gparts = max(1, min(comm_units, B * S))
+    gparts = max(1, min(comm_units, B * S, GRAD_PARTS))
     preps, tails = min(units, B * C * H * qt), max(1, min(units, B * S))
 
     # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
@@ -337,7 +342,7 @@ def make_plan(
             rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
         for u, ids in enumerate(lists):
             steps_of = [fwd.unpack_tag(tiles[t].tag)[1] for t in ids]
-            for i, (t, s) in enumerate(zip(ids, steps_of)):
+            for i, (t, s) in enumerate(zip(ids, steps_of, strict=True)):
                 waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())
                 # NOTE: the unit's last task of a step raises for all of them (computed[s] += its
                 # count): the others end without a fence (it waited for their dK, dV red.adds,
