@@ -516,6 +516,23 @@ def test_the_unchanged_plan_passes_over_two_calls(layout):
     _assert_workspace_zero(world)
 
 
+def test_grad_parts_are_capped_and_the_gradients_stay_right(monkeypatch):
+    """GRAD_PARTS below the comm units (GPU worlds: 24 of 66 units): each step's grad sends come
+    in that many parts, each waited for by the next holder, and the gradients are unchanged."""
+    monkeypatch.setattr(rb, "GRAD_PARTS", 2)
+    got, world, (q, k, v, dout, out, lse) = _run(3, 20, "contiguous", False)
+    sched = mkernel.Schedule(overlap="intra_sm", sms=3)
+    plan = rb.make_plan(sched, world, **rb.shapes(dout, q, k, v, out, lse, world, False))
+    assert plan.extra["gparts"] == 2 < plan.comm_units
+    for r in range(3):
+        by_step: dict[int, int] = {}
+        for t in _comm(plan, r, rb.GRAD):
+            by_step[t.args[0]] = by_step.get(t.args[0], 0) + 1
+        assert by_step and set(by_step.values()) == {2}, f"rank {r}: {by_step}"
+    _assert_grads(got, q, k, v, dout, out, lse, False, 1 / 8, "contiguous", "2 grad parts")
+    _assert_workspace_zero(world)
+
+
 def _drop(pad: str, rank: int, kind: int, step: int):
     def edit(plan, tasks):
         for t in tasks["comm"][rank]:
