@@ -148,6 +148,22 @@ def fused_traces() -> None:
                 mine = [(k[1], e, n) for k, (e, n) in order if k[0] == rank]
                 print(f"    rank {rank} units' last K/V tile end (us, items): first "
                       f"{mine[:4]}, last {mine[-4:]}")  # fmt: skip
+            # does hosting comm tasks (intra_sm: the unit's spare warp) make a unit late?
+            kv_sends = world.size * plan.extra["parts"]
+            hosts: dict[tuple[int, str], set[str]] = {}
+            for x in tl.spans:
+                if x.unit.startswith("comm"):
+                    kind = "kv" if x.task < kv_sends else "grad"
+                    hosts.setdefault((x.rank, x.unit.replace("comm", "compute")), set()).add(kind)
+            groups: dict[str, list[float]] = {}
+            for key, (e, _) in ends.items():
+                kinds = hosts.get(key, set())
+                label = "+".join(sorted(kinds)) or "none"
+                groups.setdefault(label, []).append(e)
+            head = "    last K/V tile end by hosted comm (kind: units, mean us, min, max): "
+            print(head + ", ".join(
+                f"{k}: {len(v)}, {statistics.mean(v):.0f}, {min(v):.0f}, {max(v):.0f}"
+                for k, v in sorted(groups.items())))  # fmt: skip
 
 
 if __name__ == "__main__":
