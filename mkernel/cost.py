@@ -82,6 +82,19 @@ class Rates:
     # ~110-150 us; benchmarks/results/ring_local_bwd_2026-12-01_home_bf16_trace.txt,
     # ring_kv_landing_2026-12-02.txt).
     ring_part_gbps: float = 10.0
+    # The attention backward engine on 132 SMs: 470-500 TFLOP/s at S = 8192, D = 128, counting
+    # 2.5x the forward's FLOPs (benchmarks/results/ring_local_bwd_2026-12-02_grad_parts.json).
+    attention_bwd_tflops: float = 480.0
+    # The compute a unit loses to its own spare warp's copies (intra_sm: the comm unit shares the
+    # SM), as a rate of their traffic (bytes read + written): in an emulated W = 2 ring backward
+    # the units hosting a grad part (~17 MB) ended their K/V tiles ~340 us after those hosting no
+    # comm task, those hosting a K/V piece (~8 MB) ~170 us after (full: ~210 and ~75 us):
+    # ~50 GB/s (benchmarks/results/bwd_item_cost_2026-12-02.txt, run 9).
+    spare_copy_gbps: float = 50.0
+    # An attention-backward work item's fixed cost beyond its q steps: 6.9 us fitted on the
+    # engine alone (1024-8192 items of equal FLOPs), 7-25 us in the fused kernel's traces
+    # (benchmarks/results/bwd_item_cost_2026-12-02.txt).
+    attention_bwd_item_us: float = 10.0
 
 
 RATES = Rates()
@@ -335,6 +348,28 @@ def ring_block_lag(
     flops_per_row = 4.0 * q_rows * head_dim  # QK^T and PV for one key row
     rows_per_second = rates.attention_tflops * 1e12 / rates.engine_sms / flops_per_row
     return seconds * rows_per_second
+
+
+def _bwd_rows_per_second(kv_rows: int, head_dim: int, rates: Rates) -> float:
+    """q rows a unit walks per second with a K / V tile of ``kv_rows`` rows (the backward's five
+    products, 2.5x the forward's FLOPs), at the backward engine's rate per SM."""
+    flops_per_row = 2.5 * 4.0 * kv_rows * head_dim
+    return rates.attention_bwd_tflops * 1e12 / rates.engine_sms / flops_per_row
+
+
+def item_rows(kv_rows: int, head_dim: int, rates: Rates = RATES) -> float:
+    """An attention-backward work item's fixed cost (K / V tile load, pipeline fill, dK / dV
+    epilogue) in the ring backward plan's task cost unit (q rows walked)."""
+    return rates.attention_bwd_item_us * 1e-6 * _bwd_rows_per_second(kv_rows, head_dim, rates)
+
+
+def spare_copy_rows(traffic_bytes: int, kv_rows: int, head_dim: int, rates: Rates = RATES) -> float:
+    """The compute a unit of the ring-attention backward loses to ``traffic_bytes`` of copies by
+    its own spare warp, in the plan's task cost unit (q rows walked by one K / V tile of
+    ``kv_rows`` rows): the copy's time at ``rates.spare_copy_gbps`` at the backward engine's rate
+    per SM. The plan's LPT starts a unit with the cost of the comm tasks it hosts."""
+    seconds = traffic_bytes / (rates.spare_copy_gbps * 1e9)
+    return seconds * _bwd_rows_per_second(kv_rows, head_dim, rates)
 
 
 # Ring attention's overlap by rule (no model yet): intra_sm, the block pushed by the idle

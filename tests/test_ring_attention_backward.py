@@ -533,6 +533,45 @@ def test_grad_parts_are_capped_and_the_gradients_stay_right(monkeypatch):
     _assert_workspace_zero(world)
 
 
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag")])
+def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
+    """intra_sm: comm unit u runs on compute unit u's SM, so the LPT starts that unit with the cost
+    of the copies it hosts (cost.spare_copy_rows of their bytes read + written). Recomputed here:
+    each unit's K/V tile costs (q rows walked + cost.item_rows) plus its hosted copies end within
+    one task's cost of each other, where the copies alone outweigh a task (grad sends in 3 parts,
+    so 3 of the 8 units host them)."""
+    monkeypatch.setattr(rb, "GRAD_PARTS", 3)
+    W, S, Hkv, D = 2, 2048, 8, 128  # a grad part: 256 rows x 8 heads of fp32 dK | dV
+    world = mkernel.World.emulated(W)
+    sched = mkernel.Schedule(overlap="intra_sm")
+    shapes = dict(batch=1, seq=S, heads=Hkv, kv_heads=Hkv, head_dim=D, scale_bits=0)
+    plan = sched.plan(
+        "ring_attention_backward", world, causal=int(causal), zigzag=int(layout == "zigzag"),
+        **shapes,
+    )  # fmt: skip
+    units, tk = plan.compute_units, plan.extra["kv_tile"]
+    item = mkernel.cost.item_rows(tk, D)
+    for r in range(W):
+        hosted = [0.0] * units
+        for i, t in enumerate(plan.roles["comm"].tasks[r]):
+            per_row = 24 * Hkv * D if t.args[1] == rb.GRAD else 8 * Hkv * D
+            hosted[i % units] += mkernel.cost.spare_copy_rows(per_row * t.args[3], tk, D)
+        work, biggest = [0.0] * units, 0.0
+        for u in range(units):
+            for t in plan.roles["compute"].tasks[r][u::units]:
+                tile = plan.tiles[t.args[0]]
+                if tile.rows and not tile.tag & rb.AUX:
+                    c = (tile.cols - tile.m0 if tile.tag & 1 else tile.cols) + item
+                    work[u] += c
+                    biggest = max(biggest, c)
+        assert max(hosted) > biggest, "the case must make the copies matter"
+        total = [w + h for w, h in zip(work, hosted, strict=True)]
+        assert max(total) - min(total) <= biggest + 1e-6, f"rank {r}: {total}"
+        host = max(range(units), key=hosted.__getitem__)
+        idle = min(range(units), key=hosted.__getitem__)
+        assert work[host] < work[idle], f"rank {r}: {work}, hosted {hosted}"
+
+
 def _drop(pad: str, rank: int, kind: int, step: int):
     def edit(plan, tasks):
         for t in tasks["comm"][rank]:

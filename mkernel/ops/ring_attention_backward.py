@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..cost import item_rows, spare_copy_rows
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -252,7 +253,9 @@ def make_plan(
     gparts = max(1, min(comm_units, B * S, GRAD_PARTS))
     preps, tails = min(units, B * C * H * qt), max(1, min(units, B * S))
 
-    # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key.
+    # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key. Cost:
+    # the q rows the task walks (times the q heads of its K/V head) plus an item's fixed cost.
+    item = item_rows(tk, D)
     tiles: list[Tile] = []
     per_rank: list[list[list[tuple[int, int]]]] = []
     readers = [[0] * W for _ in range(W)]
@@ -273,7 +276,7 @@ def make_plan(
                             tag = fwd.pack_tag(key, s, diag, False, False)
                             for m0 in range(0, Sc, tk):
                                 n = min(tk, Sc - m0)
-                                cost = group * ((Sc - m0) if diag else Sc)
+                                cost = group * ((Sc - m0) if diag else Sc) + item
                                 steps[s].append((cost, len(tiles)))
                                 tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
                                 readers[r][s] += 1
@@ -332,7 +335,17 @@ def make_plan(
         # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
         # u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0 holds
         # the preps (unit p: part p), the last rows dq and finish parts (unit p: part p).
-        load, lists = [0] * units, [[] for _ in range(units)]
+        load, lists = [0.0] * units, [[] for _ in range(units)]
+        if schedule.overlap == "intra_sm":  # comm unit u runs on compute unit u's SM
+            # NOTE: its copies slow that unit's tiles (a unit hosting a grad part ended its tiles
+            # ~340 us late, emulated W = 2; cost.Rates.spare_copy_gbps): start it with their cost.
+            # Traffic in bytes read + written: a K/V piece's rows (K and V, bf16), a grad part's
+            # (dK | dV fp32: read, reduce-added into the peer, zeroed); comm row k runs on unit
+            # k % comm_units (the template's rule), in the order the comm list is built below.
+            hosted = [8 * n * Hkv * D for _ in sends[r] for _, n in fwd.row_parts(B * S, parts)]
+            hosted += [24 * n * Hkv * D for _ in grads for _, n in fwd.row_parts(B * S, gparts)]
+            for k, nbytes in enumerate(hosted):
+                load[k % comm_units] += spare_copy_rows(nbytes, tk, D)
         for s in range(W):
             for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
                 u = min(range(units), key=load.__getitem__)
