@@ -422,9 +422,6 @@ enum Pad : int {
   kPadComputedCount = 4,
   kPadDlanded = 5,
   kPadDlandedCount = 6,
-  kPadTileDone = 7,
-  kPadTileDoneCount = 8,
-  kPadHomed = 9,
 };
 constexpr int kTagKey = 11;
 constexpr int kGrad = 16;

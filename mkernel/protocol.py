@@ -35,7 +35,7 @@ import torch
 # -- constants shared with device code (emitted into templates/protocol_gen.h) --------------------
 MAX_LOCAL_RANKS = 16  # ranks one launch serves (an emulated world on one GPU)
 MAX_BARRIER_SLOTS = 256  # entry-barrier flags per rank: [slot, W]
-MAX_PADS = 12  # signal pads per op, the template's barrier (id 0) included (the ring backward: 10)
+MAX_PADS = 8  # signal pads per op, the template's barrier (id 0) included
 MAX_SLOTS = 16  # named buffers per op (the ring backward declares 16)
 MAX_SCALARS = 8  # named int scalars per op
 TASK_ARGS = 4  # int32 arguments per task

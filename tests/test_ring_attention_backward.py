@@ -287,44 +287,6 @@ def _rows(plan, r: int, *kinds: int):
     return [t for t in plan.roles["compute"].tasks[r] if _kind(plan, t) in kinds]
 
 
-def _task_row_tile(plan, task) -> int:
-    """The K/V row tile of a compute task's rows within its block: (b, K/V chunk, tile) in the
-    block's row order (b S + ck Sc + i), recomputed from its tile's key and first row."""
-    tile, C, tk = plan.tiles[task.args[0]], plan.extra["chunks"], plan.extra["kv_tile"]
-    b, _, _, ck = rb.unpack_key(ra.unpack_tag(tile.tag)[0], C, plan.shapes["kv_heads"])
-    nt = -(-(plan.shapes["seq"] // C) // tk)
-    return (b * C + ck) * nt + tile.m0 // tk
-
-
-def _rows_tiles(plan, r0: int, n: int) -> set[int]:
-    """The K/V row tiles under block rows [r0, r0 + n)."""
-    S, C, tk = plan.shapes["seq"], plan.extra["chunks"], plan.extra["kv_tile"]
-    Sc, nt = S // C, -(-(S // C) // tk)
-    return {((row // S) * C + row % S // Sc) * nt + row % S % Sc // tk for row in range(r0, r0 + n)}
-
-
-def _home_waits_ok(plan, r: int, t) -> None:
-    """A home part of step s waits for each K/V row tile under its rows (tile_done[s, tile], the
-    number of rank r's step-s tasks on it) and for the previous holders' partial (dlanded[s])."""
-    s, tile = _tile_step(plan, t), plan.tiles[t.args[0]]
-    counts: dict[int, int] = {}
-    for c in plan.roles["compute"].tasks[r]:
-        if _step(plan, c) == s:
-            x = _task_row_tile(plan, c)
-            counts[x] = counts.get(x, 0) + 1
-    want = sorted(("tile_done", (s, x), counts[x]) for x in _rows_tiles(plan, tile.m0, tile.rows)
-                  if x in counts)  # fmt: skip
-    got = [(w.pad, w.index, w.value) for w in t.waits]
-    assert sorted(got[:-1]) == want and got[-1] == ("dlanded", (s,), plan.extra["gparts"])
-
-
-def _part(plan, r: int, t, kind: int) -> int:
-    """The index of a row task among its kind's parts on rank r (of its step), by first row."""
-    s = _tile_step(plan, t)
-    same = [x for x in _rows(plan, r, kind) if _tile_step(plan, x) == s]
-    return sorted(plan.tiles[x.args[0]].m0 for x in same).index(plan.tiles[t.args[0]].m0)
-
-
 def test_contiguous_causal_partials_go_down_the_ring_and_home():
     W = 4
     plan = _plan(W, 20, True, "contiguous")
@@ -334,16 +296,19 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
         want = {(s, rb.GRAD, r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
         assert dests == want, f"rank {r}"
         assert len(grads) == len(want) * plan.extra["gparts"], "one grad send per part"
-        # the last rank returns each block's sum to its owner (dkv_home, homed[part]): row tasks
+        # the last rank returns each block's sum to its owner (dkv_home, dlanded[0]): row tasks
         homes = _rows(plan, r, rb.HOME)
         got = {(_tile_step(plan, t), t.raises[0].rank, t.raises[0].index) for t in homes}
-        tails = plan.extra["tails"]
-        want = {(s, r - s, (p,)) for s in range(1, r + 1) for p in range(tails)}
-        assert got == (want if r == W - 1 else set()), f"rank {r}: home"
-        assert len(homes) == len(got), "one home task per part"
+        want = {(s, r - s, (0,)) for s in range(1, r + 1)} if r == W - 1 else set()
+        assert got == want, f"rank {r}: home"
+        assert len(homes) == len(want) * plan.extra["tails"], "one home task per part"
         for t in homes:
-            _home_waits_ok(plan, r, t)
-            assert t.raises[0].index == (_part(plan, r, t, rb.HOME),)
+            s = _tile_step(plan, t)
+            n = sum(_step(plan, c) == s for c in plan.roles["compute"].tasks[r])
+            assert [(w.pad, w.index, w.value) for w in t.waits] == [
+                ("computed", (s,), n),
+                ("dlanded", (s,), plan.extra["gparts"]),
+            ]
         finishes = _rows(plan, r, rb.FINISH)
         direct = [
             plan.tiles[t.args[0]].tag & rb.DIRECT != 0
@@ -355,9 +320,10 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
             continue
         assert not plan.extra["direct"][r] and not any(direct)
         assert len(finishes) == plan.extra["tails"]
-        for finish in finishes:  # part p waits for the same part of the way home
-            p = _part(plan, r, finish, rb.FINISH)
-            assert [(w.pad, w.index, w.value) for w in finish.waits] == [("homed", (p,), 1)]
+        for finish in finishes:
+            assert [(w.pad, w.index, w.value) for w in finish.waits] == [
+                ("dlanded", (0,), plan.extra["tails"])
+            ]
 
 
 def _step(plan, task) -> int | None:
@@ -373,18 +339,12 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
     for r in range(W):
         computes = plan.roles["compute"].tasks[r]
         sends = [(t.args[0], t) for t in _comm(plan, r, rb.GRAD)]
-        homes = [(_tile_step(plan, t), t) for t in _rows(plan, r, rb.HOME)]
-        assert {s for s, _ in sends + homes} == set(range(W)), "every partial goes on or home"
+        sends += [(_tile_step(plan, t), t) for t in _rows(plan, r, rb.HOME)]
+        assert {s for s, _ in sends} == set(range(W)), "every step's partial goes on or home"
         for s, t in sends:
             n = sum(_step(plan, c) == s for c in computes)
             (w,) = [w for w in t.waits if w.pad == "computed"]
             assert (w.index, w.value) == ((s,), n)
-        for _, t in homes:
-            _home_waits_ok(plan, r, t)
-        for s in {s for s, _ in homes}:  # the home parts of s wait for every task of s between them
-            waited = {w.index[1]: w.value for hs, t in homes if hs == s for w in t.waits
-                      if w.pad == "tile_done"}  # fmt: skip
-            assert sum(waited.values()) == sum(_step(plan, c) == s for c in computes)
 
 
 @pytest.mark.parametrize(
@@ -420,8 +380,8 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
                      and s not in back.extra["sends"][r]]  # fmt: skip
             want_kinds = [rb.PREP] * (u < preps) + [None] * kinds.count(None)
             want_kinds += [rb.HOME] * (len(homes) * (u < tails))
-            want_kinds += [rb.FINISH] * (u < tails and not direct) + [rb.DQ] * (u < tails)
-            assert kinds == want_kinds, f"rank {r} unit {u}: prep, K/V tiles, finish, dq"
+            want_kinds += [rb.DQ] * (u < tails) + [rb.FINISH] * (u < tails and not direct)
+            assert kinds == want_kinds, f"rank {r} unit {u}: prep, K/V tiles, dq, finish"
             steps = [_step(back, t) for t in mine if _kind(back, t) is None]
             assert steps == sorted(steps), f"rank {r} unit {u}: not step-major"
             first = True
@@ -438,23 +398,18 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
                     ]
                     continue
                 if kind == rb.FINISH:
-                    p = _part(back, r, t, rb.FINISH)
-                    assert (waits, raises) == ([("homed", (p,))], [])
+                    assert (waits, raises) == ([("dlanded", (0,))], [])
                     continue
                 if kind == rb.HOME:
                     hs = _tile_step(back, t)
-                    assert hs in homes
-                    _home_waits_ok(back, r, t)
-                    p = _part(back, r, t, rb.HOME)
-                    assert raises == [("homed", (r - hs) % W, (p,), "set")]
+                    assert hs in homes and waits == [("computed", (hs,)), ("dlanded", (hs,))]
+                    assert raises == [("dlanded", (r - hs) % W, (0,), "add")]
                     continue
                 # the unit's last task of a step raises for its tasks of the step, no other
                 here = [_step(back, x) for x in mine if _kind(back, x) is None]
                 at = mine.index(t) - kinds.index(None)  # t's index among the unit's K/V tiles
                 last = at + 1 == len(here) or here[at + 1] != s
                 want_raise = [("computed", r, (s,), "add", here.count(s))] if last else []
-                if s in homes:  # the home parts of its rows wait for it
-                    want_raise.append(("tile_done", r, (s, _task_row_tile(back, t)), "add", 1))
                 assert [(*x, y.value) for x, y in zip(raises, t.raises, strict=True)] == want_raise
                 want = ({("landed", (0,))} if first else set()) | (
                     {("landed", (s,))} if s else set()
@@ -675,13 +630,7 @@ def test_a_dq_store_before_every_step_is_computed_is_a_race():
 
 def test_a_finish_that_does_not_wait_for_its_gradient_is_a_race():
     with pytest.raises(RaceError, match="dkv_home"):
-        _run(2, 20, "contiguous", False, edit=_drop("homed", 0, rb.FINISH, 0))
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_a_home_that_does_not_wait_for_its_rows_tiles_is_a_race(seed):
-    with pytest.raises(RaceError, match="dkv_acc"):
-        _run(2, 20, "zigzag", True, edit=_drop("tile_done", 1, rb.HOME, 1), seed=seed)
+        _run(2, 20, "contiguous", False, edit=_drop("dlanded", 0, rb.FINISH, 0))
 
 
 def test_a_dk_tile_never_stored_is_reported(monkeypatch):

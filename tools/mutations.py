@@ -764,18 +764,11 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_home_before_the_previous_holders",
         RB,
-        '            grad = (Wait("dlanded", r, (s,), value=gparts, consumers=tails, patience=3),)',
-        "            grad = ()",
+        '            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, '
+        "patience=3),)\n",
+        "",
         "ring backward: the last holder sends a block's sum home before the previous holders' "
         "partials landed",
-    ),
-    Mutation(
-        "ring_bwd_home_before_its_rows",
-        RB,
-        "                for x in covers[p] if done[s][x]",
-        "                for x in covers[p][:1] if done[s][x]",
-        "ring backward: a home part waits for the first K/V row tile under its rows only (the "
-        "others' dK/dV still being added)",
     ),
     Mutation(
         "ring_bwd_dq_waits_step_zero_only",
@@ -787,8 +780,8 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_finish_without_wait",
         RB,
-        '            rows[row * units + p] = Task(t, (t,), (Wait("homed", r, (p,), patience=3),))',
-        "            rows[row * units + p] = Task(t, (t,))",
+        "            rows[(row + 1) * units + p] = Task(t, (t,), back)",
+        "            rows[(row + 1) * units + p] = Task(t, (t,))",
         "ring backward: the owner's finish reads its block's sum before it came home",
     ),
     # -- over several nodes (the hierarchical plans, docs/rdma.md) --------------------------------

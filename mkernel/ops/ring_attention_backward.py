@@ -83,10 +83,6 @@ GRAD_PARTS = 24
 # engine's consumer warpgroups between its tiles; DIRECT, a K/V tile whose dK, dV nobody else adds
 # to (W = 1, a block that is never sent), stored in bf16 into dk, dv by the engine, no finish
 AUX, DIRECT = 2, 4
-# A step whose block goes home runs its K/V tiles in this many blocks of rows (heads in order
-# within a block), so the home parts of a block's rows can start while later rows compute
-# (tile_done), not only after the step's last tile.
-HOME_BLOCKS = 4
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -154,20 +150,7 @@ SPEC = OpSpec(
             ("step",),
             ("W",),
             counted=True,
-            doc="step s > 0: the previous holders' partial is in my slot (index 0 unused)",
-        ),
-        Pad(
-            "tile_done",
-            ("step", "tile"),
-            ("W", "kv_tiles"),
-            counted=True,
-            doc="my compute tasks of step s on K/V row tile t (every head, q chunk) are done",
-        ),
-        Pad(
-            "homed",
-            ("part",),
-            ("tails",),
-            doc="rows of part p of my block's sum are in dkv_home (its last holder's home part p)",
+            doc="the previous holders' partial is in my slot (0: my block's sum in dkv_home)",
         ),
     ),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
@@ -270,20 +253,10 @@ def make_plan(
     gparts = max(1, min(comm_units, B * S, GRAD_PARTS))
     preps, tails = min(units, B * C * H * qt), max(1, min(units, B * S))
 
-    # K/V row tiles of a block (tile_done's index): (b, K/V chunk, tile) in the block's row order
-    nt = -(-Sc // tk)
-    kv_tiles = B * C * nt
-
-    def row_tile(row: int) -> int:  # the K/V row tile of block row ``row`` (b S + ck Sc + i)
-        b, rest = divmod(row, S)
-        ck, i = divmod(rest, Sc)
-        return (b * C + ck) * nt + i // tk
-
     # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key. Cost:
     # the q rows the task walks (times the q heads of its K/V head) plus an item's fixed cost.
     item = item_rows(tk, D)
     tiles: list[Tile] = []
-    row_tile_of: dict[int, int] = {}  # compute tile id -> its K/V row tile
     per_rank: list[list[list[tuple[int, int]]]] = []
     readers = [[0] * W for _ in range(W)]
     for r in range(W):
@@ -305,7 +278,6 @@ def make_plan(
                                 n = min(tk, Sc - m0)
                                 cost = group * ((Sc - m0) if diag else Sc) + item
                                 steps[s].append((cost, len(tiles)))
-                                row_tile_of[len(tiles)] = (b * C + ck) * nt + m0 // tk
                                 tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
                                 readers[r][s] += 1
         per_rank.append(steps)
@@ -334,7 +306,6 @@ def make_plan(
         return list(range(first, len(tiles)))
 
     prep_tiles = aux_tiles(PREP, B * C * H * qt, preps)
-    tail_rows = fwd.row_parts(B * S, tails)  # the home, dq and finish parts' rows
     dq_tiles = aux_tiles(DQ, B * S, tails)
     finish_tiles = aux_tiles(FINISH, B * S, tails)
     home_tiles = {}  # step -> the home parts of the block held at that step
@@ -358,12 +329,7 @@ def make_plan(
         # consumers of computed[s]: the grad or home parts of s, and the dq parts
         grads = [s for s in range(W) if holds[r][s] and s in sends[r]]
         homes = [s for s in range(1, W) if holds[r][s] and s not in sends[r]]
-        n_comp = [gparts * (s in grads) + tails for s in range(W)]  # grads, dq (not homes)
-        # a home part waits only for the K/V row tiles of its rows (tile_done): tasks per tile
-        done = [[0] * kv_tiles for _ in range(W)]
-        for s in homes:
-            for _, t in per_rank[r][s]:
-                done[s][row_tile_of[t]] += 1
+        n_comp = [gparts * (s in grads) + tails * ((s in homes) + 1) for s in range(W)]
 
         # K/V tiles to units: each step's longest first onto the least loaded unit, step-major
         # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
@@ -381,10 +347,7 @@ def make_plan(
             for k, nbytes in enumerate(hosted):
                 load[k % comm_units] += spare_copy_rows(nbytes, tk, D)
         for s in range(W):
-            # a step whose block goes home: longest first, then by block of rows (heads in order
-            # within one: a few heads' q rows in L2 at a time), so the rows finish block by block
-            order = lambda c: (-c[0], row_tile_of[c[1]] * HOME_BLOCKS // kv_tiles)  # noqa: E731
-            for cost, t in sorted(per_rank[r][s], key=order if s in homes else lambda c: -c[0]):
+            for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
                 u = min(range(units), key=load.__getitem__)
                 load[u] += cost
                 lists[u].append(t)
@@ -404,35 +367,23 @@ def make_plan(
                 last = i + 1 == len(ids) or steps_of[i + 1] != s
                 n_s = steps_of.count(s)
                 raises = (Raise("computed", r, (s,), value=n_s, op="add"),) if last else ()
-                if s in homes:  # its rows' home parts wait for it (a fence each: few steps)
-                    raises += (Raise("tile_done", r, (s, row_tile_of[t]), op="add"),)
                 rows[(i + 1) * units + u] = Task(t, (t,), waits, raises)
         row = depth + 1
-        # the K/V row tiles under each tail part's rows (home and finish parts share the cut)
-        covers = [range(row_tile(p0), row_tile(p0 + m - 1) + 1) for p0, m in tail_rows]
         for s in homes:  # the sum of the block held at step s (mine + the previous holders')
             if s not in home_tiles:
                 home_tiles[s] = aux_tiles(HOME, B * S, tails, s)
-            readers_t = [0] * kv_tiles  # home parts waiting for each tile
-            for x in (x for rng in covers for x in rng if done[s][x]):
-                readers_t[x] += 1
-            grad = (Wait("dlanded", r, (s,), value=gparts, consumers=tails, patience=3),)
+            waits = computed(s, n_comp[s])
+            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, patience=3),)
+            owner = Raise("dlanded", (r - s) % W, (0,), op="add")
             for p, t in enumerate(home_tiles[s]):
-                waits = tuple(
-                    Wait("tile_done", r, (s, x), value=done[s][x], consumers=readers_t[x],
-                         patience=2)
-                    for x in covers[p] if done[s][x]
-                )  # fmt: skip
-                home = (Raise("homed", (r - s) % W, (p,)),)  # the owner's finish part p
-                rows[row * units + p] = Task(t, (t,), waits + grad, home)
+                rows[row * units + p] = Task(t, (t,), waits, (owner,))
             row += 1
-        # finish before dq: its part waits only for the same part's home, dq for every tile
-        for p, t in enumerate(finish_tiles if not direct[r] else ()):
-            rows[row * units + p] = Task(t, (t,), (Wait("homed", r, (p,), patience=3),))
-        row += not direct[r]
         every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
         for p, t in enumerate(dq_tiles):
             rows[row * units + p] = Task(t, (t,), every, ())
+        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
+        for p, t in enumerate(finish_tiles if not direct[r] else ()):
+            rows[(row + 1) * units + p] = Task(t, (t,), back)
         while rows[-1].id == empty:
             rows.pop()  # trailing empties pad nothing (unit u's rows are u, u + units, ...)
         compute.append(rows)
@@ -467,8 +418,6 @@ def make_plan(
         "delta_cols": 2 * ROW_TILE,
         "acc_rows": W * B * S,
         "acc_cols": 2 * Hkv * D,
-        "kv_tiles": kv_tiles,
-        "tails": tails,
     } | shapes
     extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "tails": tails}
     extra |= {"gparts": gparts, "sends": sends, "direct": direct}
