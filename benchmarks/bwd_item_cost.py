@@ -21,9 +21,10 @@ import sys
 
 import torch
 
-from mkernel import World, attention_ext, ring_attention, ring_attention_backward
+from mkernel import attention_ext, ring_attention_backward
 from mkernel.bench.attention import _event_ms
-from mkernel.bench.ring_local import B, D, H, S, rank_rows
+from mkernel.bench.ring_local import B, D, H
+from mkernel.bench.ring_local_bwd import backward_args
 from mkernel.ops import ring_attention as ra
 from mkernel.ops import ring_attention_backward as rb
 from mkernel.schedule import Schedule
@@ -80,18 +81,8 @@ def _steps(plan, tile) -> int:
 def fused_traces() -> None:
     print("fused: case, items, item us (median), fit o us, fit c us a step")
     for causal in (False, True):
-        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
-        out, lse = attention_ext.attention_forward(q, k, v, causal)
-        rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
-        layout = "zigzag" if causal else "contiguous"
-        w2 = World.emulated(2, device="cuda")
-        rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
-        w1 = World.emulated(1, device="cuda")
-        ones = (dout[None], q[None], k[None], v[None], out[None], lse[None])
-        for name, world, args, lay in (
-            ("W=1", w1, ones, "contiguous"),
-            ("W=2", w2, (rdo, rq, rk, rv, rout, rlse), layout),
-        ):
+        w1, ones, w2, twos, layout = backward_args(causal)
+        for name, world, args, lay in (("W=1", w1, ones, "contiguous"), ("W=2", w2, twos, layout)):
             for tr in (False, False, True):
                 ring_attention_backward(
                     *args, world, causal, None, lay, Schedule(overlap="intra_sm", trace=tr)

@@ -100,22 +100,30 @@ def _kind(plan, role: str, task: int) -> str:
     return "kv tile"
 
 
+def backward_args(causal: bool) -> tuple[World, tuple, World, tuple, str]:
+    """Fresh inputs of the bench's shapes: a one-rank world and its (dout, q, k, v, out, lse)
+    (stacked, out and lse from the engine's forward), an emulated W = 2 world and its ranks' rows
+    (out and lse from the ring forward), and W = 2's layout (zigzag when causal)."""
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
+    out, lse = attention_ext.attention_forward(q, k, v, causal)
+    rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
+    layout = "zigzag" if causal else "contiguous"
+    w2 = World.emulated(2, device="cuda")
+    rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
+    ones = (dout[None], q[None], k[None], v[None], out[None], lse[None])
+    return World.emulated(1, device="cuda"), ones, w2, (rdo, rq, rk, rv, rout, rlse), layout
+
+
 def trace(overlaps: tuple[str, ...] = ("intra_sm",)) -> list[dict]:
     """One traced call of each case (W = 1; W = 2 per overlap; full and causal): per rank and kind
     of task, us from the first task's start: first start, last end, busy (the sum of the spans:
     K/V tiles overlap, the producer runs the next one's waits early), n."""
     rows = []
     for causal in (False, True):
-        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda").bfloat16() for _ in range(4))
-        out, lse = attention_ext.attention_forward(q, k, v, causal)
-        rq, rk, rv, rdo = rank_rows((q, k, v, dout), causal)
-        layout = "zigzag" if causal else "contiguous"
-        w2 = World.emulated(2, device="cuda")
-        rout, rlse = ring_attention(rq, rk, rv, w2, causal, None, layout)
-        cases = [("W=1", World.emulated(1, device="cuda"), None, (dout[None], q[None], k[None],
-                  v[None], out[None], lse[None]), "contiguous")]  # fmt: skip
+        w1, ones, w2, twos, layout = backward_args(causal)
+        cases = [("W=1", w1, None, ones, "contiguous")]
         for ov in overlaps:
-            cases.append((f"W=2 {ov}", w2, ov, (rdo, rq, rk, rv, rout, rlse), layout))
+            cases.append((f"W=2 {ov}", w2, ov, twos, layout))
         for name, world, ov, args, lay in cases:
             for tr in (False, False, False, True):  # warm: the plan, the extension, the clocks
                 sched = Schedule(overlap=ov, trace=tr)
