@@ -1,8 +1,9 @@
 """How many pieces the fused ring backward's transfers should take (issue 13 diagnostics).
 
 In an emulated W = 2 world the K/V tile tasks that run while a block's K/V sends or its fp32
-grad sends are under way take ~40-70 us longer each (``bwd_item_cost.py``: residuals by time):
-all comm units send at once, and the compute shares the memory with them. Fewer pieces move the
+grad sends are under way take longer (``bwd_item_cost.py``, residuals by time: p90 of 250 us bins
+40-80 us in the grad sends' window, up to 130 in the K/V sends'): all comm units send at once,
+and the compute shares the memory with them. Fewer pieces move the
 same bytes at a lower rate. This times ``ring_attention_backward`` (W = 2, intra_sm, the bench's
 shapes) with plans made under other ``KV_PARTS`` / ``GRAD_PARTS`` (module constants of
 mkernel/ops/ring_attention_backward.py, patched while each variant's plan is built), interleaved in

@@ -74,9 +74,9 @@ KV_PARTS = GRAD
 # ring, so fewer parts move the same bytes at a lower rate (the partial is needed only by the
 # end of the next step), leaving more memory bandwidth to the compute units beside them. With one
 # part per unit (66 in an emulated W = 2 world on an H200) the K/V tile tasks that ran during the
-# grad sends took ~40-70 us longer each; measured (benchmarks/ring_bwd_parts_probe.py, intra_sm,
-# vs the engine, full / causal): 66 parts 0.813 / 0.660, 32 0.861 / 0.680, 24 0.863 / 0.680, 16
-# 0.854 / 0.674, 12 0.845 / 0.662, 8 0.822 / 0.631 (too slow: the homes wait for them).
+# grad sends took up to ~40-80 us longer each (p90); measured (benchmarks/ring_bwd_parts_probe.py,
+# intra_sm, vs the engine, full / causal): 66 parts 0.813 / 0.660, 32 0.861 / 0.680, 24 0.863 /
+# 0.680, 16 0.854 / 0.674, 12 0.845 / 0.662, 8 0.822 / 0.631 (too slow: the homes wait for them).
 GRAD_PARTS = 24
 # compute tile tag bits beyond the forward's diag: AUX, a row task (prep, dq, home or finish: kind
 # in the key, the step in the step bits, first tile / row in m0, count in rows), run by the
