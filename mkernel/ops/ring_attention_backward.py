@@ -331,6 +331,23 @@ def make_plan(
         homes = [s for s in range(1, W) if holds[r][s] and s not in sends[r]]
         n_comp = [gparts * (s in grads) + tails * ((s in homes) + 1) for s in range(W)]
 
+        # comm tasks: the K/V sends, then the grad sends by step
+        tasks: list[Task] = []
+        tid = W * parts  # after the K/V sends' ids
+        arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
+        for s in sends[r]:
+            for p, (r0, n) in enumerate(fwd.row_parts(B * S, parts)):
+                args = (s, p, r0, n)
+                tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
+        for s in grads:
+            waits = computed(s, n_comp[s])
+            if s:
+                waits += (Wait("dlanded", r, (s,), value=gparts, consumers=gparts, patience=3),)
+            dest = Raise("dlanded", nxt, (s + 1,), op="add")
+            for r0, n in fwd.row_parts(B * S, gparts):
+                tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
+                tid += 1
+
         # K/V tiles to units: each step's longest first onto the least loaded unit, step-major
         # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
         # u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0 holds
@@ -339,13 +356,12 @@ def make_plan(
         if schedule.overlap == "intra_sm":  # comm unit u runs on compute unit u's SM
             # NOTE: its copies slow that unit's tiles (a unit hosting a grad part ended its tiles
             # ~340 us late, emulated W = 2; cost.Rates.spare_copy_gbps): start it with their cost.
-            # Traffic in bytes read + written: a K/V piece's rows (K and V, bf16), a grad part's
-            # (dK | dV fp32: read, reduce-added into the peer, zeroed); comm row k runs on unit
-            # k % comm_units (the template's rule), in the order the comm list is built below.
-            hosted = [8 * n * Hkv * D for _ in sends[r] for _, n in fwd.row_parts(B * S, parts)]
-            hosted += [24 * n * Hkv * D for _ in grads for _, n in fwd.row_parts(B * S, gparts)]
-            for k, nbytes in enumerate(hosted):
-                load[k % comm_units] += spare_copy_rows(nbytes, tk, D)
+            # Traffic in bytes read + written a row: a K/V piece's (K and V, bf16), a grad part's
+            # (dK | dV fp32: read, reduce-added into the peer, zeroed); comm task k runs on unit
+            # k % comm_units (the template's rule).
+            for k, t in enumerate(tasks):
+                per_row = (24 if t.args[1] == GRAD else 8) * Hkv * D
+                load[k % comm_units] += spare_copy_rows(per_row * t.args[3], tk, D)
         for s in range(W):
             for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
                 u = min(range(units), key=load.__getitem__)
@@ -365,7 +381,7 @@ def make_plan(
                 # count): the others end without a fence (it waited for their dK, dV red.adds,
                 # ~3% of a W = 2 causal call) and their tasks come earlier in the unit's rows
                 last = i + 1 == len(ids) or steps_of[i + 1] != s
-                n_s = steps_of.count(s)
+                n_s = steps_of.count(s) if last else 0
                 raises = (Raise("computed", r, (s,), value=n_s, op="add"),) if last else ()
                 rows[(i + 1) * units + u] = Task(t, (t,), waits, raises)
         row = depth + 1
@@ -388,21 +404,6 @@ def make_plan(
             rows.pop()  # trailing empties pad nothing (unit u's rows are u, u + units, ...)
         compute.append(rows)
 
-        tasks: list[Task] = []
-        tid = W * parts  # after the K/V sends' ids
-        arrive = lambda s, nxt=nxt: (Raise("landed", nxt, (s + 1,), op="add"),)  # noqa: E731
-        for s in sends[r]:
-            for p, (r0, n) in enumerate(fwd.row_parts(B * S, parts)):
-                args = (s, p, r0, n)
-                tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
-        for s in grads:
-            waits = computed(s, n_comp[s])
-            if s:
-                waits += (Wait("dlanded", r, (s,), value=gparts, consumers=gparts, patience=3),)
-            dest = Raise("dlanded", nxt, (s + 1,), op="add")
-            for r0, n in fwd.row_parts(B * S, gparts):
-                tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
-                tid += 1
         comm.append(tasks)
 
     shapes = dict(batch=B, seq=S, heads=H, kv_heads=Hkv, head_dim=D, causal=causal, zigzag=zigzag)
