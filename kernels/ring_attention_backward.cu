@@ -46,9 +46,10 @@ constexpr int kBwdStepMask = (1 << (rab::kTagKey - 3)) - 1;
 // A compute task as the plan encodes its tile (make_plan): K / V rows [m0, m0 + rows) of chunk
 // ck at map coordinate kv_outer, against the q chunk cq; key = ((b * Hkv + hk) * C + cq) * C + ck.
 // direct: dK, dV stored in bf16 into dk, dv (nobody else adds to them). aux: a row task of the
-// consumer warpgroups instead (key = kPrep, kDq or kFinish: rows [m0, m0 + rows) of its kind).
+// consumer warpgroups instead (key = kPrep: delta tiles [m0, m0 + rows); kHome, kDq, kFinish: a
+// tail part, rows [m0, m0 + rows) of the rank's B * S, K/V heads [kv_outer, kv_outer + cols)).
 struct RingBwdTask {
-  int m0, rows, kv_outer, step, key;
+  int m0, rows, kv_outer, cols, step, key;
   bool diag, aux, direct;
 };
 
@@ -118,8 +119,7 @@ struct BwdTasks {
     const int ct = (int)threadIdx.x - 128;
     if (ct == 0) hooks.before_load(i);
     asm volatile("bar.sync 4, 256;" ::: "memory");  // kBarEnd: both consumer warpgroups
-    RingAttentionBwd<D>::rows_task(hooks.a, hooks.cta, t.key, t.step, t.m0, t.rows,
-                                   Team{ct, 256});
+    RingAttentionBwd<D>::rows_task(hooks.a, hooks.cta, t, Team{ct, 256});
     __threadfence();
     asm volatile("bar.sync 4, 256;" ::: "memory");
     if (ct == 0) {
@@ -166,10 +166,15 @@ struct RingBwdEngine {
   template <class T>
   __device__ static Task task_of(const T& tile) {
     const int tag = tile.tag;
-    return Task{tile.m0,        tile.rows,
-                tile.n0,        (tag >> 3) & kBwdStepMask,
-                tag >> rab::kTagKey, (tag & 1) != 0,
-                (tag & rab::kAux) != 0, (tag & rab::kDirect) != 0};
+    return Task{tile.m0,
+                tile.rows,
+                tile.n0,
+                tile.cols,
+                (tag >> 3) & kBwdStepMask,
+                tag >> rab::kTagKey,
+                (tag & 1) != 0,
+                (tag & rab::kAux) != 0,
+                (tag & rab::kDirect) != 0};
   }
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
@@ -226,18 +231,19 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     }
   }
 
-  // A row task of the compute role (BwdTasks::run_rows: the consumer warpgroups, no shared
-  // memory): rows [r0, r0 + n) of its kind (home: of the block held at step s).
-  static __device__ void rows_task(const Args& a, const CtaInfo& cta, int kind, int s, int r0,
-                                   int n, const Team& team) {
-    if (kind == rab::kPrep) {
-      prep(a, cta, r0, n, team);
-    } else if (kind == rab::kDq) {
-      store_dq(a, cta, r0, n, team);
-    } else if (kind == rab::kHome) {
-      home(a, cta, s, r0, n, team);
+  // A row task of the compute role (BwdTasks::run_rows: the consumer warpgroups, their staging
+  // tiles as shared memory): the prep's delta tiles, or a tail part (home: of the block held at
+  // step s).
+  static __device__ void rows_task(const Args& a, const CtaInfo& cta, const RingBwdTask& t,
+                                   const Team& team) {
+    if (t.key == rab::kPrep) {
+      prep(a, cta, t.m0, t.rows, team);
+    } else if (t.key == rab::kDq) {
+      store_dq(a, cta, t, team);
+    } else if (t.key == rab::kHome) {
+      home(a, cta, t, team);
     } else {  // kFinish
-      finish(a, cta, r0, n, team);
+      finish(a, cta, t, team);
     }
   }
 
@@ -348,79 +354,110 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     }
   }
 
-  // Rows [row0, row0 + n) of dq_acc: dq = bf16, the accumulator back to zero.
-  static __device__ void store_dq(const Args& a, const CtaInfo& cta, int row0, int n,
+  // A dq part: its rows of dq_acc, the q heads of its K/V heads (one run of columns a row): dq =
+  // bf16, the accumulator back to zero.
+  static __device__ void store_dq(const Args& a, const CtaInfo& cta, const RingBwdTask& t,
                                   const Team& team) {
     const Layout& l = a.layout;
-    const long long cols = (long long)l.heads * l.head_dim;
-    float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank) + row0 * cols);
-    uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank) + row0 * cols);
-    drain_bf16(acc, dst, n * cols / 4, team);
+    const int group = l.heads / l.kv_heads, ld = l.heads * D / 4;  // quads a row
+    const int run = t.cols * group * D / 4, c0 = t.kv_outer * group * D / 4;
+    const long long at = (long long)t.m0 * ld + c0;
+    float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank)) + at;
+    uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank)) + at;
+    for_rect(t.rows, run, team, [&](int r, int c) { return acc + (long long)r * ld + c; },
+             [&](int r, int c, const float4& x) {
+               const long long e = (long long)r * ld + c;
+               acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+               dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+             });
   }
 
-  // Rows [row0, row0 + n) of the block held at step s (slot s: mine and the previous holders'
-  // partials): bf16 into the owner's dkv_home, the slot back to zero.
-  static __device__ void home(const Args& a, const CtaInfo& cta, int s, int row0, int n,
+  // A home part: its rows and K/V heads of slot s (the block's sum: mine and the previous
+  // holders' partials), dK and dV runs of each row: bf16 into the owner's dkv_home, the slot back
+  // to zero.
+  static __device__ void home(const Args& a, const CtaInfo& cta, const RingBwdTask& t,
                               const Team& team) {
     const Layout& l = a.layout;
-    const int W = a.common.world_size, owner = ((cta.rank - s) % W + W) % W;
-    const long long cols = 2LL * l.kv_heads * l.head_dim, block = (long long)l.batch * l.seq;
-    float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank) + (s * block + row0) * cols);
-    uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner) + row0 * cols);
-    drain_bf16(acc, dst, n * cols / 4, team);
+    const int W = a.common.world_size, owner = ((cta.rank - t.step) % W + W) % W;
+    const int half = l.kv_heads * D / 4, ld = 2 * half;  // quads: dK of a row, dK | dV row
+    const int run = t.cols * D / 4, c0 = t.kv_outer * D / 4;
+    const long long row0 = (long long)t.step * l.batch * l.seq + t.m0;
+    float4* acc = reinterpret_cast<float4*>(l.dkv_acc.map(cta.rank)) + row0 * ld + c0;
+    uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner)) + (long long)t.m0 * ld + c0;
+    // element (r, c) of the part: c < run in dK, else dV (column half + c - run)
+    auto at = [=](int r, int c) { return (long long)r * ld + (c < run ? c : half + c - run); };
+    for_rect(t.rows, 2 * run, team, [&](int r, int c) { return acc + at(r, c); },
+             [&](int r, int c, const float4& x) {
+               const long long e = at(r, c);
+               acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+               dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+             });
   }
 
-  // fp32 accumulator elements [0, quads) (4 floats each) into bf16 at dst, the accumulator back
-  // to zero (dq's store, a block's home).
-  static __device__ __forceinline__ void drain_bf16(float4* acc, uint2* dst, long long quads,
-                                                    const Team& team) {
-    for_quads(
-        quads, team,
-        [&](long long e, const float4& x) {
-          acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-          dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-        },
-        acc);
-  }
-
-  // Rows [row0, row0 + n) of my block's sum (dkv_home, bf16 dK | dV): dk, dv.
-  static __device__ void finish(const Args& a, const CtaInfo& cta, int row0, int n,
+  // A finish part: its rows and K/V heads of my block's sum (dkv_home, bf16 dK | dV): dk, dv.
+  static __device__ void finish(const Args& a, const CtaInfo& cta, const RingBwdTask& t,
                                 const Team& team) {
     const Layout& l = a.layout;
-    const long long kc = (long long)l.kv_heads * l.head_dim, per_row = kc / 4;  // uint4 a row
-    const uint4* src = reinterpret_cast<const uint4*>(l.dkv_home.map(cta.rank) + row0 * 2 * kc);
-    __nv_bfloat16* dk = l.dk.at(cta.local_rank) + row0 * kc;
-    __nv_bfloat16* dv = l.dv.at(cta.local_rank) + row0 * kc;
-    for_quads(n * per_row, team, [&](long long e, const uint4& x) {
-      const long long r = e / per_row, c = (e - r * per_row) * 8;
-      __nv_bfloat16* to = c < kc ? dk + r * kc + c : dv + r * kc + (c - kc);
-      *reinterpret_cast<uint4*>(to) = x;
-    }, src);
+    const int kc = l.kv_heads * D / 8;  // 16-byte elements (8 bf16) of dK in a row
+    const int run = t.cols * D / 8, c0 = t.kv_outer * D / 8;
+    const uint4* src = reinterpret_cast<const uint4*>(l.dkv_home.map(cta.rank)) +
+                       (long long)t.m0 * 2 * kc + c0;
+    uint4* dk = reinterpret_cast<uint4*>(l.dk.at(cta.local_rank)) + (long long)t.m0 * kc + c0;
+    uint4* dv = reinterpret_cast<uint4*>(l.dv.at(cta.local_rank)) + (long long)t.m0 * kc + c0;
+    for_rect(t.rows, 2 * run, team,
+             [&](int r, int c) { return src + (long long)r * 2 * kc + (c < run ? c : kc + c - run); },
+             [&](int r, int c, const uint4& x) {
+               const long long row = (long long)r * kc;
+               if (c < run) {
+                 dk[row + c] = x;
+               } else {
+                 dv[row + c - run] = x;
+               }
+             });
   }
 
-  // f(e, src[e]) for every 16-byte element e < quads of the team's share (the 256 consumer
-  // threads), kQuadsAhead copies a lane in flight into its staging slots before any use.
-  template <class T, class F>
-  static __device__ __forceinline__ void for_quads(long long quads, const Team& team, F&& f,
-                                                   const T* src) {
-    static_assert(sizeof(T) == 16, "16-byte elements");
+  // f(r, c, *src(r, c)) for every 16-byte element (r, c) of a rows x row_elems rectangle (r <
+  // rows, c < row_elems), the team's share (the 256 consumer threads, element r * row_elems + c
+  // to lane (r * row_elems + c) % 256), kQuadsAhead copies a lane in flight into its staging slots
+  // before any use. A lane steps its (r, c) by the team's size: two divisions a part, none an
+  // element (a division per element made these loops instruction-bound).
+  template <class Src, class F>
+  static __device__ __forceinline__ void for_rect(int rows, int row_elems, const Team& team,
+                                                  Src&& src, F&& f) {
     constexpr int U = kQuadsAhead;
     if (team.size != kStageLanes) __trap();  // the slots are laid out for the consumer team
-    for (long long e0 = team.lane; e0 < quads; e0 += (long long)U * team.size) {
+    const int dr = kStageLanes / row_elems, dc = kStageLanes % row_elems;
+    auto step = [&](int& r, int& c) {
+      r += dr;
+      c += dc;
+      if (c >= row_elems) {
+        c -= row_elems;
+        ++r;
+      }
+    };
+    int r0 = team.lane / row_elems, c0 = team.lane % row_elems;
+    while (r0 < rows) {
+      int r = r0, c = c0;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const long long e = e0 + (long long)u * team.size;
-        if (e < quads) gemm::cp_async_16(slot(team, u), src + e, 16);
+        if (r < rows) gemm::cp_async_16(slot(team, u), src(r, c), 16);
+        step(r, c);
       }
       gemm::cp_async_wait_all();
+      r = r0;
+      c = c0;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const long long e = e0 + (long long)u * team.size;
-        if (e < quads) {
+        if (r < rows) {
           const uint4 x = gemm::lds_16(slot(team, u));
-          f(e, *reinterpret_cast<const T*>(&x));
+          using T = std::remove_cv_t<std::remove_pointer_t<decltype(src(0, 0))>>;
+          static_assert(sizeof(T) == 16, "16-byte elements");
+          f(r, c, *reinterpret_cast<const T*>(&x));
         }
+        step(r, c);
       }
+      r0 = r;
+      c0 = c;
     }
   }
 

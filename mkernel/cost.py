@@ -95,6 +95,11 @@ class Rates:
     # engine alone (1024-8192 items of equal FLOPs), 7-25 us in the fused kernel's traces
     # (benchmarks/results/bwd_item_cost_2026-12-02.txt).
     attention_bwd_item_us: float = 10.0
+    # A row task of the ring backward's tails (home, dq, finish: fp32 accumulators to bf16) on
+    # one unit's consumer warpgroups, bytes read + written: 22-32 GB/s per unit with every unit
+    # of an emulated W = 2 world at it (HBM-bound; benchmarks/results/
+    # ring_local_bwd_2026-12-02_hosted_costs_trace.txt: home ~335 MB a rank in ~157 us on 66 units).
+    row_task_gbps: float = 30.0
 
 
 RATES = Rates()
@@ -369,6 +374,13 @@ def spare_copy_rows(traffic_bytes: int, kv_rows: int, head_dim: int, rates: Rate
     ``kv_rows`` rows): the copy's time at ``rates.spare_copy_gbps`` at the backward engine's rate
     per SM. The plan's LPT starts a unit with the cost of the comm tasks it hosts."""
     seconds = traffic_bytes / (rates.spare_copy_gbps * 1e9)
+    return seconds * _bwd_rows_per_second(kv_rows, head_dim, rates)
+
+
+def row_task_rows(traffic_bytes: int, kv_rows: int, head_dim: int, rates: Rates = RATES) -> float:
+    """A ring-backward row task of ``traffic_bytes`` (read + written) in the plan's task cost unit,
+    at ``rates.row_task_gbps`` on the unit's consumer warpgroups (``spare_copy_rows``' unit)."""
+    seconds = traffic_bytes / (rates.row_task_gbps * 1e9)
     return seconds * _bwd_rows_per_second(kv_rows, head_dim, rates)
 
 

@@ -260,11 +260,11 @@ def test_reference_agrees_with_the_formula(layout, causal):
 # -- the plan -------------------------------------------------------------------------------------
 
 
-def _plan(W: int, S: int, causal: bool, layout: str, **sched):
+def _plan(W: int, S: int, causal: bool, layout: str, batch=1, heads=2, kv_heads=1, **sched):
     world = mkernel.World.emulated(W)
-    q, k, v, dout = _inputs(W, 1, S, 2, 1)
+    q, k, v, dout = _inputs(W, batch, S, heads, kv_heads)
     out = torch.zeros_like(q)
-    lse = torch.zeros(W, 1, 2, S)
+    lse = torch.zeros(W, batch, heads, S)
     s = rb.shapes(dout, q, k, v, out, lse, world, causal, layout)
     return mkernel.Schedule(**sched).plan("ring_attention_backward", world, **s)
 
@@ -287,27 +287,47 @@ def _rows(plan, r: int, *kinds: int):
     return [t for t in plan.roles["compute"].tasks[r] if _kind(plan, t) in kinds]
 
 
+def _group(plan, task) -> int:
+    """The tail group of a K/V tile task (its key's (b, K/V head)) or of a tail part (its rows'
+    b and first K/V head)."""
+    tile, Hkv = plan.tiles[task.args[0]], plan.shapes["kv_heads"]
+    if tile.tag & rb.AUX:
+        bh = tile.m0 // plan.shapes["seq"] * Hkv + tile.n0
+    else:
+        b, hk, _, _ = rb.unpack_key(ra.unpack_tag(tile.tag)[0], plan.extra["chunks"], Hkv)
+        bh = b * Hkv + hk
+    return plan.extra["group_of"][bh]
+
+
+def _count(plan, r: int, s: int, g: int) -> int:
+    """Rank r's K/V tile tasks of step s and tail group g."""
+    tasks = plan.roles["compute"].tasks[r]
+    return sum(_step(plan, t) == s and _group(plan, t) == g for t in tasks)
+
+
 def test_contiguous_causal_partials_go_down_the_ring_and_home():
     W = 4
-    plan = _plan(W, 20, True, "contiguous")
+    plan = _plan(W, 20, True, "contiguous", batch=2, heads=6, kv_heads=3)
+    G, n_parts = plan.extra["groups"], [len(c) for c in plan.extra["tail_cuts"]]
+    assert G == 4, "2 x 3 (b, K/V head) pairs in 4 tail groups"
     for r in range(W):  # rank r holds blocks r, r-1, .., 0 at steps 0..r
         grads = _comm(plan, r, rb.GRAD, rb.HOME)
         dests = {(t.args[0], t.args[1], t.raises[0].rank, t.raises[0].index) for t in grads}
-        want = {(s, rb.GRAD, r + 1, (s + 1,)) for s in range(r + 1) if r < W - 1}
+        want = {(s, rb.GRAD, r + 1, (s + 1, 0)) for s in range(r + 1) if r < W - 1}
         assert dests == want, f"rank {r}"
         assert len(grads) == len(want) * plan.extra["gparts"], "one grad send per part"
-        # the last rank returns each block's sum to its owner (dkv_home, dlanded[0]): row tasks
+        # the last rank returns each block's sum to its owner (dkv_home, dlanded[0, g]): row tasks
         homes = _rows(plan, r, rb.HOME)
         got = {(_tile_step(plan, t), t.raises[0].rank, t.raises[0].index) for t in homes}
-        want = {(s, r - s, (0,)) for s in range(1, r + 1)} if r == W - 1 else set()
-        assert got == want, f"rank {r}: home"
-        assert len(homes) == len(want) * plan.extra["tails"], "one home task per part"
+        want = {(s, r - s, (0, g)) for s in range(1, r + 1) for g in range(G)}
+        assert got == (want if r == W - 1 else set()), f"rank {r}: home"
+        assert len(homes) == (r == W - 1) * r * sum(n_parts), "one home task per part"
         for t in homes:
-            s = _tile_step(plan, t)
-            n = sum(_step(plan, c) == s for c in plan.roles["compute"].tasks[r])
+            s, g = _tile_step(plan, t), _group(plan, t)
+            assert t.raises[0].index == (0, g)
             assert [(w.pad, w.index, w.value) for w in t.waits] == [
-                ("computed", (s,), n),
-                ("dlanded", (s,), plan.extra["gparts"]),
+                ("computed", (s, g), _count(plan, r, s, g)),
+                ("dlanded", (s, 0), plan.extra["gparts"]),
             ]
         finishes = _rows(plan, r, rb.FINISH)
         direct = [
@@ -319,10 +339,11 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
             assert plan.extra["direct"][r] and direct and all(direct) and finishes == []
             continue
         assert not plan.extra["direct"][r] and not any(direct)
-        assert len(finishes) == plan.extra["tails"]
+        assert len(finishes) == sum(n_parts)
         for finish in finishes:
+            g = _group(plan, finish)
             assert [(w.pad, w.index, w.value) for w in finish.waits] == [
-                ("dlanded", (0,), plan.extra["tails"])
+                ("dlanded", (0, g), n_parts[g])
             ]
 
 
@@ -335,16 +356,94 @@ def _step(plan, task) -> int | None:
 
 def test_every_grad_send_waits_for_all_its_steps_contributions():
     W = 3
-    plan = _plan(W, 20, False, "zigzag")
+    plan = _plan(W, 20, False, "zigzag", heads=4, kv_heads=2)
+    G = plan.extra["groups"]
+    assert G == 2
     for r in range(W):
-        computes = plan.roles["compute"].tasks[r]
         sends = [(t.args[0], t) for t in _comm(plan, r, rb.GRAD)]
-        sends += [(_tile_step(plan, t), t) for t in _rows(plan, r, rb.HOME)]
-        assert {s for s, _ in sends} == set(range(W)), "every step's partial goes on or home"
-        for s, t in sends:
-            n = sum(_step(plan, c) == s for c in computes)
-            (w,) = [w for w in t.waits if w.pad == "computed"]
-            assert (w.index, w.value) == ((s,), n)
+        homes = [(_tile_step(plan, t), t) for t in _rows(plan, r, rb.HOME)]
+        assert {s for s, _ in sends + homes} == set(range(W)), "every step's partial goes on"
+        for s, t in sends:  # a grad send: every group's count of its step
+            got = [(w.index, w.value) for w in t.waits if w.pad == "computed"]
+            assert got == [((s, g), _count(plan, r, s, g)) for g in range(G)]
+        for s, t in homes:  # a home part: its group's
+            g = _group(plan, t)
+            got = [(w.index, w.value) for w in t.waits if w.pad == "computed"]
+            assert got == [((s, g), _count(plan, r, s, g))]
+
+
+def _keys(plan, r: int) -> dict[int, tuple]:
+    """make_plan's deadlock argument, restated: the key of every task of rank r by table row
+    (compute) or by -1 - index (comm)."""
+    G, W, lag = plan.extra["groups"], plan.world_size, rb.TAIL_LAG
+    readers = plan.extra["readers"]
+    last = max(s for s in range(W) if readers[r][s])
+    homes_of = {
+        (q - s) % W: s
+        for q in range(W)
+        for s in range(1, W)
+        if plan.extra["holds"][q][s] and s not in plan.extra["sends"][q]
+    }
+    keys = {}
+    for i, t in enumerate(plan.roles["compute"].tasks[r]):
+        tile = plan.tiles[t.args[0]]
+        if not tile.rows:
+            continue
+        kind, s = _kind(plan, t), ra.unpack_tag(tile.tag)[1]
+        g = _group(plan, t) if kind != rb.PREP else 0
+        if kind is None:
+            keys[i] = (s, g, 0)
+        elif kind == rb.PREP:
+            keys[i] = (-2,)
+        elif kind == rb.HOME:
+            keys[i] = (s, min(g + lag, G - 1), 1)
+        elif kind == rb.DQ:
+            keys[i] = (last, min(g + lag, G - 1), 2)
+        else:  # FINISH: after its group's home at the block's last holder
+            back = homes_of[r]
+            keys[i] = (last, min(g + lag + 1, G - 1), 3) if back <= last else (W, 0, 3)
+    for i, t in enumerate(plan.roles["comm"].tasks[r]):
+        s, kind = t.args[:2]
+        keys[-1 - i] = (-1, s) if kind < rb.GRAD else (s, G, 0)
+    return keys
+
+
+@pytest.mark.parametrize(
+    "W, S, causal, layout, B, Hkv",
+    [
+        (4, 20, True, "zigzag", 2, 3),
+        (3, 17, True, "contiguous", 1, 4),
+        (2, 16, False, "zigzag", 1, 6),
+    ],
+)
+def test_no_wait_is_for_a_later_key_and_units_run_keys_in_order(W, S, causal, layout, B, Hkv):
+    """make_plan's NOTE (no deadlock): every wait is for tasks of a smaller key, and each unit runs
+    its tasks in non-decreasing key order; with several tail groups interleaved with the K/V
+    tiles."""
+    plan = _plan(W, S, causal, layout, batch=B, heads=2 * Hkv, kv_heads=Hkv, sms=9)
+    keys = [_keys(plan, r) for r in range(W)]
+    units = plan.compute_units
+    raisers: dict[tuple, list[tuple]] = {}  # (pad, rank, index) -> keys of the tasks raising it
+    for r in range(W):
+        for role, sign in (("compute", 1), ("comm", -1)):
+            for i, t in enumerate(plan.roles[role].tasks[r]):
+                at = i if sign == 1 else -1 - i
+                for x in t.raises if at in keys[r] else ():
+                    raisers.setdefault((x.pad, x.rank, x.index), []).append(keys[r][at])
+    for r in range(W):
+        for role, sign in (("compute", 1), ("comm", -1)):
+            tasks = plan.roles[role].tasks[r]
+            for i, t in enumerate(tasks):
+                at = i if sign == 1 else -1 - i
+                if at not in keys[r]:
+                    continue
+                for w in t.waits:
+                    for k in raisers[(w.pad, w.rank, w.index)]:
+                        assert k < keys[r][at], f"rank {r} {role} {i}: {w.pad}{w.index}"
+        for u in range(units):
+            mine = [keys[r][i] for i in range(u, len(plan.roles["compute"].tasks[r]), units)
+                    if i in keys[r]]  # fmt: skip
+            assert mine == sorted(mine), f"rank {r} unit {u}"
 
 
 @pytest.mark.parametrize(
@@ -358,33 +457,33 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
 )
 def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, sched):
     """Compute role, per unit: its prep part first (row 0; each adds 1 to landed[0]), then its
-    K/V tile tasks step-major (every K/V tile of every (q chunk, K/V chunk) pair a rank sees once,
-    each adding 1 to computed[its step], the unit's first waiting for every prep), then its dq
-    part (waiting for every step's computed) and finish part (waiting for the way back, dlanded[0]),
-    unless the engine stores the block's dk, dv itself (DIRECT: never sent, one chunk); comm tasks:
-    the forward's K/V sends (the same rows, destinations and signals; only the consumer counts of
-    landed differ), then the grad sends by step (the order that cannot deadlock, make_plan)."""
-    back = _plan(W, S, causal, layout, **sched)
+    K/V tile tasks step-major and by tail group within a step (every K/V tile of every (q chunk,
+    K/V chunk) pair a rank sees once, a unit's last of a (step, group) adding the unit's count to
+    computed[step, group], the unit's first waiting for every prep), with the tails among them:
+    home parts (computed[s, g], the previous holders' dlanded[s, 0]), dq parts (computed[*, g])
+    and finish parts (dlanded[0, g]; none where the engine stores the block's dk, dv: DIRECT),
+    each part's rows and heads covered once; comm tasks: the forward's K/V sends (the same rows,
+    destinations and signals; only the consumer counts of landed differ), then the grad sends by
+    step (the order that cannot deadlock, make_plan)."""
+    back = _plan(W, S, causal, layout, heads=4, kv_heads=2, **sched)
     world = mkernel.World.emulated(W)
     fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes)
     C, tk, units = back.extra["chunks"], back.extra["kv_tile"], back.compute_units
-    tails, preps = back.extra["tails"], back.extra["preps"]
+    preps, G = back.extra["preps"], back.extra["groups"]
+    Hkv, D, group = back.shapes["kv_heads"], back.shapes["head_dim"], 2
     for r in range(W):
         rows = back.roles["compute"].tasks[r]
         seen, direct = [], back.extra["direct"][r]
         assert direct == (W == 1 or (layout == "contiguous" and causal and r == W - 1))
+        homes = [s for s in range(1, W) if back.extra["holds"][r][s]
+                 and s not in back.extra["sends"][r]]  # fmt: skip
         for u in range(units):
             mine = [t for t in rows[u::units] if back.tiles[t.args[0]].rows]
             kinds = [_kind(back, t) for t in mine]
-            homes = [s for s in range(1, W) if back.extra["holds"][r][s]
-                     and s not in back.extra["sends"][r]]  # fmt: skip
-            want_kinds = [rb.PREP] * (u < preps) + [None] * kinds.count(None)
-            want_kinds += [rb.HOME] * (len(homes) * (u < tails))
-            want_kinds += [rb.DQ] * (u < tails) + [rb.FINISH] * (u < tails and not direct)
-            assert kinds == want_kinds, f"rank {r} unit {u}: prep, K/V tiles, dq, finish"
-            steps = [_step(back, t) for t in mine if _kind(back, t) is None]
-            assert steps == sorted(steps), f"rank {r} unit {u}: not step-major"
-            first = True
+            assert (kinds[:1] == [rb.PREP]) == (u < preps) and rb.PREP not in kinds[1:]
+            sg = [(_step(back, t), _group(back, t)) for t in mine if _kind(back, t) is None]
+            assert sg == sorted(sg), f"rank {r} unit {u}: not step-major, then by group"
+            tiles_here = [t for t in mine if _kind(back, t) is None]
             for t in mine:
                 tile, s, kind = back.tiles[t.args[0]], _step(back, t), _kind(back, t)
                 waits = [(w.pad, w.index) for w in t.waits]
@@ -392,40 +491,54 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
                 if kind == rb.PREP:
                     assert (waits, raises) == ([], [("landed", r, (0,), "add")])
                     continue
+                if kind is not None:
+                    g = _group(back, t)
                 if kind == rb.DQ:
                     assert raises == [] and waits == [
-                        ("computed", (s,)) for s in range(W) if back.extra["readers"][r][s]
+                        ("computed", (s, g)) for s in range(W) if back.extra["readers"][r][s]
                     ]
                     continue
                 if kind == rb.FINISH:
-                    assert (waits, raises) == ([("dlanded", (0,))], [])
+                    assert (waits, raises) == ([("dlanded", (0, g))], [])
                     continue
                 if kind == rb.HOME:
                     hs = _tile_step(back, t)
-                    assert hs in homes and waits == [("computed", (hs,)), ("dlanded", (hs,))]
-                    assert raises == [("dlanded", (r - hs) % W, (0,), "add")]
+                    assert hs in homes and waits == [("computed", (hs, g)), ("dlanded", (hs, 0))]
+                    assert raises == [("dlanded", (r - hs) % W, (0, g), "add")]
                     continue
-                # the unit's last task of a step raises for its tasks of the step, no other
-                here = [_step(back, x) for x in mine if _kind(back, x) is None]
-                at = mine.index(t) - kinds.index(None)  # t's index among the unit's K/V tiles
-                last = at + 1 == len(here) or here[at + 1] != s
-                want_raise = [("computed", r, (s,), "add", here.count(s))] if last else []
+                # the unit's last task of a (step, group) raises for its tasks of it, no other
+                g = _group(back, t)
+                same = [x for x in tiles_here if (_step(back, x), _group(back, x)) == (s, g)]
+                want_raise = [("computed", r, (s, g), "add", len(same))] if same[-1] is t else []
                 assert [(*x, y.value) for x, y in zip(raises, t.raises, strict=True)] == want_raise
-                want = ({("landed", (0,))} if first else set()) | (
+                want = ({("landed", (0,))} if t is tiles_here[0] else set()) | (
                     {("landed", (s,))} if s else set()
                 )
                 assert set(waits) == want, f"rank {r} unit {u} task {t.id}"
                 assert (tile.tag & rb.DIRECT != 0) == (direct and s == 0)
-                first = False
                 key = ra.unpack_tag(tile.tag)[0]
-                seen.append((s, rb.unpack_key(key, C, back.shapes["kv_heads"]), tile.m0))
-        for kind, n in ((rb.PREP, preps), (rb.DQ, tails), (rb.FINISH, 0 if direct else tails)):
-            parts = sorted((back.tiles[t.args[0]].m0, back.tiles[t.args[0]].rows)
-                           for t in _rows(back, r, kind))  # fmt: skip
-            total = back.sizes["delta_rows"] if kind == rb.PREP else back.sizes["rows"]
-            assert len(parts) == n and sum(m for _, m in parts) == (total if n else 0), kind
-            pairs = zip(parts, parts[1:], strict=False)
-            assert all(a + m == b for (a, m), (b, _) in pairs), "contiguous parts"
+                seen.append((s, rb.unpack_key(key, C, Hkv), tile.m0))
+        # every element of the tails' rectangles once: prep's delta tiles; dq's rows x q heads,
+        # the finish's and each home step's rows x K/V heads
+        prep_parts = sorted((back.tiles[t.args[0]].m0, back.tiles[t.args[0]].rows)
+                            for t in _rows(back, r, rb.PREP))  # fmt: skip
+        assert (
+            len(prep_parts) == preps and sum(m for _, m in prep_parts) == back.sizes["delta_rows"]
+        )
+        pairs = zip(prep_parts, prep_parts[1:], strict=False)
+        assert all(a + m == b for (a, m), (b, _) in pairs), "contiguous parts"
+        kinds = [(rb.DQ, None, group), (rb.FINISH, None, 1)] + [(rb.HOME, s, 1) for s in homes]
+        for kind, step, per in kinds:
+            if kind == rb.FINISH and direct:
+                assert _rows(back, r, kind) == []
+                continue
+            cover = torch.zeros(back.sizes["rows"], Hkv * per * D, dtype=torch.int32)
+            for t in _rows(back, r, kind):
+                tile = back.tiles[t.args[0]]
+                if step is None or _tile_step(back, t) == step:
+                    cols = slice(tile.n0 * per * D, (tile.n0 + tile.cols) * per * D)
+                    cover[tile.m0 : tile.m0 + tile.rows, cols] += 1
+            assert (cover == 1).all(), f"rank {r}: {kind} parts cover every element once"
         # every K/V tile of every pair the forward computes on this rank, once
         want, pairs = [], set()  # the (step, q chunk, K/V chunk) pairs the forward computes
         for t in fwd.roles["compute"].tasks[r]:
@@ -438,6 +551,7 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
             for m0 in range(0, Sc, tk):
                 want.append((s, (b, hk, cq, ck), m0))
         assert sorted(seen) == sorted(want), f"rank {r}: K/V tiles"
+        assert G == 2
         comm = back.roles["comm"].tasks[r]
         kinds = [t.args[1] for t in comm]
         sends = [t for t in comm if t.args[1] < rb.GRAD]
@@ -537,8 +651,8 @@ def test_grad_parts_are_capped_and_the_gradients_stay_right(monkeypatch):
 def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
     """intra_sm: comm unit u runs on compute unit u's SM, so the LPT starts that unit with the cost
     of the copies it hosts (cost.spare_copy_rows of their bytes read + written). Recomputed here:
-    each unit's K/V tile costs (q rows walked + cost.item_rows) plus its hosted copies end within
-    one task's cost of each other, where the copies alone outweigh a task (grad sends in 3 parts,
+    each unit's K/V tile costs (q rows walked + cost.item_rows) and tail parts' (tail_costs) plus
+    its hosted copies end within one task's cost of each other, where the copies alone outweigh a task (grad sends in 3 parts,
     so 3 of the 8 units host them)."""
     monkeypatch.setattr(rb, "GRAD_PARTS", 3)
     W, S, Hkv, D = 2, 2048, 8, 128  # a grad part: 256 rows x 8 heads of fp32 dK | dV
@@ -557,13 +671,16 @@ def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
             per_row = 24 * Hkv * D if t.args[1] == rb.GRAD else 8 * Hkv * D
             hosted[i % units] += mkernel.cost.spare_copy_rows(per_row * t.args[3], tk, D)
         work, biggest = [0.0] * units, 0.0
+        tails = rb.tail_costs(plan.tiles, 1, D, tk)  # home, dq, finish parts (row tasks)
         for u in range(units):
             for t in plan.roles["compute"].tasks[r][u::units]:
                 tile = plan.tiles[t.args[0]]
                 if tile.rows and not tile.tag & rb.AUX:
                     c = (tile.cols - tile.m0 if tile.tag & 1 else tile.cols) + item
-                    work[u] += c
-                    biggest = max(biggest, c)
+                else:
+                    c = tails.get(tile.index, 0.0)
+                work[u] += c
+                biggest = max(biggest, c)
         assert max(hosted) > biggest, "the case must make the copies matter"
         total = [w + h for w, h in zip(work, hosted, strict=True)]
         assert max(total) - min(total) <= biggest + 1e-6, f"rank {r}: {total}"

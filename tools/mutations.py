@@ -742,21 +742,21 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_compute_without_prep",
         RB,
-        "                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())",
         "                waits = landed(r, s) if s else ()",
         "ring backward: compute tasks do not wait for the prep (delta and lse rows read unwritten)",
     ),
     Mutation(
         "ring_bwd_compute_before_landed",
         RB,
-        "                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())",
-        "                waits = (prepped,) if i == 0 else ()",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())",
+        "                waits = (prepped,) if x == mine[0] else ()",
         "ring backward: a compute task reads a ring slot's K/V before it landed",
     ),
     Mutation(
         "ring_bwd_grad_before_computed",
         RB,
-        "            waits = computed(s, n_comp[s])\n            if s:",
+        "            waits = tuple(w for g in range(G) for w in computed(s, g))\n            if s:",
         "            waits = ()\n            if s:",
         "ring backward: a grad send moves a block's dK/dV partial before its compute tasks "
         "added theirs",
@@ -764,24 +764,23 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_home_before_the_previous_holders",
         RB,
-        '            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, '
-        "patience=3),)\n",
-        "",
+        "                waits = computed(s, g) + (arrived,)",
+        "                waits = computed(s, g)",
         "ring backward: the last holder sends a block's sum home before the previous holders' "
         "partials landed",
     ),
     Mutation(
         "ring_bwd_dq_waits_step_zero_only",
         RB,
-        "        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))",
-        "        every = computed(0, n_comp[0])",
+        "            every = tuple(w for s in range(W) for w in computed(s, g))",
+        "            every = computed(0, g)",
         "ring backward: dq is converted once step 0's tasks added theirs (later steps' missing)",
     ),
     Mutation(
         "ring_bwd_finish_without_wait",
         RB,
-        "            rows[(row + 1) * units + p] = Task(t, (t,), back)",
-        "            rows[(row + 1) * units + p] = Task(t, (t,))",
+        "                at += [Task(t, (t,), (back,)) for t in finish_tiles[g]]",
+        "                at += [Task(t, (t,)) for t in finish_tiles[g]]",
         "ring backward: the owner's finish reads its block's sum before it came home",
     ),
     # -- over several nodes (the hierarchical plans, docs/rdma.md) --------------------------------

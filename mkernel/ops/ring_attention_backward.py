@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
 
-from ..cost import item_rows, spare_copy_rows
+from ..cost import item_rows, row_task_rows, spare_copy_rows
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -83,6 +84,15 @@ GRAD_PARTS = 24
 # engine's consumer warpgroups between its tiles; DIRECT, a K/V tile whose dK, dV nobody else adds
 # to (W = 1, a block that is never sent), stored in bf16 into dk, dv by the engine, no finish
 AUX, DIRECT = 2, 4
+# The (b, K/V head) pairs in this many groups for the tails (home, dq and finish, row tasks): a
+# group's tails wait for its own count (computed[s, g]), so they run while the later groups' K/V
+# tiles do (a step's K/V tiles run group by group), on the units that get to them first; the home
+# of the last step then crosses the link beside the compute instead of after it. A unit raises
+# computed[s, g] once, at its last K/V tile of the step and group: more groups, more fences.
+TAIL_GROUPS = 4
+# A group's home and dq parts go into the unit lists after the K/V tiles of the group this many
+# later (its finish one more), so that its count is mostly in when a unit gets to them.
+TAIL_LAG = 1
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -140,17 +150,18 @@ SPEC = OpSpec(
         LANDED,
         Pad(
             "computed",
-            ("step",),
-            ("W",),
+            ("step", "group"),
+            ("W", "tail_groups"),
             counted=True,
-            doc="my compute tasks of step added their dK, dV, dQ",
+            doc="my compute tasks of step and tail group added their dK, dV, dQ",
         ),
         Pad(
             "dlanded",
-            ("step",),
-            ("W",),
+            ("step", "group"),
+            ("W", "tail_groups"),
             counted=True,
-            doc="the previous holders' partial is in my slot (0: my block's sum in dkv_home)",
+            doc="[s > 0, 0]: the previous holders' partial is in my slot s; [0, g]: my block's "
+            "sum of tail group g is in dkv_home",
         ),
     ),
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
@@ -253,17 +264,24 @@ def make_plan(
     gparts = max(1, min(comm_units, B * S, GRAD_PARTS))
     preps, tails = min(units, B * C * H * qt), max(1, min(units, B * S))
 
-    # Compute tasks per rank and step: (cost, tile id); the tag holds the step and the key. Cost:
-    # the q rows the task walks (times the q heads of its K/V head) plus an item's fixed cost.
+    # Compute tasks per rank and step: (group, cost, tile id); the tag holds the step and the key.
+    # Cost: the q rows the task walks (times the q heads of its K/V head) plus an item's fixed
+    # cost. Group: the tail group of its (b, K/V head) pair (TAIL_GROUPS).
     item = item_rows(tk, D)
+    G = max(1, min(TAIL_GROUPS, B * Hkv))
+    group_of = [0] * (B * Hkv)
+    for g, (first, n) in enumerate(fwd.row_parts(B * Hkv, G)):
+        group_of[first : first + n] = [g] * n
     tiles: list[Tile] = []
-    per_rank: list[list[list[tuple[int, int]]]] = []
+    per_rank: list[list[list[tuple[int, float, int]]]] = []
+    sg_of: dict[int, tuple[int, int]] = {}  # a K/V tile task's (step, group)
     readers = [[0] * W for _ in range(W)]
     for r in range(W):
-        steps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
+        steps: list[list[tuple[int, float, int]]] = [[] for _ in range(W)]
         for s in range(W):
             for b in range(B):
                 for hk in range(Hkv):
+                    g = group_of[b * Hkv + hk]
                     for cq in range(C):
                         gq = fwd.chunk_id(r, cq, W, zigzag)
                         for ck in range(C):
@@ -277,7 +295,8 @@ def make_plan(
                             for m0 in range(0, Sc, tk):
                                 n = min(tk, Sc - m0)
                                 cost = group * ((Sc - m0) if diag else Sc) + item
-                                steps[s].append((cost, len(tiles)))
+                                steps[s].append((g, cost, len(tiles)))
+                                sg_of[len(tiles)] = (s, g)
                                 tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
                                 readers[r][s] += 1
         per_rank.append(steps)
@@ -286,7 +305,7 @@ def make_plan(
 
     sends = fwd.ring_sends(readers)
     holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
-    home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0])
+    home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0, g])
     # nobody else adds to my block's dK, dV (never sent; one q chunk): the engine stores them
     direct = [not home[r] and C == 1 for r in range(W)]
     # NOTE: a block never sent has one q chunk: causal zigzag (C = 2, W > 1) sends every block
@@ -295,20 +314,34 @@ def make_plan(
     if not all(home[r] or direct[r] for r in range(W)):
         raise AssertionError(f"a block neither sent nor stored by the engine: {home}, {direct}")
     for r in range(W):
-        for _, t in per_rank[r][0] if direct[r] else ():
+        for _, _, t in per_rank[r][0] if direct[r] else ():
             x = tiles[t]
             tiles[t] = x._replace(tag=x.tag | DIRECT)
+    # the blocks each rank passes on (GRAD, comm parts) and returns (HOME, row parts), and the
+    # step at which each block comes home (its last holder's)
+    grads = [[s for s in range(W) if holds[r][s] and s in sends[r]] for r in range(W)]
+    homes = [[s for s in range(1, W) if holds[r][s] and s not in sends[r]] for r in range(W)]
+    home_step = {(r - s) % W: s for r in range(W) for s in homes[r]}
 
-    def aux_tiles(kind: int, n: int, k: int, s: int = 0) -> list[int]:  # row tasks, a tile a part
+    def aux_tiles(kind: int, parts, s: int = 0) -> list[int]:  # row tasks, a tile a part
         first = len(tiles)
-        for p0, m in fwd.row_parts(n, k):
-            tiles.append(Tile(len(tiles), p0, 0, m, 0, fwd.pack_tag(kind, s, False, True, False)))
+        for m0, m, n0, cols in parts:
+            tiles.append(
+                Tile(len(tiles), m0, n0, m, cols, fwd.pack_tag(kind, s, False, True, False))
+            )
         return list(range(first, len(tiles)))
 
-    prep_tiles = aux_tiles(PREP, B * C * H * qt, preps)
-    dq_tiles = aux_tiles(DQ, B * S, tails)
-    finish_tiles = aux_tiles(FINISH, B * S, tails)
-    home_tiles = {}  # step -> the home parts of the block held at that step
+    prep_tiles = aux_tiles(PREP, [(p0, m, 0, 0) for p0, m in fwd.row_parts(B * C * H * qt, preps)])
+    # the tails' parts of each group: rows of one b, a range of K/V heads (m0 = b * S + row, n0 =
+    # the first K/V head, cols = heads); the same cut for home, dq and finish
+    cuts = tail_parts(B, S, Hkv, group, D, G, tails)
+    dq_tiles = [aux_tiles(DQ, cuts[g]) for g in range(G)]
+    finish_tiles = [aux_tiles(FINISH, cuts[g]) for g in range(G)]
+    home_tiles: dict[int, list[list[int]]] = {}  # step -> per group, the home parts of its block
+    for s in sorted({s for r in range(W) for s in homes[r]}):
+        home_tiles[s] = [aux_tiles(HOME, cuts[g], s) for g in range(G)]
+    hparts = [len(cuts[g]) for g in range(G)]  # parts per group, each of home, dq and finish
+    part_cost = tail_costs(tiles, group, D, tk)
 
     def landed(r: int, s: int) -> tuple[Wait, ...]:
         n = readers[r][s] + (parts if s in sends[r] else 0)
@@ -317,19 +350,24 @@ def make_plan(
     compute, comm = [], []
     for r in range(W):
         nxt = (r + 1) % W
+        count = [[0] * G for _ in range(W)]  # my compute tasks per (step, group)
+        for s in range(W):
+            for g, _, _ in per_rank[r][s]:
+                count[s][g] += 1
+        last_step = max(s for s in range(W) if readers[r][s])
+        # the consumers of computed[s, g]: the grad parts of s, the home parts of (s, g), the dq
+        # parts of g
+        n_comp = [
+            [(gparts if s in grads[r] else 0) + hparts[g] * ((s in homes[r]) + 1) for g in range(G)]
+            for s in range(W)
+        ]
 
-        def computed(s: int, n_consumers: int, r: int = r) -> tuple[Wait, ...]:
-            n = readers[r][s]
+        def computed(s: int, g: int, r: int = r, count=count, n_comp=n_comp) -> tuple[Wait, ...]:
+            n = count[s][g]
             # NOTE: patience 2 (3 for dlanded): these follow other waits (the compute tasks'
             # landed, the previous holder's computed), which report a silent peer first
-            wait = Wait("computed", r, (s,), value=n, consumers=n_consumers, patience=2)
+            wait = Wait("computed", r, (s, g), value=n, consumers=n_comp[s][g], patience=2)
             return (wait,) if n else ()
-
-        # the blocks I pass on (GRAD, comm parts) and those I return (HOME, row parts); the
-        # consumers of computed[s]: the grad or home parts of s, and the dq parts
-        grads = [s for s in range(W) if holds[r][s] and s in sends[r]]
-        homes = [s for s in range(1, W) if holds[r][s] and s not in sends[r]]
-        n_comp = [gparts * (s in grads) + tails * ((s in homes) + 1) for s in range(W)]
 
         # comm tasks: the K/V sends, then the grad sends by step
         tasks: list[Task] = []
@@ -339,19 +377,44 @@ def make_plan(
             for p, (r0, n) in enumerate(fwd.row_parts(B * S, parts)):
                 args = (s, p, r0, n)
                 tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
-        for s in grads:
-            waits = computed(s, n_comp[s])
+        for s in grads[r]:
+            waits = tuple(w for g in range(G) for w in computed(s, g))
             if s:
-                waits += (Wait("dlanded", r, (s,), value=gparts, consumers=gparts, patience=3),)
-            dest = Raise("dlanded", nxt, (s + 1,), op="add")
+                waits += (Wait("dlanded", r, (s, 0), value=gparts, consumers=gparts, patience=3),)
+            dest = Raise("dlanded", nxt, (s + 1, 0), op="add")
             for r0, n in fwd.row_parts(B * S, gparts):
                 tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
                 tid += 1
 
-        # K/V tiles to units: each step's longest first onto the least loaded unit, step-major
-        # (every step-0 task first: the next block is still on its way). Unit u's tasks are rows
-        # u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0 holds
-        # the preps (unit p: part p), the last rows dq and finish parts (unit p: part p).
+        # The tails (row tasks) by the point of the unit lists where they go: (step, group) =
+        # after that step's K/V tiles of that group (TAIL_LAG groups after their own, so that
+        # their counts are mostly in), or (W, 0): after everything. Ordered home, dq, finish.
+        tails_at: dict[tuple[int, int], list[Task]] = {}
+        for s in homes[r]:  # the sum of the block held at step s (mine + the previous holders')
+            n_home = sum(hparts)
+            arrived = Wait("dlanded", r, (s, 0), value=gparts, consumers=n_home, patience=3)
+            for g in range(G):
+                owner = Raise("dlanded", (r - s) % W, (0, g), op="add")
+                at = tails_at.setdefault((s, min(g + TAIL_LAG, G - 1)), [])
+                waits = computed(s, g) + (arrived,)
+                at += [Task(t, (t,), waits, (owner,)) for t in home_tiles[s][g]]
+        for g in range(G):
+            every = tuple(w for s in range(W) for w in computed(s, g))
+            at = tails_at.setdefault((last_step, min(g + TAIL_LAG, G - 1)), [])
+            at += [Task(t, (t,), every, ()) for t in dq_tiles[g]]
+        if not direct[r]:
+            s_home = home_step[r]
+            for g in range(G):
+                back = Wait("dlanded", r, (0, g), value=hparts[g], consumers=hparts[g], patience=3)
+                # NOTE: after the home parts of its group at the last holder (no deadlock, below)
+                point = (last_step, min(g + TAIL_LAG + 1, G - 1)) if s_home <= last_step else (W, 0)
+                at = tails_at.setdefault(point, [])
+                at += [Task(t, (t,), (back,)) for t in finish_tiles[g]]
+
+        # K/V tiles and tails to units: in that order, each onto the least loaded unit; a
+        # step's K/V tiles group by group, the longest first within a group. Unit u's tasks are
+        # rows u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0
+        # holds the preps (unit p: part p).
         load, lists = [0.0] * units, [[] for _ in range(units)]
         if schedule.overlap == "intra_sm":  # comm unit u runs on compute unit u's SM
             # NOTE: its copies slow that unit's tiles (a unit hosting a grad part ended its tiles
@@ -362,44 +425,47 @@ def make_plan(
             for k, t in enumerate(tasks):
                 per_row = (24 if t.args[1] == GRAD else 8) * Hkv * D
                 load[k % comm_units] += spare_copy_rows(per_row * t.args[3], tk, D)
+
+        def place(task: Task | int, cost: float, load=load, lists=lists) -> None:
+            u = min(range(units), key=load.__getitem__)
+            load[u] += cost
+            lists[u].append(task)
+
         for s in range(W):
-            for cost, t in sorted(per_rank[r][s], key=lambda c: -c[0]):
-                u = min(range(units), key=load.__getitem__)
-                load[u] += cost
-                lists[u].append(t)
-        busy = sum(1 for x in lists if x)
+            order = sorted(per_rank[r][s], key=lambda c: (c[0], -c[1]))
+            for i, (g, cost, t) in enumerate(order):
+                place(t, cost)
+                if i + 1 == len(order) or order[i + 1][0] != g:  # the group's last K/V tile
+                    for x in tails_at.pop((s, g), []):
+                        place(x, part_cost[x.id])
+        for x in tails_at.pop((W, 0), []):
+            place(x, part_cost[x.id])
+        if tails_at:
+            raise AssertionError(f"tails at points without K/V tiles: {sorted(tails_at)}")
+        # the units that run K/V tiles: each one's first waits for every prep
+        busy = sum(1 for x in lists if any(not isinstance(y, Task) for y in x))
         prepped = Wait("landed", r, (0,), value=preps, consumers=busy)
         depth = max(len(x) for x in lists)
-        rows = [Task(empty, (empty,)) for _ in range((depth + 3 + len(homes)) * units)]
+        rows = [Task(empty, (empty,)) for _ in range((depth + 1) * units)]
         for p, t in enumerate(prep_tiles):
             rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
-        for u, ids in enumerate(lists):
-            steps_of = [fwd.unpack_tag(tiles[t].tag)[1] for t in ids]
-            for i, (t, s) in enumerate(zip(ids, steps_of, strict=True)):
-                waits = ((prepped,) if i == 0 else ()) + (landed(r, s) if s else ())
-                # NOTE: the unit's last task of a step raises for all of them (computed[s] += its
-                # count): the others end without a fence (it waited for their dK, dV red.adds,
-                # ~3% of a W = 2 causal call) and their tasks come earlier in the unit's rows
-                last = i + 1 == len(ids) or steps_of[i + 1] != s
-                n_s = steps_of.count(s) if last else 0
-                raises = (Raise("computed", r, (s,), value=n_s, op="add"),) if last else ()
-                rows[(i + 1) * units + u] = Task(t, (t,), waits, raises)
-        row = depth + 1
-        for s in homes:  # the sum of the block held at step s (mine + the previous holders')
-            if s not in home_tiles:
-                home_tiles[s] = aux_tiles(HOME, B * S, tails, s)
-            waits = computed(s, n_comp[s])
-            waits += (Wait("dlanded", r, (s,), value=gparts, consumers=tails, patience=3),)
-            owner = Raise("dlanded", (r - s) % W, (0,), op="add")
-            for p, t in enumerate(home_tiles[s]):
-                rows[row * units + p] = Task(t, (t,), waits, (owner,))
-            row += 1
-        every = tuple(w for s in range(W) for w in computed(s, n_comp[s]))
-        for p, t in enumerate(dq_tiles):
-            rows[row * units + p] = Task(t, (t,), every, ())
-        back = (Wait("dlanded", r, (0,), value=tails, consumers=tails, patience=3),)
-        for p, t in enumerate(finish_tiles if not direct[r] else ()):
-            rows[(row + 1) * units + p] = Task(t, (t,), back)
+        for u, entries in enumerate(lists):
+            mine = [x for x in entries if not isinstance(x, Task)]
+            n_of = Counter(sg_of[x] for x in mine)
+            last_of = {sg_of[x]: x for x in mine}
+            for i, x in enumerate(entries):
+                if isinstance(x, Task):  # a tail
+                    rows[(i + 1) * units + u] = x
+                    continue
+                s, g = sg_of[x]
+                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())
+                # NOTE: the unit's last task of a (step, group) raises for all of them
+                # (computed[s, g] += their count): the others end without a fence (it waits for
+                # the item's dK, dV red.adds) and come earlier in the unit's rows
+                raises = ()
+                if last_of[s, g] == x:
+                    raises = (Raise("computed", r, (s, g), value=n_of[s, g], op="add"),)
+                rows[(i + 1) * units + u] = Task(x, (x,), waits, raises)
         while rows[-1].id == empty:
             rows.pop()  # trailing empties pad nothing (unit u's rows are u, u + units, ...)
         compute.append(rows)
@@ -420,11 +486,49 @@ def make_plan(
         "acc_rows": W * B * S,
         "acc_cols": 2 * Hkv * D,
     } | shapes
+    sizes["tail_groups"] = G
     extra = {"chunks": C, "kv_tile": tk, "parts": parts, "preps": preps, "tails": tails}
-    extra |= {"gparts": gparts, "sends": sends, "direct": direct}
+    extra |= {"gparts": gparts, "sends": sends, "direct": direct, "groups": G}
+    extra |= {"group_of": group_of, "tail_cuts": cuts}
     extra |= {"holds": holds, "readers": readers, "row_tiles": qt}
     tile = TILE_CONFIGS["64x128x64"]  # unused: the backward engine has one tile shape
     return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
+
+
+def tail_parts(
+    B: int, S: int, Hkv: int, group: int, D: int, G: int, tails: int
+) -> list[list[tuple[int, int, int, int]]]:
+    """Per tail group (``G`` near-equal ranges of the B * Hkv (b, K/V head) pairs), the parts of
+    its home, dq and finish: (m0 = b * S + first row, rows, first K/V head, heads), about
+    ``tails`` parts in all, each within one b (a part's rows are consecutive there)."""
+    out = []
+    per_group = max(1, tails // G)
+    for first, n in fwd.row_parts(B * Hkv, G):
+        parts, bh = [], first
+        while bh < first + n:  # the group's pairs by b: (b, first head, heads)
+            b, hk = divmod(bh, Hkv)
+            nh = min(first + n - bh, Hkv - hk)
+            # NOTE: the device counts a part's 16-byte elements in int32 (home: dK | dV fp32, dq:
+            # the q heads' fp32 per row)
+            row_quads = nh * D * max(2, group) // 4
+            k = max(round(per_group * nh / n), 1, -(-S * row_quads // (2**31 - 1)))
+            parts += [(b * S + r0, m, hk, nh) for r0, m in fwd.row_parts(S, min(k, S))]
+            bh += nh
+        out.append(parts)
+    return out
+
+
+def tail_costs(tiles: list[Tile], group: int, D: int, tk: int) -> dict[int, float]:
+    """A tail part's cost in the plan's task cost unit, per tile id (AUX tiles of HOME, DQ,
+    FINISH), from its bytes read + written: home, dK | dV fp32 read, zeroed, bf16 to the owner;
+    dq, its q heads' fp32 read, zeroed, bf16 stored; finish, dK | dV bf16 copied."""
+    per_elem = {HOME: 2 * (4 + 4 + 2), DQ: group * (4 + 4 + 2), FINISH: 2 * (2 + 2)}
+    costs = {}
+    for t in tiles:
+        kind = fwd.unpack_tag(t.tag)[0]
+        if t.tag & AUX and kind in per_elem:
+            costs[t.index] = row_task_rows(per_elem[kind] * t.rows * t.cols * D, tk, D)
+    return costs
 
 
 # -- input checks and the API ---------------------------------------------------------------------
@@ -586,7 +690,7 @@ def operands(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> dict[str,
 def twins_of(plan: Plan, scale: float | None = None):
     z, W = plan.shapes, plan.world_size
     S, D, H, Hkv, B = z["seq"], z["head_dim"], z["heads"], z["kv_heads"], z["batch"]
-    BS, KC, QC = B * S, Hkv * D, H * D  # rows of a block, columns of dK (dV follows), of dQ
+    BS, KC = B * S, Hkv * D  # rows of a block, columns of dK (dV follows)
     C, qt = plan.extra["chunks"], plan.extra["row_tiles"]
     Sc, group, T = S // C, H // Hkv, ROW_TILE
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -599,7 +703,7 @@ def twins_of(plan: Plan, scale: float | None = None):
             return
         key, s, _, _, _ = fwd.unpack_tag(tile.tag)
         if tile.tag & AUX:  # a row task: the prep, dq, home or the finish (the consumers' rows)
-            yield from rows_task(ctx, key, s, tile.m0, tile.rows)
+            yield from rows_task(ctx, key, s, tile)
             return
         b, hk, cq, ck = unpack_key(key, C, Hkv)
         k0, n = ck * Sc + tile.m0, tile.rows  # the tile's first row within the block
@@ -653,28 +757,34 @@ def twins_of(plan: Plan, scale: float | None = None):
             value[0, T : T + m] = (do * o).sum(dim=1) - dlse
             yield from twins.tile_send(ctx, "delta", ctx.rank, (t, 1, 0, 2 * T), value)
 
-    def rows_task(ctx, kind: int, s: int, r0: int, n: int):
+    def rows_task(ctx, kind: int, s: int, tile: Tile):
+        r0, n = tile.m0, tile.rows
         if kind == PREP:  # delta tiles [r0, r0 + n)
             yield from prep(ctx, r0, n)
             return
-        if kind == DQ:  # my dq rows, once in bf16; the accumulator back to zero
-            rect = (r0, n, 0, QC)
+        # a tail part: rows [r0, r0 + n) of one b, K/V heads [n0, n0 + cols) and their q heads
+        hk0, nh = tile.n0, tile.cols
+        if kind == DQ:  # my dq rows of the group's q heads, once in bf16; the accumulator zeroed
+            rect = (r0, n, hk0 * group * D, nh * group * D)
             dq = yield from twins.tile_load(ctx, "dq_acc", ctx.rank, rect)
             yield from twins.tile_send(ctx, "dq_acc", ctx.rank, rect, torch.zeros_like(dq))
-            yield from twins.output_store(ctx, "dq", ctx.rank, rect, dq.bfloat16(), r0)
+            yield from twins.output_store(ctx, "dq", ctx.rank, rect, dq.bfloat16(), tile.index)
             return
+        halves = (hk0 * D, KC + hk0 * D)  # the dK, dV columns in dK | dV rows
         if kind == HOME:  # slot s's rows (the block's sum), bf16, into its owner's dkv_home
-            rows = (s * BS + r0, n, 0, 2 * KC)
-            part = yield from twins.tile_load(ctx, "dkv_acc", ctx.rank, rows)
-            yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rows, torch.zeros_like(part))
             owner = (ctx.rank - s) % W
-            yield from twins.peer_store(ctx, "dkv_home", owner, (r0, n, 0, 2 * KC), part.bfloat16())
+            for col in halves:
+                rect = (s * BS + r0, n, col, nh * D)
+                part = yield from twins.tile_load(ctx, "dkv_acc", ctx.rank, rect)
+                yield from twins.tile_send(ctx, "dkv_acc", ctx.rank, rect, torch.zeros_like(part))
+                home = (r0, n, col, nh * D)
+                yield from twins.peer_store(ctx, "dkv_home", owner, home, part.bfloat16())
             return
         # FINISH: my block's gradient rows, home in dkv_home: dk, dv
-        part = yield from twins.tile_load(ctx, "dkv_home", ctx.rank, (r0, n, 0, 2 * KC))
-        rect = (r0, n, 0, KC)
-        yield from twins.output_store(ctx, "dk", ctx.rank, rect, part[:, :KC], BS + r0)
-        yield from twins.output_store(ctx, "dv", ctx.rank, rect, part[:, KC:], 2 * BS + r0)
+        for name, col, out_id in zip(("dk", "dv"), halves, finish_ids(tile.index), strict=True):
+            part = yield from twins.tile_load(ctx, "dkv_home", ctx.rank, (r0, n, col, nh * D))
+            rect = (r0, n, hk0 * D, nh * D)
+            yield from twins.output_store(ctx, name, ctx.rank, rect, part, out_id)
 
     def comm(ctx, task):
         s, kind, r0, n = task.args
@@ -710,22 +820,31 @@ def direct_ids(tile: int) -> tuple[int, int]:
     return 1 << 30 | 2 * tile, 1 << 30 | (2 * tile + 1)
 
 
+def finish_ids(tile: int) -> tuple[int, int]:
+    """The output tile ids of a finish part's dk and dv (a dq part's is its tile id)."""
+    return 1 << 29 | 2 * tile, 1 << 29 | (2 * tile + 1)
+
+
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
-    """Per output buffer, the tiles the kernel end reads: the row ranges of the dq and finish
-    parts (numbered by first row: dq r0, dk B * S + r0, dv 2 * B * S + r0), or, where the engine
-    stores dk and dv (``DIRECT`` tiles), their K/V tiles (``direct_ids``)."""
-    z, parts = plan.shapes, plan.extra["tails"]
-    BS, S, D, C = z["batch"] * z["seq"], z["seq"], z["head_dim"], plan.extra["chunks"]
-    QC, KC = z["heads"] * D, z["kv_heads"] * D
-    ranges = fwd.row_parts(BS, parts)
-    got = {"dq": {r0: (r0, n, 0, QC) for r0, n in ranges}, "dk": {}, "dv": {}}
-    if not plan.extra["direct"][rank]:
-        got["dk"] = {BS + r0: (r0, n, 0, KC) for r0, n in ranges}
-        got["dv"] = {2 * BS + r0: (r0, n, 0, KC) for r0, n in ranges}
-        return got
+    """Per output buffer, the tiles the kernel end reads: the rows and columns of the dq and
+    finish parts (numbered by tile id: dq, ``finish_ids``), or, where the engine stores dk and dv
+    (``DIRECT`` tiles), their K/V tiles (``direct_ids``)."""
+    z, C = plan.shapes, plan.extra["chunks"]
+    S, D, group = z["seq"], z["head_dim"], z["heads"] // z["kv_heads"]
+    got: dict[str, dict[int, tuple[int, int, int, int]]] = {"dq": {}, "dk": {}, "dv": {}}
+    direct = plan.extra["direct"][rank]
     for task in plan.roles["compute"].tasks[rank]:
         tile = plan.tiles[task.args[0]]
-        if tile.tag & DIRECT:
+        if not tile.rows:
+            continue
+        kind = fwd.unpack_tag(tile.tag)[0]
+        if tile.tag & AUX and kind == DQ:
+            got["dq"][tile.index] = (tile.m0, tile.rows, tile.n0 * group * D, tile.cols * group * D)
+        elif tile.tag & AUX and kind == FINISH:
+            rect = (tile.m0, tile.rows, tile.n0 * D, tile.cols * D)
+            ids = finish_ids(tile.index)
+            got["dk"][ids[0]], got["dv"][ids[1]] = rect, rect
+        elif direct and tile.tag & DIRECT:
             b, hk, _, ck = unpack_key(fwd.unpack_tag(tile.tag)[0], C, z["kv_heads"])
             rect = (b * S + ck * (S // C) + tile.m0, tile.rows, hk * D, D)
             ids = direct_ids(tile.index)
