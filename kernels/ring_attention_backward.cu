@@ -4,7 +4,7 @@
 //
 // Protocol (the plan's tables, mkernel/ops/ring_attention_backward.py make_plan). Row tasks are
 // compute-role tasks run by the engine's two consumer warpgroups (256 threads) between its tiles
-// (BwdTasks::run_rows): a unit's prep first, its home, dq and finish parts after its last tile.
+// (BwdTasks::run_rows): a unit's prep first, the tails (home, dq, finish) among its later tiles.
 //   prep    (row task)     delta = rowsum(dO * O) - dlse and lse * log2 e, packed per (q chunk,
 //                          head, 64-row q tile) into the `delta` workspace; +1 landed[0] (mine)
 //   K/V     (comm)         the forward's sends: block of step s -> slot s + 1 of rank r + 1
@@ -12,20 +12,22 @@
 //                          q chunk (all q heads of its K/V head): waits landed[s] (and, a unit's
 //                          first, landed[0]); dQ reduce-added (TMA, fp32) into dq_acc, dK and dV
 //                          red.added (fp32) into dkv_acc slot s, or (DIRECT: nobody else adds to
-//                          the block) stored in bf16 into dk, dv; a unit's last task of step s:
-//                          computed[s] += the unit's step-s tasks
-//   grad    (comm)         waits computed[s], dlanded[s] (s > 0): slot s's rows reduce-added (TMA
-//                          bulk .add.f32) into slot s + 1 of rank r + 1; zeroed; +1 dlanded there
-//   home    (row task)     the block's last holder: waits computed[s], dlanded[s]: slot s's rows
-//                          (the block's sum) -> bf16 -> the owner's dkv_home; zeroed; +1 its
-//                          dlanded[0]
-//   dq      (row task)     waits computed[*]: dq = bf16(dq_acc rows); zeroed
-//   finish  (row task)     waits dlanded[0]: dk, dv = dkv_home rows
+//                          the block) stored in bf16 into dk, dv; a unit's last task of step s
+//                          and tail group g: computed[s, g] += the unit's tasks of them
+//   grad    (comm)         waits computed[s, *], dlanded[s, 0] (s > 0): slot s's rows
+//                          reduce-added (TMA bulk .add.f32) into slot s + 1 of rank r + 1;
+//                          zeroed; +1 dlanded[s + 1, 0] there
+//   The tails, row tasks on a part (rows of one b, a range of K/V heads) of one tail group g:
+//   home    (row task)     the block's last holder: waits computed[s, g], dlanded[s, 0]: slot
+//                          s's part (the block's sum) -> bf16 -> the owner's dkv_home; zeroed;
+//                          +1 its dlanded[0, g]
+//   dq      (row task)     waits computed[*, g]: dq part = bf16(dq_acc part); zeroed
+//   finish  (row task)     waits dlanded[0, g]: dk, dv part = dkv_home part
 //
 //   W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial)
 //   step:     0                         1                           2
-//   rank 0:   B0 tiles; g -> r1 slot 1  -                           finish: dlanded[0]
-//   rank 1:   B1 tiles; g -> r2 slot 1  B0 tiles (+in); g -> r2 s2   finish: dlanded[0]
+//   rank 0:   B0 tiles; g -> r1 slot 1  -                           finish: dlanded[0, *]
+//   rank 1:   B1 tiles; g -> r2 slot 1  B0 tiles (+in); g -> r2 s2   finish: dlanded[0, *]
 //   rank 2:   B2 tiles (dk, dv by the   B1 tiles (+in); home -> r1  B0 tiles (+in); home -> r0
 //             engine: DIRECT)
 //
@@ -364,12 +366,13 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const long long at = (long long)t.m0 * ld + c0;
     float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank)) + at;
     uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank)) + at;
-    for_rect(t.rows, run, team, [&](int r, int c) { return acc + (long long)r * ld + c; },
-             [&](int r, int c, const float4& x) {
-               const long long e = (long long)r * ld + c;
-               acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-               dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-             });
+    for_rect(
+        t.rows, run, team, [&](int r, int c) { return acc + (long long)r * ld + c; },
+        [&](int r, int c, const float4& x) {
+          const long long e = (long long)r * ld + c;
+          acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+          dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+        });
   }
 
   // A home part: its rows and K/V heads of slot s (the block's sum: mine and the previous
@@ -386,12 +389,13 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner)) + (long long)t.m0 * ld + c0;
     // element (r, c) of the part: c < run in dK, else dV (column half + c - run)
     auto at = [=](int r, int c) { return (long long)r * ld + (c < run ? c : half + c - run); };
-    for_rect(t.rows, 2 * run, team, [&](int r, int c) { return acc + at(r, c); },
-             [&](int r, int c, const float4& x) {
-               const long long e = at(r, c);
-               acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-               dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-             });
+    for_rect(
+        t.rows, 2 * run, team, [&](int r, int c) { return acc + at(r, c); },
+        [&](int r, int c, const float4& x) {
+          const long long e = at(r, c);
+          acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+          dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
+        });
   }
 
   // A finish part: its rows and K/V heads of my block's sum (dkv_home, bf16 dK | dV): dk, dv.
@@ -400,20 +404,21 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const Layout& l = a.layout;
     const int kc = l.kv_heads * D / 8;  // 16-byte elements (8 bf16) of dK in a row
     const int run = t.cols * D / 8, c0 = t.kv_outer * D / 8;
-    const uint4* src = reinterpret_cast<const uint4*>(l.dkv_home.map(cta.rank)) +
-                       (long long)t.m0 * 2 * kc + c0;
+    const uint4* src =
+        reinterpret_cast<const uint4*>(l.dkv_home.map(cta.rank)) + (long long)t.m0 * 2 * kc + c0;
     uint4* dk = reinterpret_cast<uint4*>(l.dk.at(cta.local_rank)) + (long long)t.m0 * kc + c0;
     uint4* dv = reinterpret_cast<uint4*>(l.dv.at(cta.local_rank)) + (long long)t.m0 * kc + c0;
-    for_rect(t.rows, 2 * run, team,
-             [&](int r, int c) { return src + (long long)r * 2 * kc + (c < run ? c : kc + c - run); },
-             [&](int r, int c, const uint4& x) {
-               const long long row = (long long)r * kc;
-               if (c < run) {
-                 dk[row + c] = x;
-               } else {
-                 dv[row + c - run] = x;
-               }
-             });
+    for_rect(
+        t.rows, 2 * run, team,
+        [&](int r, int c) { return src + (long long)r * 2 * kc + (c < run ? c : kc + c - run); },
+        [&](int r, int c, const uint4& x) {
+          const long long row = (long long)r * kc;
+          if (c < run) {
+            dk[row + c] = x;
+          } else {
+            dv[row + c - run] = x;
+          }
+        });
   }
 
   // f(r, c, *src(r, c)) for every 16-byte element (r, c) of a rows x row_elems rectangle (r <

@@ -783,6 +783,20 @@ MUTATIONS = [
         "                at += [Task(t, (t,)) for t in finish_tiles[g]]",
         "ring backward: the owner's finish reads its block's sum before it came home",
     ),
+    Mutation(
+        "ring_bwd_home_waits_for_another_group",
+        RB,
+        "                waits = computed(s, g) + (arrived,)",
+        "                waits = computed(s, 0) + (arrived,)",
+        "ring backward: a tail group's home parts wait for the first group's count, not their own",
+    ),
+    Mutation(
+        "ring_bwd_dq_waits_for_another_group",
+        RB,
+        "            every = tuple(w for s in range(W) for w in computed(s, g))",
+        "            every = tuple(w for s in range(W) for w in computed(s, 0))",
+        "ring backward: a tail group's dq parts wait for the first group's counts, not their own",
+    ),
     # -- over several nodes (the hierarchical plans, docs/rdma.md) --------------------------------
     Mutation(
         "rs_nodes_owner_drops_a_node_sum",

@@ -19,19 +19,21 @@ Protocol (make_plan; docs/ring_attention.md, "Ring attention, backward"): the fo
 tile of the block held at step s against every q row of one q chunk (the backward engine's shape:
 dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc`` and dK, dV into
 ``dkv_acc`` slot s (or, a block nobody else adds to, storing dk, dv in bf16: ``DIRECT``); a
-unit's last task of step s adds its count of step-s tasks to ``computed[s]``. Row tasks of the
-compute role (``AUX`` tiles, run by the engine's consumer warpgroups): each unit's prep part
-first (delta rows, ``landed[0]``), its home, dq and finish parts last; comm tasks: the K/V sends
-and the grad sends (slot s on to slot s + 1 of rank r + 1, ``dlanded``). Home: the block's last
-holder stores the slot's sum in bf16 into the owner's ``dkv_home`` (``dlanded[0]``); the finish
-copies it into dk, dv; dq is bf16(dq_acc) once. Each reader of an fp32 accumulator zeroes what it
-read.
+unit's last task of step s and tail group g (a range of the (b, K/V head) pairs) adds its count
+of them to ``computed[s, g]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
+consumer warpgroups): each unit's prep part first (delta rows, ``landed[0]``), the tails (home,
+dq and finish parts of one group's rows and heads) among its later K/V tiles; comm tasks: the K/V
+sends and the grad sends (slot s on to slot s + 1 of rank r + 1, ``dlanded[s + 1, 0]``). Home:
+the block's last holder stores the slot's sum in bf16 into the owner's ``dkv_home`` (``dlanded[0,
+g]``); the finish copies it into dk, dv; dq is bf16(dq_acc) once. A group's tails wait for its
+own counts only, so they run while later groups' K/V tiles do. Each reader of an fp32
+accumulator zeroes what it read.
 
     W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
     previous holders' partial, added into the same slot)
     step:     0                          1                             2
-    rank 0:   B0 tiles; g -> r1 slot 1   -                             finish: dlanded[0]
-    rank 1:   B1 tiles; g -> r2 slot 1   B0 tiles (+in); g -> r2 s 2   finish: dlanded[0]
+    rank 0:   B0 tiles; g -> r1 slot 1   -                             finish: dlanded[0, *]
+    rank 1:   B1 tiles; g -> r2 slot 1   B0 tiles (+in); g -> r2 s 2   finish: dlanded[0, *]
     rank 2:   B2 tiles (dk, dv stored    B1 tiles (+in); home -> r1    B0 tiles (+in); home -> r0
               by the engine: DIRECT)
 """
@@ -220,28 +222,37 @@ def make_plan(
       ``dq_acc`` and its dK, dV into ``dkv_acc`` slot s, or, when nobody else adds to the block's
       dK, dV (never sent, one q chunk: W = 1, the last rank of a contiguous causal ring), stores
       them in bf16 into dk, dv (the tile's ``DIRECT`` bit; that rank has no finish); a unit's
-      last task of step s adds the unit's number of step-s tasks to ``computed[s]`` (one fence
-      for all of them);
-    - grad (comm, step s, rows): the block goes on: waits ``computed[s]`` and, s > 0,
-      ``dlanded[s]``; reduce-adds the slot's rows into slot s + 1 of rank r + 1 (``dlanded[s +
-      1]``), zeroes them;
-    - home (row task, step s > 0, rows): I am the block's last holder: waits ``computed[s]`` and
-      ``dlanded[s]``; stores the slot's rows (the block's whole sum) in bf16 into the owner's
-      ``dkv_home`` (``dlanded[0]`` there), zeroes them;
-    - dq (row task, rows): waits ``computed[s]`` of every step; dq = bf16(dq_acc rows), zeroed;
-    - finish (row task, rows): waits ``dlanded[0]``; dk, dv = the rows of ``dkv_home``.
+      last task of step s and tail group g (TAIL_GROUPS: ranges of the (b, K/V head) pairs)
+      adds the unit's number of those tasks to ``computed[s, g]`` (one fence for all of them);
+    - grad (comm, step s, rows): the block goes on: waits ``computed[s, g]`` of every group and,
+      s > 0, ``dlanded[s, 0]``; reduce-adds the slot's rows into slot s + 1 of rank r + 1
+      (``dlanded[s + 1, 0]``), zeroes them;
+    - the tails, row tasks in parts of a group's rows and K/V heads (``tail_parts``):
+      - home (step s > 0): I am the block's last holder: waits ``computed[s, g]`` and
+        ``dlanded[s, 0]``; stores the slot's part (the block's whole sum) in bf16 into the
+        owner's ``dkv_home`` (``dlanded[0, g]`` there), zeroes it;
+      - dq: waits ``computed[s, g]`` of every step; dq = bf16(dq_acc part), zeroed;
+      - finish: waits ``dlanded[0, g]``; dk, dv = the part of ``dkv_home``.
 
-    A unit's rows: its prep, its K/V tiles step-major, its home parts by step, dq, finish.
+    A unit's rows: its prep, then its K/V tiles step-major and by group within a step (the
+    longest first within a group), each onto the least loaded unit, with the tails among them:
+    a group's home and dq parts after the K/V tiles of the group TAIL_LAG later (of the home's
+    step; dq: of the rank's last step), its finish parts one group later still, or after
+    everything where the block comes home at a later step than my last.
 
-    NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a prep (0, 0), a K/V
-    send of step s (1, s), a compute task of step s (2, s), a grad send or home of step s (3, s),
-    dq and finish (4, 0). Each wait is for tasks of a smaller key (K/V sends and compute tasks
-    wait for K/V sends of s - 1 and preps; grad sends and homes for compute tasks of s and grad
-    sends of s - 1; dq and finish for compute tasks and homes), and each unit runs its tasks in
-    non-decreasing key order (a compute unit: prep, K/V tiles step-major, homes by step, dq,
-    finish; a comm unit: K/V sends, then grad sends by step). Were the run stalled, take the
-    waiting head t of least key: it waits for an unfinished t' of smaller key; the head h of
-    t''s unit has key(h) <= key(t') < key(t) and waits too: a contradiction."""
+    NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a prep (-2,), a K/V
+    send of step s (-1, s), a compute task of step s and group g (s, g, 0), a grad send (s, G, 0),
+    a home part (s, g', 1), a dq part (s_last, g', 2) and a finish part (s_last, g'', 3) or (W,
+    0, 3), g' = min(g + TAIL_LAG, G - 1) and g'' = min(g + TAIL_LAG + 1, G - 1) (where the
+    unit lists place them). Each wait is for tasks of a smaller key (K/V sends and compute tasks
+    wait for K/V sends of s - 1 and preps; grad sends for compute tasks of s and grad sends of
+    s - 1; homes for compute tasks of (s, g) and grad sends of s - 1; dq for compute tasks of g;
+    finish for homes of g at a step <= s_last, or at any step when keyed (W, 0, 3)), and each
+    unit runs its tasks in non-decreasing key order (a compute unit: as placed above; a comm
+    unit: K/V sends, then grad sends by step). Were the run stalled, take the waiting head t of
+    least key: it waits for an unfinished t' of smaller key; the head h of t''s unit has key(h)
+    <= key(t') < key(t) and waits too: a contradiction. (The tests check both conditions on
+    plans: test_no_wait_is_for_a_later_key_and_units_run_keys_in_order.)"""
     W, S, D, B, H, Hkv = world.size, seq, head_dim, batch, heads, kv_heads
     if W > 256 or B * Hkv * 4 >= 1 << (31 - fwd.TAG_KEY):
         raise ValueError(
