@@ -652,8 +652,8 @@ def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
     """intra_sm: comm unit u runs on compute unit u's SM, so the LPT starts that unit with the cost
     of the copies it hosts (cost.spare_copy_rows of their bytes read + written). Recomputed here:
     each unit's K/V tile costs (q rows walked + cost.item_rows) and tail parts' (tail_costs) plus
-    its hosted copies end within one task's cost of each other, where the copies alone outweigh a task (grad sends in 3 parts,
-    so 3 of the 8 units host them)."""
+    its hosted copies end within one task's cost of each other, where the copies alone outweigh a
+    task (grad sends in 3 parts, so 3 of the 8 units host them)."""
     monkeypatch.setattr(rb, "GRAD_PARTS", 3)
     W, S, Hkv, D = 2, 2048, 8, 128  # a grad part: 256 rows x 8 heads of fp32 dK | dV
     world = mkernel.World.emulated(W)

@@ -742,14 +742,16 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_compute_without_prep",
         RB,
-        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else "
+        "())",
         "                waits = landed(r, s) if s else ()",
         "ring backward: compute tasks do not wait for the prep (delta and lse rows read unwritten)",
     ),
     Mutation(
         "ring_bwd_compute_before_landed",
         RB,
-        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else "
+        "())",
         "                waits = (prepped,) if x == mine[0] else ()",
         "ring backward: a compute task reads a ring slot's K/V before it landed",
     ),
