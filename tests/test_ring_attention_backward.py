@@ -309,7 +309,7 @@ def test_contiguous_causal_partials_go_down_the_ring_and_home():
     W = 4
     plan = _plan(W, 20, True, "contiguous", batch=2, heads=6, kv_heads=3)
     G, n_parts = plan.extra["groups"], [len(c) for c in plan.extra["tail_cuts"]]
-    assert G == 4, "2 x 3 (b, K/V head) pairs in 4 tail groups"
+    assert G == 6, "2 x 3 (b, K/V head) pairs, a tail group each (causal: up to TAIL_GROUPS)"
     for r in range(W):  # rank r holds blocks r, r-1, .., 0 at steps 0..r
         grads = _comm(plan, r, rb.GRAD, rb.HOME)
         dests = {(t.args[0], t.args[1], t.raises[0].rank, t.raises[0].index) for t in grads}
@@ -375,11 +375,11 @@ def test_every_grad_send_waits_for_all_its_steps_contributions():
 def _keys(plan, r: int) -> dict[int, tuple]:
     """make_plan's deadlock argument, restated: the key of every task of rank r by table row
     (compute) or by -1 - index (comm)."""
-    G, W, lag = plan.extra["groups"], plan.world_size, rb.TAIL_LAG
+    G, W = plan.extra["groups"], plan.world_size
     readers = plan.extra["readers"]
-    last = max(s for s in range(W) if readers[r][s])
-    homes_of = {
-        (q - s) % W: s
+    last = [max(s for s in range(W) if readers[q][s]) for q in range(W)]
+    holder = {
+        (q - s) % W: q
         for q in range(W)
         for s in range(1, W)
         if plan.extra["holds"][q][s] and s not in plan.extra["sends"][q]
@@ -390,18 +390,16 @@ def _keys(plan, r: int) -> dict[int, tuple]:
         if not tile.rows:
             continue
         kind, s = _kind(plan, t), ra.unpack_tag(tile.tag)[1]
-        g = _group(plan, t) if kind != rb.PREP else 0
         if kind is None:
-            keys[i] = (s, g, 0)
+            keys[i] = (s, _group(plan, t), 0)
         elif kind == rb.PREP:
             keys[i] = (-2,)
         elif kind == rb.HOME:
-            keys[i] = (s, min(g + lag, G - 1), 1)
+            keys[i] = (last[r], G, 1)
         elif kind == rb.DQ:
-            keys[i] = (last, min(g + lag, G - 1), 2)
+            keys[i] = (last[r], G, 2)
         else:  # FINISH: after its group's home at the block's last holder
-            back = homes_of[r]
-            keys[i] = (last, min(g + lag + 1, G - 1), 3) if back <= last else (W, 0, 3)
+            keys[i] = (last[r], G, 3) if last[holder[r]] <= last[r] else (W, 0, 3)
     for i, t in enumerate(plan.roles["comm"].tasks[r]):
         s, kind = t.args[:2]
         keys[-1 - i] = (-1, s) if kind < rb.GRAD else (s, G, 0)
@@ -418,8 +416,8 @@ def _keys(plan, r: int) -> dict[int, tuple]:
 )
 def test_no_wait_is_for_a_later_key_and_units_run_keys_in_order(W, S, causal, layout, B, Hkv):
     """make_plan's NOTE (no deadlock): every wait is for tasks of a smaller key, and each unit runs
-    its tasks in non-decreasing key order; with several tail groups interleaved with the K/V
-    tiles."""
+    its tasks in non-decreasing key order; with several tail groups (contiguous causal: homes of
+    several steps on one rank, finishes of ranks whose last step comes before their holder's)."""
     plan = _plan(W, S, causal, layout, batch=B, heads=2 * Hkv, kv_heads=Hkv, sms=9)
     keys = [_keys(plan, r) for r in range(W)]
     units = plan.compute_units
@@ -459,12 +457,13 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
     """Compute role, per unit: its prep part first (row 0; each adds 1 to landed[0]), then its
     K/V tile tasks step-major and by tail group within a step (every K/V tile of every (q chunk,
     K/V chunk) pair a rank sees once, a unit's last of a (step, group) adding the unit's count to
-    computed[step, group], the unit's first waiting for every prep), with the tails among them:
-    home parts (computed[s, g], the previous holders' dlanded[s, 0]), dq parts (computed[*, g])
-    and finish parts (dlanded[0, g]; none where the engine stores the block's dk, dv: DIRECT),
-    each part's rows and heads covered once; comm tasks: the forward's K/V sends (the same rows,
-    destinations and signals; only the consumer counts of landed differ), then the grad sends by
-    step (the order that cannot deadlock, make_plan)."""
+    computed[step, group], the unit's first waiting for every prep), then the tails: home parts
+    (computed[s, g], the previous holders' dlanded[s, 0]), dq parts (computed[*, g]) and finish
+    parts (dlanded[0, g]; none where the engine stores the block's dk, dv: DIRECT), each part's rows
+    and heads covered once; comm tasks: the forward's K/V sends (the same rows, destinations and
+    signals; only the consumer counts of landed differ), then the grad sends by step (the order that
+    cannot deadlock, make_plan).
+    """
     back = _plan(W, S, causal, layout, heads=4, kv_heads=2, **sched)
     world = mkernel.World.emulated(W)
     fwd = mkernel.Schedule(**sched).plan("ring_attention", world, **back.shapes)
@@ -483,6 +482,8 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
             assert (kinds[:1] == [rb.PREP]) == (u < preps) and rb.PREP not in kinds[1:]
             sg = [(_step(back, t), _group(back, t)) for t in mine if _kind(back, t) is None]
             assert sg == sorted(sg), f"rank {r} unit {u}: not step-major, then by group"
+            tail = [k not in (None, rb.PREP) for k in kinds]
+            assert tail == sorted(tail), f"rank {r} unit {u}: the tails after every K/V tile"
             tiles_here = [t for t in mine if _kind(back, t) is None]
             for t in mine:
                 tile, s, kind = back.tiles[t.args[0]], _step(back, t), _kind(back, t)

@@ -87,14 +87,16 @@ GRAD_PARTS = 24
 # to (W = 1, a block that is never sent), stored in bf16 into dk, dv by the engine, no finish
 AUX, DIRECT = 2, 4
 # The (b, K/V head) pairs in this many groups for the tails (home, dq and finish, row tasks): a
-# group's tails wait for its own count (computed[s, g]), so they run while the later groups' K/V
-# tiles do (a step's K/V tiles run group by group), on the units that get to them first; the home
-# of the last step then crosses the link beside the compute instead of after it. A unit raises
-# computed[s, g] once, at its last K/V tile of the step and group: more groups, more fences.
-TAIL_GROUPS = 4
-# A group's home and dq parts go into the unit lists after the K/V tiles of the group this many
-# later (its finish one more), so that its count is mostly in when a unit gets to them.
-TAIL_LAG = 1
+# step's K/V tiles run group by group and a group's tails wait for its own count (computed[s,
+# g]), so the units that end their K/V tiles first run the tails of the groups already done while
+# the others finish (the tails go after a unit's K/V tiles: placed among them, they stalled units
+# whose group was not done). A unit raises computed[s, g] once, at its last K/V tile of the step
+# and group, a fence each: more groups, more fences. Measured (emulated W = 2, the bench's shapes,
+# intra_sm, vs the engine, benchmarks/ring_bwd_parts_probe.py; full / causal): 1 group 0.879 /
+# 0.691, 2 0.885 / 0.725, 8 0.863 / 0.770, 16 0.870 / 0.761, 32 0.867 / 0.760. Causal's K/V
+# tiles differ in length and its units end them further apart: more groups pay there.
+TAIL_GROUPS = 8  # causal
+TAIL_GROUPS_FULL = 2
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -227,7 +229,8 @@ def make_plan(
     - grad (comm, step s, rows): the block goes on: waits ``computed[s, g]`` of every group and,
       s > 0, ``dlanded[s, 0]``; reduce-adds the slot's rows into slot s + 1 of rank r + 1
       (``dlanded[s + 1, 0]``), zeroes them;
-    - the tails, row tasks in parts of a group's rows and K/V heads (``tail_parts``):
+    - the tails, row tasks in parts of a group's rows and K/V heads (``tail_parts``), each
+      waiting for its group's counts only:
       - home (step s > 0): I am the block's last holder: waits ``computed[s, g]`` and
         ``dlanded[s, 0]``; stores the slot's part (the block's whole sum) in bf16 into the
         owner's ``dkv_home`` (``dlanded[0, g]`` there), zeroes it;
@@ -235,24 +238,23 @@ def make_plan(
       - finish: waits ``dlanded[0, g]``; dk, dv = the part of ``dkv_home``.
 
     A unit's rows: its prep, then its K/V tiles step-major and by group within a step (the
-    longest first within a group), each onto the least loaded unit, with the tails among them:
-    a group's home and dq parts after the K/V tiles of the group TAIL_LAG later (of the home's
-    step; dq: of the rank's last step), its finish parts one group later still, or after
-    everything where the block comes home at a later step than my last.
+    longest first within a group), then the tails, each onto the least loaded unit: home parts,
+    dq parts, finish parts (after everything where the holder that sends my block home has a
+    later last step than mine), each by group.
 
     NOTE: no deadlock, whatever the interleaving. Rank every task by a key: a prep (-2,), a K/V
     send of step s (-1, s), a compute task of step s and group g (s, g, 0), a grad send (s, G, 0),
-    a home part (s, g', 1), a dq part (s_last, g', 2) and a finish part (s_last, g'', 3) or (W,
-    0, 3), g' = min(g + TAIL_LAG, G - 1) and g'' = min(g + TAIL_LAG + 1, G - 1) (where the
-    unit lists place them). Each wait is for tasks of a smaller key (K/V sends and compute tasks
-    wait for K/V sends of s - 1 and preps; grad sends for compute tasks of s and grad sends of
-    s - 1; homes for compute tasks of (s, g) and grad sends of s - 1; dq for compute tasks of g;
-    finish for homes of g at a step <= s_last, or at any step when keyed (W, 0, 3)), and each
-    unit runs its tasks in non-decreasing key order (a compute unit: as placed above; a comm
-    unit: K/V sends, then grad sends by step). Were the run stalled, take the waiting head t of
-    least key: it waits for an unfinished t' of smaller key; the head h of t''s unit has key(h)
-    <= key(t') < key(t) and waits too: a contradiction. (The tests check both conditions on
-    plans: test_no_wait_is_for_a_later_key_and_units_run_keys_in_order.)"""
+    a home part (L, G, 1), a dq part (L, G, 2) and a finish part (L, G, 3), L my last step with
+    K/V tiles, or (W, 0, 3) where my block's last holder has a later last step. Each wait is for
+    tasks of a smaller key (K/V sends and compute tasks wait for K/V sends of s - 1 and preps;
+    grad sends for compute tasks of s and grad sends of s - 1; homes for compute tasks of (s, g),
+    s <= L, and grad sends of s - 1; dq for compute tasks of g; a finish for the homes of its
+    group at the holder), and each unit runs its tasks in non-decreasing key order (a compute
+    unit: as placed above; a comm unit: K/V sends, then grad sends by step). Were the run
+    stalled, take the waiting head t of least key: it waits for an unfinished t' of smaller key;
+    the head h of t''s unit has key(h) <= key(t') < key(t) and waits too: a contradiction. (The
+    tests check both conditions on plans: test_no_wait_is_for_a_later_key_and_units_run_keys_in_
+    order.)"""
     W, S, D, B, H, Hkv = world.size, seq, head_dim, batch, heads, kv_heads
     if W > 256 or B * Hkv * 4 >= 1 << (31 - fwd.TAG_KEY):
         raise ValueError(
@@ -279,7 +281,7 @@ def make_plan(
     # Cost: the q rows the task walks (times the q heads of its K/V head) plus an item's fixed
     # cost. Group: the tail group of its (b, K/V head) pair (TAIL_GROUPS).
     item = item_rows(tk, D)
-    G = max(1, min(TAIL_GROUPS, B * Hkv))
+    G = max(1, min(TAIL_GROUPS if causal else TAIL_GROUPS_FULL, B * Hkv))
     group_of = [0] * (B * Hkv)
     for g, (first, n) in enumerate(fwd.row_parts(B * Hkv, G)):
         group_of[first : first + n] = [g] * n
@@ -333,6 +335,7 @@ def make_plan(
     grads = [[s for s in range(W) if holds[r][s] and s in sends[r]] for r in range(W)]
     homes = [[s for s in range(1, W) if holds[r][s] and s not in sends[r]] for r in range(W)]
     home_step = {(r - s) % W: s for r in range(W) for s in homes[r]}
+    last_step = [max(s for s in range(W) if readers[r][s]) for r in range(W)]
 
     def aux_tiles(kind: int, parts, s: int = 0) -> list[int]:  # row tasks, a tile a part
         first = len(tiles)
@@ -365,7 +368,6 @@ def make_plan(
         for s in range(W):
             for g, _, _ in per_rank[r][s]:
                 count[s][g] += 1
-        last_step = max(s for s in range(W) if readers[r][s])
         # the consumers of computed[s, g]: the grad parts of s, the home parts of (s, g), the dq
         # parts of g
         n_comp = [
@@ -397,30 +399,30 @@ def make_plan(
                 tasks.append(Task(tid, (s, GRAD, r0, n), waits, (dest,)))
                 tid += 1
 
-        # The tails (row tasks) by the point of the unit lists where they go: (step, group) =
-        # after that step's K/V tiles of that group (TAIL_LAG groups after their own, so that
-        # their counts are mostly in), or (W, 0): after everything. Ordered home, dq, finish.
-        tails_at: dict[tuple[int, int], list[Task]] = {}
+        # The tails (row tasks) by the step after whose K/V tiles they go, my last (W: after
+        # everything): homes, dq, finish, each by group
+        tails_at: dict[int, list[Task]] = {}
         for s in homes[r]:  # the sum of the block held at step s (mine + the previous holders')
             n_home = sum(hparts)
             arrived = Wait("dlanded", r, (s, 0), value=gparts, consumers=n_home, patience=3)
             for g in range(G):
                 owner = Raise("dlanded", (r - s) % W, (0, g), op="add")
-                at = tails_at.setdefault((s, min(g + TAIL_LAG, G - 1)), [])
                 waits = computed(s, g) + (arrived,)
-                at += [Task(t, (t,), waits, (owner,)) for t in home_tiles[s][g]]
+                tails_at.setdefault(max(s, last_step[r]), []).extend(
+                    Task(t, (t,), waits, (owner,)) for t in home_tiles[s][g]
+                )
         for g in range(G):
             every = tuple(w for s in range(W) for w in computed(s, g))
-            at = tails_at.setdefault((last_step, min(g + TAIL_LAG, G - 1)), [])
-            at += [Task(t, (t,), every, ()) for t in dq_tiles[g]]
+            tails_at.setdefault(last_step[r], []).extend(Task(t, (t,), every) for t in dq_tiles[g])
         if not direct[r]:
-            s_home = home_step[r]
+            # NOTE: after the homes of my block at its last holder (no deadlock, below)
+            holder = (r + home_step[r]) % W
+            point = last_step[r] if last_step[holder] <= last_step[r] else W
             for g in range(G):
                 back = Wait("dlanded", r, (0, g), value=hparts[g], consumers=hparts[g], patience=3)
-                # NOTE: after the home parts of its group at the last holder (no deadlock, below)
-                point = (last_step, min(g + TAIL_LAG + 1, G - 1)) if s_home <= last_step else (W, 0)
-                at = tails_at.setdefault(point, [])
-                at += [Task(t, (t,), (back,)) for t in finish_tiles[g]]
+                tails_at.setdefault(point, []).extend(
+                    Task(t, (t,), (back,)) for t in finish_tiles[g]
+                )
 
         # K/V tiles and tails to units: in that order, each onto the least loaded unit; a
         # step's K/V tiles group by group, the longest first within a group. Unit u's tasks are
@@ -442,17 +444,11 @@ def make_plan(
             load[u] += cost
             lists[u].append(task)
 
-        for s in range(W):
-            order = sorted(per_rank[r][s], key=lambda c: (c[0], -c[1]))
-            for i, (g, cost, t) in enumerate(order):
+        for s in range(W + 1):
+            for _, cost, t in sorted(per_rank[r][s], key=lambda c: (c[0], -c[1])) if s < W else ():
                 place(t, cost)
-                if i + 1 == len(order) or order[i + 1][0] != g:  # the group's last K/V tile
-                    for x in tails_at.pop((s, g), []):
-                        place(x, part_cost[x.id])
-        for x in tails_at.pop((W, 0), []):
-            place(x, part_cost[x.id])
-        if tails_at:
-            raise AssertionError(f"tails at points without K/V tiles: {sorted(tails_at)}")
+            for x in tails_at.get(s, []):
+                place(x, part_cost[x.id])
         # the units that run K/V tiles: each one's first waits for every prep
         busy = sum(1 for x in lists if any(not isinstance(y, Task) for y in x))
         prepped = Wait("landed", r, (0,), value=preps, consumers=busy)
