@@ -74,24 +74,16 @@ struct BwdTasks {
   int i = -1;
 
   // The next K / V tile task. Row tasks before it are run here by the consumer warpgroups
-  // (run_rows) and skipped by the producer; empty tasks pad the unit's rows. A consumer first
-  // completes a deferred raise (end) before a row task, which may wait for it, and at the end.
+  // (run_rows) and skipped by the producer; empty tasks pad the unit's rows.
   __device__ bool next(attn::BwdWork& w) {
     const int n = hooks.num_tasks();
-    const bool consumer = threadIdx.x >= 128;
     RingBwdTask t;
     for (;;) {
-      if (++i >= n) {
-        if (consumer) complete_deferred();
-        return false;
-      }
+      if (++i >= n) return false;
       t = hooks.task(i);
       if (t.rows == 0) continue;
       if (!t.aux) break;
-      if (consumer) {
-        complete_deferred();
-        run_rows(t);
-      }
+      if (threadIdx.x >= 128) run_rows(t);
     }
     const int C = p.chunks, Hkv = p.e.Hkv;
     const int ck = t.key % C, cq = (t.key / C) % C, bh = t.key / (C * C);
@@ -139,44 +131,25 @@ struct BwdTasks {
   }
   __device__ void begin(const attn::BwdWork&) { hooks.before_load(i); }  // producer: its waits
 
-  // Every consumer thread, after the item's dQ reduce-adds landed and its dK, dV red.adds. Only
-  // a unit's last task of a step and tail group raises (make_plan); the others need no fence:
-  // each thread's fence at that task orders its earlier tasks' writes too (program order). The
-  // raise waits for the item's red.adds to be performed (its fence: ~10 us an item, emulated W =
-  // 2), so where the next task has no waits (PlanHooks::defer_after_store, the rule the
-  // interpreter's twin follows) it is deferred to the next item's first step (started), whose
-  // fence then finds them done, or to the next row task or the unit's end (complete_deferred).
+  // Every consumer thread, after the item's dQ reduce-adds landed and its dK, dV red.adds: both
+  // warpgroups' writes fenced, then one thread raises (computed[step]). Only a unit's last task of
+  // a step raises (make_plan); the others need no fence: each thread's fence at that task orders
+  // its earlier tasks' writes too (program order), and nothing else waits at this barrier (the
+  // row tasks and the next item synchronise by their own barriers).
   __device__ void end(const attn::BwdWork&) {
-    complete_deferred();  // the item before had no q step to complete it at
     if (!hooks.raises(i)) {
       if (threadIdx.x == 128) hooks.stamp(i, 1);
       return;
     }
-    if (hooks.defer_after_store(i)) {
-      deferred = i;
-      return;
-    }
-    complete(i);
-  }
-  __device__ void started(const attn::BwdWork&) { complete_deferred(); }
-
-  int deferred = -1;  // a consumer's task whose raise waits for the next item's first step
-
-  // Both warpgroups' writes fenced, then one thread raises task k's signals (computed[s, g]).
-  __device__ void complete(int k) {
     __threadfence();
     asm volatile("bar.sync 4, 256;" ::: "memory");  // kBarEnd: both consumer warpgroups
     if (threadIdx.x == 128) {
       __threadfence_system();
-      hooks.after_store(k);
+      hooks.after_store(i);
     }
   }
-  __device__ void complete_deferred() {
-    if (deferred < 0) return;
-    complete(deferred);
-    deferred = -1;
-  }
 
+ private:
   using Cfg = attn::AttnBwdConfig<D>;
 };
 

@@ -742,24 +742,18 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_compute_without_prep",
         RB,
-        "                waits = ((prepped,) if x == mine[0] else ()) + arrived",
-        "                waits = arrived",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else "
+        "())",
+        "                waits = landed(r, s) if s else ()",
         "ring backward: compute tasks do not wait for the prep (delta and lse rows read unwritten)",
     ),
     Mutation(
         "ring_bwd_compute_before_landed",
         RB,
-        "                arrived = landed(r, s, units_at) if s and first_of[s] == x else ()",
-        "                arrived = ()",
+        "                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else "
+        "())",
+        "                waits = (prepped,) if x == mine[0] else ()",
         "ring backward: a compute task reads a ring slot's K/V before it landed",
-    ),
-    Mutation(
-        "ring_bwd_landed_waited_by_the_last_task",
-        RB,
-        "            for x in reversed(mine):\n                first_of[sg_of[x][0]] = x",
-        "            for x in mine:\n                first_of[sg_of[x][0]] = x",
-        "ring backward: a unit waits for a step's block at its last K/V tile of the step, not its "
-        "first",
     ),
     Mutation(
         "ring_bwd_grad_before_computed",
@@ -787,8 +781,8 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_finish_without_wait",
         RB,
-        "                    Task(t, (t,), (back,)) for t in finish_tiles[g]",
-        "                    Task(t, (t,)) for t in finish_tiles[g]",
+        "                at += [Task(t, (t,), (back,)) for t in finish_tiles[g]]",
+        "                at += [Task(t, (t,)) for t in finish_tiles[g]]",
         "ring backward: the owner's finish reads its block's sum before it came home",
     ),
     Mutation(

@@ -357,9 +357,8 @@ def make_plan(
     hparts = [len(cuts[g]) for g in range(G)]  # parts per group, each of home, dq and finish
     part_cost = tail_costs(tiles, group, D, tk)
 
-    def landed(r: int, s: int, units_at: list[int]) -> tuple[Wait, ...]:
-        # the consumers: each unit's first K/V tile of step s (``units_at[s]`` units), the sends
-        n = units_at[s] + (parts if s in sends[r] else 0)
+    def landed(r: int, s: int) -> tuple[Wait, ...]:
+        n = readers[r][s] + (parts if s in sends[r] else 0)
         return (Wait("landed", r, (s,), value=parts, consumers=n),)
 
     compute, comm = [], []
@@ -390,7 +389,7 @@ def make_plan(
         for s in sends[r]:
             for p, (r0, n) in enumerate(fwd.row_parts(B * S, parts)):
                 args = (s, p, r0, n)
-                tasks.append(Task(s * parts + p, args, (), arrive(s)))  # waits: below
+                tasks.append(Task(s * parts + p, args, landed(r, s) if s else (), arrive(s)))
         for s in grads[r]:
             waits = tuple(w for g in range(G) for w in computed(s, g))
             if s:
@@ -457,28 +456,16 @@ def make_plan(
         rows = [Task(empty, (empty,)) for _ in range((depth + 1) * units)]
         for p, t in enumerate(prep_tiles):
             rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
-        # NOTE: a unit's first K/V tile of step s > 0 waits for the block (landed[s]); its later
-        # ones follow it in the unit's order (the producer thread's acquire, then its loads), and
-        # with no wait they let the GPU defer the raise before them (PlanHooks::defer_after_store)
-        steps_of = [{sg_of[x][0] for x in e if not isinstance(x, Task)} for e in lists]
-        units_at = [sum(s in steps for steps in steps_of) for s in range(W)]
-        for t in tasks:
-            if t.args[1] < GRAD and t.args[0] > 0:  # a K/V send forwards the block it received
-                t.waits = landed(r, t.args[0], units_at)
         for u, entries in enumerate(lists):
             mine = [x for x in entries if not isinstance(x, Task)]
             n_of = Counter(sg_of[x] for x in mine)
             last_of = {sg_of[x]: x for x in mine}
-            first_of = {}
-            for x in reversed(mine):
-                first_of[sg_of[x][0]] = x
             for i, x in enumerate(entries):
                 if isinstance(x, Task):  # a tail
                     rows[(i + 1) * units + u] = x
                     continue
                 s, g = sg_of[x]
-                arrived = landed(r, s, units_at) if s and first_of[s] == x else ()
-                waits = ((prepped,) if x == mine[0] else ()) + arrived
+                waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())
                 # NOTE: the unit's last task of a (step, group) raises for all of them
                 # (computed[s, g] += their count): the others end without a fence (it waits for
                 # the item's dK, dV red.adds) and come earlier in the unit's rows

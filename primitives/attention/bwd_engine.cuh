@@ -252,7 +252,6 @@ struct AttnBwdEngine {
       return true;
     }
     __device__ void begin(const Work&) {}
-    __device__ void started(const Work&) {}
     __device__ void end(const Work&) {}
   };
 
@@ -263,9 +262,8 @@ struct AttnBwdEngine {
 
   // Every thread of the CTA, over a work source (OneTile; the ring kernel's BwdTasks): next(w)
   // gives each thread the same items in turn, begin(w) (the producer, before the item's loads)
-  // runs its waits, started(w) (every consumer thread, once the item's first MMAs are issued;
-  // not for an item without q steps) may complete an earlier item, end(w) (every consumer
-  // thread, after the item's dQ reduce-adds landed and its dK, dV stores) publishes it. Warp 1 of the producer warpgroup runs spare() meanwhile (the
+  // runs its waits, end(w) (every consumer thread, after the item's dQ reduce-adds landed and
+  // its dK, dV stores) publishes it. Warp 1 of the producer warpgroup runs spare() meanwhile (the
   // persistent template's intra_sm communicator).
   template <class Src, class Spare>
   __device__ static void run_cta(const AttnBwdParams& p, char* smem, Src& work, Spare&& spare) {
@@ -295,7 +293,7 @@ struct AttnBwdEngine {
       uint32_t kv_phase = 0;
       Work w;
       while (work.next(w)) {
-        consumer(p, w, smem, bars, st, step, kv_phase, [&] { work.started(w); });
+        consumer(p, w, smem, bars, st, step, kv_phase);
         work.end(w);
       }
     }
@@ -353,12 +351,10 @@ struct AttnBwdEngine {
   }
 
   // ------------------------------------------------------------------------------- consumer
-  // One item: its K / V tile's walk, dK and dV in registers, stored at the end; started() once
-  // the first step's MMAs are issued.
-  template <class Started>
+  // One item: its K / V tile's walk, dK and dV in registers, stored at the end.
   __device__ static void consumer(const AttnBwdParams& p, const Work& w, char* smem,
                                   const Bars& bars, gemm::PipeState<STAGES>& st, int& step,
-                                  uint32_t& kv_phase, Started&& started) {
+                                  uint32_t& kv_phase) {
     using namespace gemm;
     const int wg = (int)threadIdx.x / 128 - 1;
     const int lt = threadIdx.x % 128;
@@ -445,7 +441,6 @@ struct AttnBwdEngine {
         wgmma_commit();
         mma_kk(dp, v_wg, do_st);  // dP^T = V_wg dO^T
         wgmma_commit();
-        if (g == 0 && i == w.q_begin) started();  // both warpgroups (a barrier may follow)
 
         // this thread's columns' lse2 (8j + 2 q4 + e), read while the MMAs run
         float2 col_lse2[kSRegs / 4];
