@@ -781,8 +781,8 @@ MUTATIONS = [
     Mutation(
         "ring_bwd_finish_without_wait",
         RB,
-        "                at += [Task(t, (t,), (back,)) for t in finish_tiles[g]]",
-        "                at += [Task(t, (t,)) for t in finish_tiles[g]]",
+        "                    Task(t, (t,), (back,)) for t in finish_tiles[g]",
+        "                    Task(t, (t,)) for t in finish_tiles[g]",
         "ring backward: the owner's finish reads its block's sum before it came home",
     ),
     Mutation(
