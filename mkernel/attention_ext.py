@@ -40,6 +40,18 @@ SPEC = jit.ExtensionSpec(
 
 # AttentionArgs.variant: the consumer schedule (primitives/attention/engine.cuh).
 VARIANTS = {"pingpong": 0, "overlap": 1, "plain": 2}
+# The default schedule by key length: "pingpong" up to this many keys, "overlap" beyond. Measured
+# (one H200, B = 1, H = 32, D = 128, TFLOP/s pingpong / overlap, two runs of
+# ``python3 -m mkernel.bench.attention`` a day apart: benchmarks/results/attention_2026-12-02_lead
+# .json, attention_2026-12-02_variants.json): S = 2048 full 586 / 550, 583 / 547, causal 439 /
+# 439, 437 / 430; S = 8192 full 674 / 678, 667 / 672, causal 572 / 585, 574 / 589; S = 32768
+# causal 583 / 568, 585 / 583. A short key walk leaves the overlap's deeper pipeline less to hide.
+PINGPONG_MAX_KV = 2048
+
+
+def default_variant(s_kv: int) -> str:
+    """The consumer schedule ``attention_forward`` runs when none is named, for ``s_kv`` keys."""
+    return "pingpong" if s_kv <= PINGPONG_MAX_KV else "overlap"
 
 
 load = jit.cached_loader(SPEC)  # the built ``_mkernel_attention`` module, kept after the first call
@@ -62,7 +74,7 @@ def attention_forward(
     causal: bool = False,
     scale: float | None = None,
     *,
-    variant: str = "overlap",
+    variant: str | None = None,
     num_sms: int = 0,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -82,8 +94,8 @@ def attention_forward(
         lse = torch.logsumexp(s, dim=-1)                           # [B, Hq, S_q]
         out = torch.einsum("bhij,bjhd->bihd", torch.exp(s - lse[..., None]), vv)
 
-    ``variant`` picks the consumer schedule ("overlap": the fastest measured, see
-    docs/ring_attention.md; "pingpong", "plain": for measurements);
+    ``variant`` picks the consumer schedule (None: the faster measured for the key length,
+    ``default_variant``; "overlap", "pingpong", "plain" by name, docs/ring_attention.md);
     ``num_sms`` caps the persistent grid (0: every SM); ``out`` / ``lse`` are optional
     preallocated results (contiguous, shapes and dtypes as returned); ``out_f32`` (fp32, q's
     shape) also receives O unrounded, for partial results merged by lse later (ring steps).
@@ -98,8 +110,10 @@ def attention_forward(
         )
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v must be on one device")
+    if variant is None:
+        variant = default_variant(S_kv)
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)} or None, got {variant!r}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     ext = load()
     if out is None:

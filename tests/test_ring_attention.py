@@ -743,3 +743,20 @@ def test_engine_launches_take_the_raw_stream_when_the_device_is_current(monkeypa
     assert switched == []
     assert attention_ext._enqueue(launch, "b", torch.device("cuda", 1)) == ("b", 1001)
     assert switched == [1]
+
+
+def test_the_default_schedule_follows_the_key_length():
+    """attention_forward with no variant: "pingpong" up to PINGPONG_MAX_KV keys, "overlap" beyond
+    (the faster measured on each side); both are correct schedules of the same engine."""
+    from mkernel import attention_ext
+
+    edge = attention_ext.PINGPONG_MAX_KV
+    assert [attention_ext.default_variant(s) for s in (1, edge, edge + 1, 32768)] == [
+        "pingpong",
+        "pingpong",
+        "overlap",
+        "overlap",
+    ]
+    assert {attention_ext.default_variant(s) for s in range(1, 3 * edge, 97)} <= set(
+        attention_ext.VARIANTS
+    )

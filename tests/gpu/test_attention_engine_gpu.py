@@ -179,3 +179,14 @@ def test_bad_inputs_raise(attn):
         attn.attention_forward(k, k, k, scale=-1.0)
     with pytest.raises(ValueError, match="contiguous"):
         attn.attention_forward(k.transpose(1, 2), k, k)
+
+
+@pytest.mark.parametrize("S", [2048, 2049])
+def test_the_default_schedule_is_the_named_one_for_its_length(attn, S):
+    """No variant: the schedule ``default_variant`` names for the key length (bit-identical to
+    naming it), on both sides of the threshold."""
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v = (torch.randn(1, S, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    out, lse = attn.attention_forward(q, k, v, True)
+    named = attn.attention_forward(q, k, v, True, variant=attn.default_variant(S))
+    assert torch.equal(out, named[0]) and torch.equal(lse, named[1])
