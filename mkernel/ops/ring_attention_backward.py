@@ -97,6 +97,9 @@ AUX, DIRECT = 2, 4
 # tiles differ in length and its units end them further apart: more groups pay there.
 TAIL_GROUPS = 8  # causal
 TAIL_GROUPS_FULL = 2
+# The tails' parts per compute unit (each kind, over all groups): the last tasks of the units'
+# lists, so smaller parts even out their ends.
+TAIL_PARTS = 1
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
 ROW_TILE = 64  # q rows per packed tile of ``delta`` (the engine's BQ, its TMA_ROWS fetch)
@@ -348,7 +351,7 @@ def make_plan(
     prep_tiles = aux_tiles(PREP, [(p0, m, 0, 0) for p0, m in fwd.row_parts(B * C * H * qt, preps)])
     # the tails' parts of each group: rows of one b, a range of K/V heads (m0 = b * S + row, n0 =
     # the first K/V head, cols = heads); the same cut for home, dq and finish
-    cuts = tail_parts(B, S, Hkv, group, D, G, tails)
+    cuts = tail_parts(B, S, Hkv, group, D, G, TAIL_PARTS * tails)
     dq_tiles = [aux_tiles(DQ, cuts[g]) for g in range(G)]
     finish_tiles = [aux_tiles(FINISH, cuts[g]) for g in range(G)]
     home_tiles: dict[int, list[list[int]]] = {}  # step -> per group, the home parts of its block
