@@ -97,8 +97,9 @@ AUX, DIRECT = 2, 4
 # tiles differ in length and its units end them further apart: more groups pay there.
 TAIL_GROUPS = 8  # causal
 TAIL_GROUPS_FULL = 2
-# The tails' parts per compute unit (each kind, over all groups): the last tasks of the units'
-# lists, so smaller parts even out their ends.
+# The tails' parts per compute unit (each kind, over all groups). Smaller parts did not even out
+# the units' ends (emulated W = 2, intra_sm, full / causal: 1 part 0.885 / 0.763, 2 0.882 /
+# 0.758, 4 0.876 / 0.752; benchmarks/results/ring_bwd_tail_groups_probe_2026-12-02.txt).
 TAIL_PARTS = 1
 KV_TILE = 16  # K/V rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_KV_TILE = 128  # the GPU backward engine's (primitives/attention/bwd_engine.cuh, BKV)
