@@ -4,7 +4,7 @@
 //
 // Protocol (the plan's tables, mkernel/ops/ring_attention_backward.py make_plan). Row tasks are
 // compute-role tasks run by the engine's two consumer warpgroups (256 threads) between its tiles
-// (BwdTasks::run_rows): a unit's prep first, the tails (home, dq, finish) among its later tiles.
+// (BwdTasks::run_rows): a unit's prep first, the tails (home, dq, finish) after its last tile.
 //   prep    (row task)     delta = rowsum(dO * O) - dlse and lse * log2 e, packed per (q chunk,
 //                          head, 64-row q tile) into the `delta` workspace; +1 landed[0] (mine)
 //   K/V     (comm)         the forward's sends: block of step s -> slot s + 1 of rank r + 1

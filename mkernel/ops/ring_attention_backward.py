@@ -22,12 +22,12 @@ dK, dV of the tile in registers over the walk), reduce-adding dQ into ``dq_acc``
 unit's last task of step s and tail group g (a range of the (b, K/V head) pairs) adds its count
 of them to ``computed[s, g]``. Row tasks of the compute role (``AUX`` tiles, run by the engine's
 consumer warpgroups): each unit's prep part first (delta rows, ``landed[0]``), the tails (home,
-dq and finish parts of one group's rows and heads) among its later K/V tiles; comm tasks: the K/V
-sends and the grad sends (slot s on to slot s + 1 of rank r + 1, ``dlanded[s + 1, 0]``). Home:
-the block's last holder stores the slot's sum in bf16 into the owner's ``dkv_home`` (``dlanded[0,
+dq and finish parts of one group's rows and heads) after its K/V tiles; comm tasks: the K/V sends
+and the grad sends (slot s on to slot s + 1 of rank r + 1, ``dlanded[s + 1, 0]``). Home: the
+block's last holder stores the slot's sum in bf16 into the owner's ``dkv_home`` (``dlanded[0,
 g]``); the finish copies it into dk, dv; dq is bf16(dq_acc) once. A group's tails wait for its
-own counts only, so they run while later groups' K/V tiles do. Each reader of an fp32
-accumulator zeroes what it read.
+own counts only, so the units that end their K/V tiles first run them while other units still
+compute later groups. Each reader of an fp32 accumulator zeroes what it read.
 
     W = 3, contiguous, causal (Bp = the K/V block of rank p; g = its fp32 dK|dV partial; +in: the
     previous holders' partial, added into the same slot)
