@@ -794,3 +794,31 @@ def test_the_plan_refuses_more_kv_pieces_than_the_kernel_tells_from_grad_sends(m
     monkeypatch.setattr(rb, "GRAD", plan.extra["parts"] - 1)
     with pytest.raises(AssertionError, match="grad sends"):
         _plan(2, 64, False, "contiguous")
+
+
+@pytest.mark.parametrize(
+    "B, S, Hkv, group, G, tails",
+    [
+        (1, 1 << 21, 64, 1, 1, 1),
+        (2, 3 << 18, 8, 8, 8, 66),
+        (3, 5, 2, 1, 6, 132),
+        (1, 1, 1, 1, 1, 1),
+    ],
+)
+def test_tail_parts_cover_each_group_once_within_int32_elements(B, S, Hkv, group, G, tails):
+    """tail_parts: each group's parts cover its (b, K/V head) pairs' rows once, each within one b,
+    and count fewer than 2**31 16-byte elements (the device loops count them in int32: home's dK |
+    dV fp32 and dq's q heads per row), however long the sequence."""
+    D = 128
+    cuts = rb.tail_parts(B, S, Hkv, group, D, G, tails)
+    assert len(cuts) == G
+    seen = torch.zeros(B * S, Hkv, dtype=torch.int8)
+    for g, (first, n) in enumerate(ra.row_parts(B * Hkv, G)):
+        pairs = set(range(first, first + n))
+        for m0, rows, hk0, nh in cuts[g]:
+            b = m0 // S
+            assert rows > 0 and (m0 + rows - 1) // S == b, "a part's rows are within one b"
+            assert {b * Hkv + h for h in range(hk0, hk0 + nh)} <= pairs
+            assert rows * nh * D * max(2, group) // 4 < 2**31
+            seen[m0 : m0 + rows, hk0 : hk0 + nh] += 1
+    assert (seen == 1).all()
