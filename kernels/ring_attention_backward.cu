@@ -366,13 +366,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     const long long at = (long long)t.m0 * ld + c0;
     float4* acc = reinterpret_cast<float4*>(l.dq_acc.map(cta.rank)) + at;
     uint2* dst = reinterpret_cast<uint2*>(l.dq.at(cta.local_rank)) + at;
-    for_rect(
-        t.rows, run, team, [&](int r, int c) { return acc + (long long)r * ld + c; },
-        [&](int r, int c, const float4& x) {
-          const long long e = (long long)r * ld + c;
-          acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
-          dst[e] = make_uint2(attn::pack_bf16(x.x, x.y), attn::pack_bf16(x.z, x.w));
-        });
+    drain_bf16(t.rows, run, team, acc, dst, [=](int r, int c) { return (long long)r * ld + c; });
   }
 
   // A home part: its rows and K/V heads of slot s (the block's sum: mine and the previous
@@ -389,8 +383,16 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
     uint2* dst = reinterpret_cast<uint2*>(l.dkv_home.map(owner)) + (long long)t.m0 * ld + c0;
     // element (r, c) of the part: c < run in dK, else dV (column half + c - run)
     auto at = [=](int r, int c) { return (long long)r * ld + (c < run ? c : half + c - run); };
+    drain_bf16(t.rows, 2 * run, team, acc, dst, at);
+  }
+
+  // The fp32 accumulator's elements at(r, c) of a rows x row_elems rectangle (4 floats each) into
+  // bf16 at dst's same elements, the accumulator back to zero (a dq part, a home part).
+  template <class At>
+  static __device__ __forceinline__ void drain_bf16(int rows, int row_elems, const Team& team,
+                                                    float4* acc, uint2* dst, At&& at) {
     for_rect(
-        t.rows, 2 * run, team, [&](int r, int c) { return acc + at(r, c); },
+        rows, row_elems, team, [&](int r, int c) { return acc + at(r, c); },
         [&](int r, int c, const float4& x) {
           const long long e = at(r, c);
           acc[e] = make_float4(0.f, 0.f, 0.f, 0.f);
