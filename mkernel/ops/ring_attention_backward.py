@@ -407,8 +407,7 @@ def make_plan(
         # everything): homes, dq, finish, each by group
         tails_at: dict[int, list[Task]] = {}
         for s in homes[r]:  # the sum of the block held at step s (mine + the previous holders')
-            n_home = sum(hparts)
-            arrived = Wait("dlanded", r, (s, 0), value=gparts, consumers=n_home, patience=3)
+            arrived = Wait("dlanded", r, (s, 0), value=gparts, consumers=sum(hparts), patience=3)
             for g in range(G):
                 owner = Raise("dlanded", (r - s) % W, (0, g), op="add")
                 waits = computed(s, g) + (arrived,)
@@ -826,14 +825,20 @@ def grads(scores, lse, do, q, k, v, delta, scale):
     return scale * ds @ k, scale * ds.T @ q, p.T @ do
 
 
+def _dk_dv_ids(space: int, tile: int) -> tuple[int, int]:
+    """Output tile ids of one tile's dk and dv, in an id space apart from the dq parts' (their
+    tile ids) and from the other writer of dk, dv."""
+    return space | 2 * tile, space | (2 * tile + 1)
+
+
 def direct_ids(tile: int) -> tuple[int, int]:
     """The output tile ids of a DIRECT compute tile's dk and dv (after those of the row tasks)."""
-    return 1 << 30 | 2 * tile, 1 << 30 | (2 * tile + 1)
+    return _dk_dv_ids(1 << 30, tile)
 
 
 def finish_ids(tile: int) -> tuple[int, int]:
     """The output tile ids of a finish part's dk and dv (a dq part's is its tile id)."""
-    return 1 << 29 | 2 * tile, 1 << 29 | (2 * tile + 1)
+    return _dk_dv_ids(1 << 29, tile)
 
 
 def outputs(plan: Plan, rank: int) -> dict[str, dict[int, tuple[int, int, int, int]]]:
