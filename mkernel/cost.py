@@ -373,15 +373,20 @@ def spare_copy_rows(traffic_bytes: int, kv_rows: int, head_dim: int, rates: Rate
     its own spare warp, in the plan's task cost unit (q rows walked by one K / V tile of
     ``kv_rows`` rows): the copy's time at ``rates.spare_copy_gbps`` at the backward engine's rate
     per SM. The plan's LPT starts a unit with the cost of the comm tasks it hosts."""
-    seconds = traffic_bytes / (rates.spare_copy_gbps * 1e9)
-    return seconds * _bwd_rows_per_second(kv_rows, head_dim, rates)
+    return _traffic_rows(traffic_bytes, rates.spare_copy_gbps, kv_rows, head_dim, rates)
 
 
 def row_task_rows(traffic_bytes: int, kv_rows: int, head_dim: int, rates: Rates = RATES) -> float:
     """A ring-backward row task of ``traffic_bytes`` (read + written) in the plan's task cost unit,
     at ``rates.row_task_gbps`` on the unit's consumer warpgroups (``spare_copy_rows``' unit)."""
-    seconds = traffic_bytes / (rates.row_task_gbps * 1e9)
-    return seconds * _bwd_rows_per_second(kv_rows, head_dim, rates)
+    return _traffic_rows(traffic_bytes, rates.row_task_gbps, kv_rows, head_dim, rates)
+
+
+def _traffic_rows(
+    traffic_bytes: int, gbps: float, kv_rows: int, head_dim: int, rates: Rates
+) -> float:
+    """``traffic_bytes`` at ``gbps`` on one unit, in q rows the backward engine walks meanwhile."""
+    return traffic_bytes / (gbps * 1e9) * _bwd_rows_per_second(kv_rows, head_dim, rates)
 
 
 # Ring attention's overlap by rule (no model yet): intra_sm, the block pushed by the idle
