@@ -153,7 +153,7 @@ def _errs_of(row: dict) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        print("the attention benchmark needs a CUDA GPU", file=sys.stderr)
-        sys.exit(1)
+    from . import cli
+
+    cli(__spec__.name, __doc__)
     run()

@@ -127,7 +127,7 @@ def run(save_json: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        print("the attention backward benchmark needs a CUDA GPU", file=sys.stderr)
-        sys.exit(1)
+    from . import cli
+
+    cli(__spec__.name, __doc__)
     run()

@@ -107,3 +107,10 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
     if save_json:
         print("saved", save("gemm", rows))
     return rows
+
+
+if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__)
+    run()

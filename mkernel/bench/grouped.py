@@ -116,4 +116,7 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__)
     run()

@@ -72,3 +72,10 @@ def run(save_json: bool = True) -> list[dict]:
     if save_json:
         print("saved", save("host", rows))
     return rows
+
+
+if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__)
+    run()

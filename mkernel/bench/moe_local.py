@@ -192,6 +192,9 @@ def run(save_json: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__, {"--trace": "trace one call per overlap instead of timing"})
     if "--trace" in sys.argv:
         trace(overlap="intra_sm")
         trace(overlap="inter_sm")

@@ -22,6 +22,7 @@ import torch
 
 import mkernel
 
+from . import require_gpu
 from .timing import interleaved_ms, save, table
 
 W, NODES = 4, 2
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m mkernel.bench.nodes", description=__doc__)
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args(argv)
+    require_gpu(__spec__.name)
     rows = [measure(op, *shape) for op in OPS for shape in SHAPES]
     cols = ["op", "m", "n", "k", "nodes_ms", "one_node_ms", "unfused_ms", "nodes_over_one_node"]
     print(table(rows, cols))

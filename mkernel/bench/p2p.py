@@ -100,4 +100,12 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     import sys
 
+    from . import cli
+
+    cli(
+        __spec__.name,
+        __doc__,
+        {"--local": "one GPU, an emulated world", "--save": "write the JSON record"},
+        torchrun="--local" not in sys.argv,
+    )
     main(sys.argv[1:])

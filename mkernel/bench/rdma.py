@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..rdma import ProxyRing, exchange
+from . import require_gpu
 from .timing import save, table
 
 W, NODES, PUTS, CAPACITY = 2, 2, 8, 8
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="write the JSON record")
     parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB)")
     args = parser.parse_args()
+    require_gpu(__spec__.name)
     rows = []
     with ProxyRing(W, CAPACITY) as ring:
         for size in SIZES:

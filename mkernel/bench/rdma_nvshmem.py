@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from . import require_gpu
 from .rdma import interleaved_wall_us
 from .timing import save, table
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m mkernel.bench.rdma_nvshmem", description=__doc__)
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args(argv)
+    require_gpu(__spec__.name, torchrun=True)
     dist.init_process_group("gloo")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     W = dist.get_world_size()

@@ -135,4 +135,7 @@ def run(save_json: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__)
     run()

@@ -169,6 +169,9 @@ def trace(overlaps: tuple[str, ...] = ("intra_sm",)) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__, {"--trace": "trace one call per case instead of timing"})
     if "--trace" in sys.argv:
         trace()
     else:

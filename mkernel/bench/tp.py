@@ -235,4 +235,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from . import cli
+
+    cli(__spec__.name, __doc__, torchrun=True)
     main()
