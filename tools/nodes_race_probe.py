@@ -26,6 +26,11 @@ CASES = [
 # How the inputs reach the call: the repro (CPU tensors moved with .cuda(), no sync), the
 # same with a synchronize, tensors made on the GPU, and a stream kept busy by a sleep kernel.
 MODES = ["cuda_copy", "cuda_copy_sync", "on_gpu", "busy_sleep", "back_to_back"]
+# A user's session: the reference computed on the GPU right after the asynchronous call (its first
+# cuBLAS / elementwise kernels load their modules while the fused kernel waits for the proxies), a
+# large pageable copy queued just before the call, a call from a side stream with the default
+# stream busy, and a first matmul issued while the call runs.
+MODES += ["ref_gpu_nosync", "big_h2d", "side_stream", "matmul_during"]
 
 
 def child(op: str, W: int, N: int, mode: str, timeout: float) -> dict:
@@ -62,7 +67,7 @@ def child(op: str, W: int, N: int, mode: str, timeout: float) -> dict:
         shapes = ((W, M // W * 2, K * W), (W, K * W, Nn))
     else:
         shapes = ((W, M, K), (W, K, Nn))
-    if mode in ("cuda_copy", "cuda_copy_sync", "back_to_back"):
+    if mode in ("cuda_copy", "cuda_copy_sync", "back_to_back", "ref_gpu_nosync"):
         a = torch.randn(*shapes[0]).bfloat16().cuda()
         b = torch.randn(*shapes[1]).bfloat16().cuda()
         if mode == "cuda_copy_sync":
@@ -71,25 +76,40 @@ def child(op: str, W: int, N: int, mode: str, timeout: float) -> dict:
         a = torch.randn(*shapes[0], device="cuda").bfloat16()
         b = torch.randn(*shapes[1], device="cuda").bfloat16()
         torch.cuda.synchronize()
-        if mode == "busy_sleep":
+        if mode in ("busy_sleep", "side_stream"):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of cycles queued before the call
+        if mode == "big_h2d":
+            big = torch.empty(2**28, dtype=torch.uint8).cuda()  # 256 MB pageable copy queued
+            del big
     note("inputs ready")
     fn = getattr(mkernel, op)
     errors: list[str] = []
     outs = []
     calls = 4 if mode == "back_to_back" else 1
+    side = torch.cuda.Stream() if mode == "side_stream" else torch.cuda.current_stream()
     for _ in range(calls):
         try:
-            outs.append(fn(a, b, world=world))
+            with torch.cuda.stream(side):
+                outs.append(fn(a, b, world=world))
         except Exception as e:  # noqa: BLE001 (the probe reports any failure)
             errors.append(f"call: {type(e).__name__}: {e}")
     note("calls returned")
+    early_ref = None
+    if mode == "ref_gpu_nosync":
+        early_ref = getattr(mkernel.reference, op)(a, b, world=world).float()
+        note("reference on the GPU issued during the call")
+    if mode == "matmul_during":
+        x = torch.randn(333, 777, device="cuda", dtype=torch.float16)
+        (x @ x.T).sum()
+        note("first fp16 matmul issued during the call")
+    torch.cuda.current_stream().wait_stream(side)
     try:
         world.check()
     except Exception as e:  # noqa: BLE001
         errors.append(f"check: {type(e).__name__}: {e}")
     note("checked")
-    ref = getattr(mkernel.reference, op)(a, b, world=world).float()
+    ref = early_ref if early_ref is not None else getattr(mkernel.reference, op)(a, b, world=world)
+    ref = ref.float()
     rel = [float((o.float() - ref).norm() / ref.norm()) for o in outs]
     rings = getattr(world, "_rdma", None)
     counters = [rings.counters(r) for r in range(W)] if rings is not None else []
@@ -103,7 +123,15 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--child", nargs=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--sequence", action="store_true", help="every case in this one process")
     args = p.parse_args()
+    if args.sequence:  # as a user tries the cases one after another in one session
+        for op, W, N in CASES:
+            for mode in args.modes.split(","):
+                res = child(op, W, N, mode, args.timeout)
+                ok = not res["errors"] and res["rel"] and max(res["rel"]) < 2**-7
+                print(f"seq {mode:15s} {op} W={W} N={N}: {'PASS' if ok else 'FAIL'} {res}")
+        return
     if args.child:
         op, W, N, mode = args.child
         print("RESULT " + json.dumps(child(op, int(W), int(N), mode, args.timeout)))
