@@ -12,6 +12,7 @@ the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,15 +68,53 @@ class Tile(NamedTuple):
     tag: int
 
 
+# The longest injected delay: a minute, past any deadline a test sets (the device sleeps
+# delay_us * 1000 ns in int64 nanoseconds; the interpreter sleeps delay_us steps).
+MAX_DELAY_US = 60_000_000
+SEED_LIMIT = 2**63  # seeds fit an int64, as any seeded policy takes them
+
+
+def _check_int(name: str, v: Any, form: str) -> int:
+    """``v`` is an int (a bool is not: True would pass as 1): else TypeError naming ``name``."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name} must be {form}, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _check_choice(name: str, v: Any, choices: Sequence[str]) -> None:
+    """``v`` is None or one of ``choices`` (strings)."""
+    if v is None:
+        return
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str or None (one of {tuple(choices)}), got {v!r}")
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)} or None, got {v!r}")
+
+
 @dataclass(frozen=True)
 class Faults:
     """Injected faults for tests: ``silent_rank`` never raises its signals (its peers' waits must
-    time out); ``delay_rank`` sleeps ``delay_us`` before each of its communication tasks (results
-    must not change)."""
+    time out); ``delay_rank`` sleeps ``delay_us`` (an int in [0, MAX_DELAY_US], a minute) before
+    each of its communication tasks (results must not change). Ranks are ints >= 0 or None,
+    checked against the world when an op runs."""
 
     silent_rank: int | None = None
     delay_rank: int | None = None
     delay_us: int = 0
+
+    def __post_init__(self) -> None:
+        # NOTE: the ranks are checked against the world at the call (common.check_faults).
+        for name in ("silent_rank", "delay_rank"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_int(f"Faults.{name}", v, "an int or None")
+                if v < 0:
+                    raise ValueError(f"Faults.{name} must be a rank >= 0 or None, got {v}")
+        _check_int("Faults.delay_us", self.delay_us, f"an int in [0, {MAX_DELAY_US}]")
+        if not 0 <= self.delay_us <= MAX_DELAY_US:
+            raise ValueError(
+                f"Faults.delay_us must be an int in [0, {MAX_DELAY_US}], got {self.delay_us}"
+            )
 
 
 TileOrderHook = Callable[[int, Sequence[Tile]], Sequence[int]]
@@ -104,12 +143,14 @@ class Schedule:
                (MoE; at most 128 on a GPU; default 128 when T * k >= 128 * E_local, else 64), per
                query tile of a compute task (ring attention, forward and backward; default 16).
     faults:    injected faults for tests (Faults; None: none).
-    seed:      the CPU interpreter's random interleaving policy (ignored on the GPU).
+    seed:      the CPU interpreter's random interleaving policy, an int in [0, 2**63) (ignored on
+               the GPU).
     backoff_ns: GPU waits sleep between polls of a flag, doubling from 32 ns up to this (0: spin),
                so waiting warps take few issue slots and memory transactions from the compute warps
                beside them (measured: a spinning communicator warp slowed intra-SM GEMMs 30x).
-    trace:     GPU: record each task's start and end (global timer) and wait for the kernel; the
-               timeline lands in ``world.last_timeline`` (the interpreter always records one).
+    trace:     a bool. GPU: record each task's start and end (global timer) and wait for the
+               kernel; the timeline lands in ``world.last_timeline`` (the interpreter always
+               records one).
     transfer:  how ag_gemm pushes its chunks: "stores" (16-byte stores, any overlap), "tma" (TMA
                bulk copies staged in shared memory; inter_sm only, where comm CTAs own their
                shared memory), or None / "auto": the model's (stores at the measured rates).
@@ -128,30 +169,27 @@ class Schedule:
     transfer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.overlap is not None and self.overlap not in OVERLAPS:
-            raise ValueError(
-                f"Schedule.overlap must be one of {OVERLAPS} or None, got {self.overlap!r}"
-            )
-        if self.tile is not None and self.tile not in TILE_CONFIGS:
-            raise ValueError(
-                f"Schedule.tile must be one of {sorted(TILE_CONFIGS)}, got {self.tile!r}"
-            )
-        if not isinstance(self.backoff_ns, int) or not 0 <= self.backoff_ns <= 1_000_000:
+        _check_choice("Schedule.overlap", self.overlap, OVERLAPS)
+        _check_choice("Schedule.tile", self.tile, sorted(TILE_CONFIGS))
+        _check_choice("Schedule.transfer", self.transfer, TRANSFERS)
+        _check_int("Schedule.backoff_ns", self.backoff_ns, "an int in [0, 1e6]")
+        if not 0 <= self.backoff_ns <= 1_000_000:
             raise ValueError(
                 f"Schedule.backoff_ns must be an int in [0, 1e6], got {self.backoff_ns!r}"
             )
         for name in ("sms", "comm_sms", "chunk_rows"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and _check_int(f"Schedule.{name}", v, "an int or None") < 1:
                 raise ValueError(f"Schedule.{name} must be a positive int or None, got {v!r}")
+        _check_int("Schedule.seed", self.seed, "an int in [0, 2**63)")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"Schedule.seed must be an int in [0, 2**63), got {self.seed}")
+        if not isinstance(self.trace, bool):
+            raise TypeError(f"Schedule.trace must be a bool, got {self.trace!r}")
         # NOTE: these two need overlap="inter_sm" set too, not left to the model, as when the
         # default was intra_sm: a schedule means the same whatever the model would pick.
         if self.overlap != "inter_sm" and self.comm_sms is not None:
             raise ValueError("Schedule.comm_sms applies to overlap='inter_sm' only")
-        if self.transfer is not None and self.transfer not in TRANSFERS:
-            raise ValueError(
-                f"Schedule.transfer must be one of {TRANSFERS} or None, got {self.transfer!r}"
-            )
         if self.transfer == "tma" and self.overlap != "inter_sm":
             raise ValueError(
                 "Schedule transfer='tma' needs overlap='inter_sm' (intra_sm has no smem to stage)"
@@ -185,8 +223,32 @@ class Schedule:
             shapes = module.shapes(*operands, world)
         if sorted(shapes) != names:
             raise TypeError(f"Schedule.plan needs the operands or {want} (got {sorted(shapes)})")
+        elif not operands:  # sizes by name: the checks an op's operands would have had
+            check_sizes(op, shapes)
         common.check_world(world)
         return common.cached_plan(module, self, world, **shapes)
+
+
+# Sizes by name (Schedule.plan): each is an extent or count >= 1 (m, n, k, rows, cols, experts,
+# heads, ...) but these: a MoE call of no tokens is a call (it launches nothing), an emulated
+# combine's partial_rows is 0, causal / zigzag are flags; scale_bits is a float32's bits.
+SIZES_FROM_ZERO = frozenset({"tokens", "partial_rows", "causal", "zigzag"})
+SIZES_ANY_INT32 = frozenset({"scale_bits"})
+
+
+def check_sizes(op: str, shapes: dict[str, Any]) -> None:
+    """Sizes given to ``Schedule.plan(op, world, **shapes)`` by name are ints (not bools), each
+    >= 1 but those of SIZES_FROM_ZERO (>= 0) and SIZES_ANY_INT32 (any int32): a negative or
+    zero extent would compile to a plan of no tiles. (What the op's operand check adds, e.g. M
+    divisible by W, is the op's make_plan's business.)"""
+    for name, v in sorted(shapes.items()):
+        if name in SIZES_ANY_INT32:
+            lo, hi, form = -(2**31), 2**31, "an int32"
+        else:
+            lo = 0 if name in SIZES_FROM_ZERO else 1
+            hi, form = 2**63, f"an int >= {lo}"
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+            raise ValueError(f"Schedule.plan({op!r}): {name} must be {form}, got {v!r}")
 
 
 @dataclass
@@ -363,6 +425,14 @@ def grid_tiles(m0: int, rows: int, n: int, cfg: TileConfig, tag: int, start: int
     return out
 
 
+def _shown(got: Any, most: int = 8) -> str:
+    """A short repr of what a hook returned: a sequence's first ``most`` entries."""
+    if isinstance(got, (list, tuple)):
+        head = ", ".join(repr(x) for x in got[:most])
+        return f"[{head}, ...]" if len(got) > most else f"[{head}]"
+    return f"{type(got).__name__} {got!r}"[:200]
+
+
 def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], default: list[int]):
     """The rank's compute order: the user's hook if given, checked to be a permutation; whatever
     goes wrong in it is reported as Schedule.tile_order's error, naming the rank."""
@@ -373,17 +443,20 @@ def apply_order(hook: TileOrderHook | None, rank: int, tiles: Sequence[Tile], de
         got = hook(rank, list(tiles))
     except Exception as e:
         raise ValueError(f"{where} raised {type(e).__name__}: {e}") from e
+    n = len(tiles)
     try:
-        order = [int(i) for i in got]
-    except TypeError as e:
+        # NOTE: operator.index takes ints and int-like scalars (numpy, 0-d int tensors) but no
+        # float or str, which int() would turn into a wrong order or a bare ValueError
+        order = [operator.index(i) for i in got]
+    except Exception as e:  # whatever iterating the user's object raises: named as the hook's
         raise ValueError(
-            f"{where} must return a sequence of tile indices (a permutation of "
-            f"range({len(tiles)})), got {type(got).__name__}"
+            f"{where} must return a sequence of tile indices (a permutation of range({n}), as "
+            f"ints), got {_shown(got)}"
         ) from e
-    if sorted(order) != list(range(len(tiles))):
+    if sorted(order) != list(range(n)):
         raise ValueError(
-            f"{where} returned an order that is not a permutation of range({len(tiles)}) "
-            f"(got {len(order)} entries)"
+            f"{where} returned an order that is not a permutation of range({n}) "
+            f"(got {_shown(order)}, {len(order)} entries)"
         )
     return order
 
