@@ -8,7 +8,10 @@ offsets[G] <= M)::
         lo, hi = offsets[g], offsets[g + 1]
         out[lo:hi] = (a[lo:hi].float() @ b[g].float()).bfloat16()
 
-Rows outside [offsets[0], offsets[G]) are not written (pass ``out`` to keep their values). With
+Rows outside [offsets[0], offsets[G]) are not written: a given ``out`` keeps its values there (e.g.
+a slice of a larger buffer); a new one (``out=None``) is zero there wherever the host knows the
+offsets (the CPU, or offsets on the CPU), unspecified for offsets on the GPU (never read by the
+host: the launch stays free of host syncs, and the MoE ops' offsets always cover every row). With
 ``rows`` (int32 [M']), A's row m is ``a[rows[m]]`` (gathered on the device, e.g. an MoE rank's
 (token, slot) rows straight from its tokens), and out and offsets count those M' rows.
 """
@@ -49,6 +52,16 @@ def _check(
     out_dtype: torch.dtype,
     rows: torch.Tensor | None,
 ) -> None:
+    forms = {"a": "[M, K] bf16", "b": "[G, K, N] bf16", "offsets": "[G + 1] int32"}
+    for name, x in (("a", a), ("b", b), ("offsets", offsets)):
+        if not isinstance(x, torch.Tensor):
+            got = type(x).__name__
+            raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor {forms[name]}, got {got}")
+    for name, x in (("rows", rows), ("out", out)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"grouped_gemm: {name} must be a torch.Tensor or None, got {type(x).__name__}"
+            )
     for name, x in (("a", a), ("b", b)):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"grouped_gemm: {name} must be torch.bfloat16, got {x.dtype}")
@@ -97,7 +110,9 @@ def _check(
     if b.device != a.device:
         raise ValueError(f"grouped_gemm: a on {a.device}, b on {b.device}")
     if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError("grouped_gemm: out_dtype must be torch.bfloat16 or torch.float32")
+        raise TypeError(
+            f"grouped_gemm: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}"
+        )
     if out is not None and (
         out.shape != (m, n) or out.dtype != out_dtype or out.device != a.device
     ):
@@ -110,6 +125,16 @@ def _check(
             raise ValueError(f"grouped_gemm: {name} must be contiguous")
     if a.is_cuda and (n % 8 or k % 8):
         raise ValueError(f"grouped_gemm: N and K must be multiples of 8 on the GPU, got {n}, {k}")
+
+
+def _new_out(
+    offsets: torch.Tensor, m: int, n: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The result when no ``out`` is given: zero where the groups leave rows, as the CPU's
+    reference (offsets the host can read; device offsets are not read: no synchronize)."""
+    if offsets.device.type == "cpu" and offsets.numel() and (offsets[0] > 0 or offsets[-1] < m):
+        return torch.zeros(m, n, dtype=dtype, device=device)
+    return torch.empty(m, n, dtype=dtype, device=device)
 
 
 def grouped_gemm(
@@ -129,13 +154,17 @@ def grouped_gemm(
     the CPU (checked) or on a's device (never read by the host: no synchronize, CUDA-graph safe;
     out-of-range values are clamped on the device, so nothing outside a, b, out is touched).
     Returns out [M, N] of ``out_dtype`` (bf16, or fp32: the accumulators unrounded), fp32
-    accumulation; rows in no group are not written (a new ``out`` holds garbage there). On the
+    accumulation. offsets: non-decreasing, offsets[0] >= 0, offsets[G] <= M (checked when on the
+    CPU, else clamped); rows in no group are not written: a given ``out`` keeps them, a new one
+    is zero there when offsets are on the CPU, unspecified when they are on the GPU. On the
     GPU one launch of the GEMM engine; ``tile`` names a ``TILE_CONFIGS`` entry (default:
     ``schedule.pick_grouped_tile``). On the CPU: the reference. ``rows`` (int32 [M'], on the CPU
     (checked) or on a's device (clamped into a's rows there)): gather A's rows by index; out is
     then [M', N] and offsets count those rows.
     """
     _check(a, b, offsets, out, out_dtype, rows)
+    if tile is not None and not isinstance(tile, str):
+        raise TypeError(f"grouped_gemm: tile must be a str or None, got {type(tile).__name__}")
     if tile is not None and tile not in schedule.TILE_CONFIGS:
         known = list(schedule.TILE_CONFIGS)
         raise ValueError(f"grouped_gemm: tile {tile!r} unknown; known: {known}")
@@ -152,7 +181,7 @@ def grouped_gemm(
         out[offs[0] : offs[-1]] = ref[offs[0] : offs[-1]]
         return out
     if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+        out = _new_out(offsets, m, n, out_dtype, a.device)
     offsets = offsets.to(a.device, non_blocking=True)
     if rows is not None:
         rows = rows.to(a.device, non_blocking=True)
