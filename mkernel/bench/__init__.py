@@ -11,6 +11,7 @@ import argparse
 import ast
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -19,14 +20,15 @@ HELPERS = frozenset({"timing"})  # modules of this package that are not benchmar
 
 
 def names() -> dict[str, str]:
-    """The benchmarks of this package: module name -> the first line of its docstring (read from
-    the source, so nothing is imported)."""
+    """The benchmarks of this package: module name -> the first sentence of its docstring, cut
+    to 80 characters (read from the source, so nothing is imported)."""
     out = {}
     for path in sorted(Path(__file__).parent.glob("*.py")):
         if path.stem.startswith("_") or path.stem in HELPERS:
             continue
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        out[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+        first = " ".join(doc.strip().split("\n\n")[0].split())  # the first paragraph
+        out[path.stem] = textwrap.shorten(first.split(". ")[0].rstrip(":"), 80, placeholder="...")
     return out
 
 
