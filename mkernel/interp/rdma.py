@@ -102,11 +102,10 @@ def rdma_put(
     """Device side: post one put into this rank's ring; returns (as the generator's value) its
     ticket once the descriptor is published (not when the bytes land: the destination's ``signal``
     says that; the proxy's ``tail`` passing the ticket says the source may be reused). ``src_buf``
-    None: a put of no bytes (a signal only); ``signal`` None: no signal (bytes only)."""
-    if signal is not None and signal.rank != dest:
-        raise ValueError(f"the signal {signal} must live on the destination rank {dest}")
-    if op not in ("set", "add"):
-        raise ValueError(f"op must be 'set' or 'add', got {op!r}")
+    None: a put of no bytes (a signal only); ``signal`` None: no signal (bytes only). Every
+    argument is checked (ValueError naming it) before a ticket is taken: a bad put moves no byte
+    and raises no signal."""
+    check_put(ctx.m, ring, dest, dst_buf, dst_rect, src_buf, src_rect, signal, value, op)
     m, a, me = ctx.m, ctx.agent, ctx.rank
     ticket = m.signal(a, ring.counter("reserve", me), "add", 1, release=False)
     yield STEP
@@ -122,6 +121,85 @@ def rdma_put(
     m.signal(a, ring.counter("head", me), "set", ticket + 1, release=True)
     yield STEP
     return ticket
+
+
+def check_put(
+    m: Any,
+    ring: Ring,
+    dest: Any,
+    dst_buf: Any,
+    dst_rect: Any,
+    src_buf: Any,
+    src_rect: Any,
+    signal: Any,
+    value: Any,
+    op: Any,
+) -> None:
+    """What rdma_put needs of its arguments on machine ``m``: ValueError naming the first that is
+    wrong. Without it a bad rank or buffer name surfaced as an IndexError or KeyError inside the
+    proxy, and a rectangle past the buffer's edge dropped bytes while the signal still rose."""
+    if f"{ring.name}_reserve" not in m.pads or f"{ring.name}_slots" not in m.buffers:
+        raise ValueError(f"ring {ring.name!r}: add ring.pads() and ring.buffers() to the machine")
+    if not _is_int(dest) or not 0 <= dest < m.W:
+        raise ValueError(f"dest must be a rank in [0, {m.W}), got {dest!r}")
+    if op not in ("set", "add"):
+        raise ValueError(f"op must be 'set' or 'add', got {op!r}")
+    if not _is_int(value):
+        raise ValueError(f"value must be an int, got {value!r}")
+    shapes = [_check_rect(m, kind, buf, rect) for kind, buf, rect in
+              (("dst", dst_buf, dst_rect), ("src", src_buf, src_rect))]  # fmt: skip
+    if (shapes[0] is None) != (shapes[1] is None):
+        raise ValueError(
+            "a put of bytes names both ends (dst_buf, dst_rect, src_buf, src_rect), a signal "
+            f"only none: got dst_buf={dst_buf!r}, src_buf={src_buf!r}"
+        )
+    if shapes[0] != shapes[1]:
+        (dr, dc), (sr, sc) = shapes
+        raise ValueError(f"dst_rect is {dr} x {dc} but src_rect is {sr} x {sc}: they must agree")
+    if signal is not None:
+        _check_signal(m, signal, dest)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_rect(m: Any, kind: str, buf: Any, rect: Any) -> tuple[int, int] | None:
+    """(rows, cols) of ``{kind}_rect`` inside buffer ``{kind}_buf``, or None when both are None."""
+    if (buf is None) != (rect is None):
+        raise ValueError(
+            f"{kind}_buf and {kind}_rect must both be given or both None, got {kind}_buf={buf!r}, "
+            f"{kind}_rect={rect!r}"
+        )
+    if buf is None:
+        return None
+    if not isinstance(buf, str) or buf not in m.buffers:
+        raise ValueError(f"{kind}_buf {buf!r} is not a buffer of this machine: {sorted(m.buffers)}")
+    if not isinstance(rect, tuple) or len(rect) != 4 or not all(map(_is_int, rect)):
+        raise ValueError(f"{kind}_rect must be 4 ints (row0, rows, col0, cols), got {rect!r}")
+    r0, nr, c0, nc = rect
+    rows, cols = m.buffers[buf].shape[1:3]
+    if min(rect) < 0 or r0 + nr > rows or c0 + nc > cols:
+        raise ValueError(f"{kind}_rect {rect} is outside {buf}'s [{rows}, {cols}] per rank")
+    return nr, nc
+
+
+def _check_signal(m: Any, signal: Any, dest: int) -> None:
+    if not isinstance(signal, SigRef):
+        raise ValueError(f"signal must be a SigRef or None, got {type(signal).__name__}")
+    if signal.pad not in m.pads:
+        raise ValueError(
+            f"signal pad {signal.pad!r} is not a pad of this machine: {sorted(m.pads)}"
+        )
+    if signal.rank != dest:
+        raise ValueError(f"the signal {signal} must live on the destination rank {dest}")
+    shape = tuple(m.pads[signal.pad].shape[1:])
+    index = signal.index
+    inside = len(index) == len(shape) and all(
+        _is_int(i) and 0 <= i < n for i, n in zip(index, shape, strict=True)
+    )
+    if not inside:
+        raise ValueError(f"signal index {index} is outside pad {signal.pad!r} of {list(shape)}")
 
 
 def proxy(
