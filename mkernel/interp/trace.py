@@ -76,14 +76,21 @@ class Timeline:
         ranks are shown. ``ranks`` keeps those ranks only; ``max_rows`` keeps the first ranks whose
         rows all fit in that many rows (always at least one whole rank: a rank is never cut) and
         says how many ranks it left out. ``legend`` heads the rows with what the rows, columns and
-        digits mean.
+        digits mean. ``width`` and ``max_rows`` are ints >= 1, ``ranks`` ints of ranks that have
+        tasks in the timeline (a rank with none would print nothing); each is checked
+        (TypeError / ValueError naming it).
         """
+        _check_count("width", width)
+        if max_rows is not None:
+            _check_count("max_rows", max_rows, " or None")
+        if not isinstance(legend, bool):
+            raise TypeError(f"legend must be a bool, got {legend!r}")
+        wanted = None if ranks is None else self._check_ranks(ranks)
         if not self.spans:
             return "(empty timeline)"
         t0 = min(s.start for s in self.spans)
         t1 = max(s.end for s in self.spans)
         scale = max(1.0, (t1 - t0) / width)
-        wanted = None if ranks is None else set(ranks)
         rows = sorted({(s.rank, s.unit) for s in self.spans if wanted is None or s.rank in wanted})
         left_out: list[int] = []
         if max_rows is not None:
@@ -118,3 +125,28 @@ class Timeline:
                 f"max_rows={max_rows}; ranks= picks which)"
             )
         return "\n".join(lines)
+
+    def _check_ranks(self, ranks: Iterable[int]) -> set[int]:
+        """``ranks`` as a set: ints, each a rank with tasks in this timeline."""
+        form = "ranks must be an iterable of ints or None"
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise TypeError(f"{form}, got {type(ranks).__name__} {ranks!r}")
+        wanted = list(ranks)
+        for r in wanted:
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise TypeError(f"{form}, got {wanted!r}")
+        present = sorted({s.rank for s in self.spans})
+        for r in wanted:
+            if present and r not in present:  # (an empty timeline says so instead)
+                have = f"ranks {present[0]}..{present[-1]}"
+                if present != list(range(present[0], present[-1] + 1)):
+                    have = f"ranks {present}"
+                raise ValueError(f"ranks: rank {r} has no tasks in this timeline ({have})")
+        return set(wanted)
+
+
+def _check_count(name: str, v: object, none: str = "") -> None:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name} must be an int >= 1{none}, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} must be an int >= 1{none}, got {v}")
