@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import sys
 import textwrap
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-HELPERS = frozenset({"timing"})  # modules of this package that are not benchmarks
+HELPERS = frozenset({"timing", "plot"})  # modules of this package that are not benchmarks
+PLOT_INSTALL = "pip install mkernel[plot]"  # matplotlib: an optional extra, for --plot only
 
 
 def names() -> dict[str, str]:
@@ -48,10 +50,13 @@ def cli(
     *,
     gpu: bool = True,
     torchrun: bool = False,
+    plot: bool = False,
 ) -> argparse.Namespace:
     """The first line of a benchmark's ``__main__`` block: ``--help`` prints the module's
     docstring and ``flags`` (name -> help text, each a switch), then ``require_gpu``. Options
-    it does not know are left in ``sys.argv`` for the module to read."""
+    it does not know are left in ``sys.argv`` for the module to read. ``plot``: the benchmark
+    takes ``--plot PATH`` (``args.plot``, None when absent; mkernel.bench.plot draws it), and
+    without matplotlib it exits (one line, status 1) before the GPU check, before any timing."""
     p = argparse.ArgumentParser(
         prog=f"python -m {prog}",
         description=doc,
@@ -59,7 +64,16 @@ def cli(
     )
     for flag, text in (flags or {}).items():
         p.add_argument(flag, action="store_true", help=text)
+    if plot:
+        p.add_argument(
+            "--plot",
+            metavar="PATH",
+            help="also draw ours vs the baselines across shapes as a PNG at PATH (needs "
+            f"matplotlib: {PLOT_INSTALL})",
+        )
     args, _ = p.parse_known_args()
+    if plot and args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        sys.exit(f"{prog}: --plot needs matplotlib, which is not installed: {PLOT_INSTALL}")
     if gpu:
         require_gpu(prog, torchrun=torchrun)
     return args

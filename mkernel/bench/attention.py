@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attention_ext
+from .plot import draw_run
 from .timing import save, table
 
 B, H, D = 1, 32, 128
@@ -155,5 +156,5 @@ def _errs_of(row: dict) -> dict[str, float]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__)
-    run()
+    args = cli(__spec__.name, __doc__, plot=True)
+    draw_run("attention", run(), args.plot)

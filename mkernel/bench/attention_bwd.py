@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attention_ext
 from .attention import _event_ms, run_rounds
+from .plot import draw_run
 from .timing import save, table
 
 B, H, D = 1, 32, 128
@@ -129,5 +130,5 @@ def run(save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__)
-    run()
+    args = cli(__spec__.name, __doc__, plot=True)
+    draw_run("attention_bwd", run(), args.plot)

@@ -15,6 +15,7 @@ import mkernel
 
 from .. import schedule
 from ..ops.common import extension
+from .plot import draw_run
 from .timing import interleaved_ms, rotation, save, table
 
 FUSED = ("gemm_rs", "ag_gemm", "gemm_ar")  # at W=1: the engine as the template's compute role
@@ -112,5 +113,5 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__)
-    run()
+    args = cli(__spec__.name, __doc__, plot=True)
+    draw_run("gemm", run(), args.plot)

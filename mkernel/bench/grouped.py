@@ -17,6 +17,7 @@ import torch
 import mkernel
 
 from .. import schedule
+from .plot import draw_run
 from .timing import interleaved_ms, rotation, save, table
 
 # name, groups, rows in all, K, N, routing
@@ -118,5 +119,5 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__)
-    run()
+    args = cli(__spec__.name, __doc__, plot=True)
+    draw_run("grouped", run(), args.plot)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import mkernel
 from mkernel.ops import moe_dist
 
+from .plot import draw_run
 from .timing import save, table
 from .tp import interleaved_dist_ms
 
@@ -87,7 +88,7 @@ def bench(world: mkernel.World, routing: str) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(plot: str | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     world = mkernel.World.from_process_group()
@@ -97,11 +98,12 @@ def main() -> None:
                 "ours_over_unfused", "ours_over_ideal"]  # fmt: skip
         print(table(rows, cols))
         print("saved", save(f"moe_w{world.size}", rows))
+        draw_run(f"moe_w{world.size}", rows, plot)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__, torchrun=True)
-    main()
+    args = cli(__spec__.name, __doc__, torchrun=True, plot=True)
+    main(args.plot)

@@ -29,6 +29,7 @@ from ..ops import common, moe_gpu
 from ..ops import moe_dispatch_gemm as mdg
 from ..ops import moe_gemm_combine as mgc
 from ..schedule import Schedule
+from .plot import draw_run
 from .timing import interleaved_ms, save, span_summary, table
 
 H, INTER = 7168, 2048
@@ -194,9 +195,14 @@ def run(save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__, {"--trace": "trace one call per overlap instead of timing"})
-    if "--trace" in sys.argv:
+    args = cli(
+        __spec__.name,
+        __doc__,
+        {"--trace": "trace one call per overlap instead of timing"},
+        plot=True,
+    )
+    if args.trace:
         trace(overlap="intra_sm")
         trace(overlap="inter_sm")
     else:
-        run()
+        draw_run("moe_local", run(), args.plot)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import mkernel
 from mkernel.ops import ring_attention_dist as rd
 
+from .plot import draw_run
 from .timing import save, table
 from .tp import interleaved_dist_ms
 
@@ -145,7 +146,7 @@ def bench_case(world: mkernel.World, S: int, layout: str, causal: bool, bwd: boo
     return row
 
 
-def main() -> None:
+def main(plot: str | None = None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     world = mkernel.World.from_process_group()
@@ -156,11 +157,12 @@ def main() -> None:
                 "max_abs_first_grad_or_out_cudnn_vs_ours"]  # fmt: skip
         print(table(rows, cols))
         print("saved", save(f"ring_w{world.size}", rows))
+        draw_run(f"ring_w{world.size}", rows, plot)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__, torchrun=True)
-    main()
+    args = cli(__spec__.name, __doc__, torchrun=True, plot=True)
+    main(args.plot)

@@ -27,6 +27,7 @@ from .. import World, attention_ext, ring_attention
 from ..cost import RING_OVERLAP
 from ..schedule import Schedule
 from .attention import _bhsd, _event_ms
+from .plot import draw_run
 from .timing import save, table
 
 B, H, D, S = 1, 32, 128, 8192
@@ -137,5 +138,5 @@ def run(save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__)
-    run()
+    args = cli(__spec__.name, __doc__, plot=True)
+    draw_run("ring_local", run(), args.plot)

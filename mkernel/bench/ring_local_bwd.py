@@ -24,7 +24,6 @@ first start, last end, the sum of the spans and how many there are.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ from ..ops import ring_attention_backward as rb
 from ..schedule import Schedule
 from .attention import _event_ms
 from .attention_bwd import _sdpa_backward
+from .plot import draw_run
 from .ring_local import B, D, H, S, interleaved_rows, rank_rows
 from .timing import save, span_summary, table
 
@@ -171,8 +171,10 @@ def trace(overlaps: tuple[str, ...] = ("intra_sm",)) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    cli(__spec__.name, __doc__, {"--trace": "trace one call per case instead of timing"})
-    if "--trace" in sys.argv:
+    args = cli(
+        __spec__.name, __doc__, {"--trace": "trace one call per case instead of timing"}, plot=True
+    )
+    if args.trace:
         trace()
     else:
-        run()
+        draw_run("ring_local_bwd", run(), args.plot)
