@@ -57,6 +57,12 @@ def check_world_for(spec: OpSpec, world: Any) -> World:
     return world
 
 
+class UnsupportedWorld(NotImplementedError, ValueError):
+    """A world the op cannot serve (yet): a NotImplementedError, as it was raised before, and a
+    ValueError, as the README promises for bad input (the world argument), raised before
+    anything runs."""
+
+
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
     plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
@@ -66,9 +72,9 @@ def check_nodes(module: Any, world: World) -> None:
         return
     name = module.SPEC.name
     if not getattr(module, "HIERARCHICAL", False):
-        raise NotImplementedError(
-            f"{name} has no plan for a world of {world.nodes} nodes yet (nodes > 1): only "
-            "gemm_rs, ag_gemm and gemm_ar span nodes"
+        raise UnsupportedWorld(
+            f"{name} has no plan for a world of {world.nodes} nodes yet (world.nodes > 1): only "
+            "gemm_rs, ag_gemm and gemm_ar span nodes; pass a world of nodes=1"
         )
     if not world.on_gpu:
         return

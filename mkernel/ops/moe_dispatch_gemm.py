@@ -214,6 +214,7 @@ def checked(
     destination rank, from check_ids' one host read. A distributed world's ids are checked by
     the counts exchange (rows_per_rank), so that every rank raises when one refuses its ids."""
     world = common.check_world_for(SPEC, world)
+    common.check_nodes(sys.modules[__name__], world)  # no plan over several nodes yet
     schedule = common.check_schedule(schedule)
     s = shapes(x, topk_ids, w1, world)
     counts = None

@@ -228,6 +228,7 @@ def prepare(
 ) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
     """Every check, then the cached plan and the buffers by name of one call."""
     world = common.check_world_for(SPEC, world)
+    common.check_nodes(sys.modules[__name__], world)  # no plan over several nodes yet
     check_capture(SPEC.name, world)
     schedule = common.check_schedule(schedule)
     s = shapes(h, w2, dispatch, topk_weights, world)
