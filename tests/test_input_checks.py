@@ -18,7 +18,7 @@ from mkernel.interp.rdma import Ring, rdma_put
 from mkernel.interp.trace import Timeline
 from mkernel.ops.moe_common import MoeDispatch
 from mkernel.protocol import MAX_LOCAL_RANKS
-import mkernel.world as _w; MAX_CPU_RANKS = getattr(_w, "MAX_CPU_RANKS", 64)  # TEMP
+from mkernel.world import MAX_CPU_RANKS
 from tests.helpers import assert_pads_zero, gemm_inputs, randn_bf16
 
 # -- World.emulated / from_process_group -----------------------------------------------------------
@@ -75,7 +75,7 @@ def test_world_ranks_are_bounded_by_one_launch_on_the_gpu():
         mkernel.World.emulated(MAX_LOCAL_RANKS + 1, device="cuda")
 
 
-# -- Schedule and Faults -----------------------------------------------------------------------------
+# -- Schedule and Faults ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def test_good_schedules_and_faults_still_build():
     mkernel.Faults(silent_rank=0, delay_rank=3, delay_us=0)
 
 
-# -- Schedule.plan by sizes --------------------------------------------------------------------------
+# -- Schedule.plan by sizes ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_plan_sizes_that_may_be_zero_still_plan():
     assert mkernel.Schedule().plan("moe_dispatch_gemm", world, **sizes).sizes["tokens"] == 0
 
 
-# -- the tile-order hook -----------------------------------------------------------------------------
+# -- the tile-order hook ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,7 @@ def test_tile_order_accepts_int_like_entries():
     assert not torch.isnan(out.float()).any()
 
 
-# -- grouped_gemm ------------------------------------------------------------------------------------
+# -- grouped_gemm ----------------------------------------------------------------------------------
 
 
 def _grouped():
@@ -233,7 +233,7 @@ def test_grouped_gemm_keywords_are_checked():
         mkernel.grouped_gemm(a, b, o, out_dtype="bf16")
 
 
-# -- rdma_put in the interpreter ----------------------------------------------------------------------
+# -- rdma_put in the interpreter -------------------------------------------------------------------
 
 W, NODES, COLS = 4, 2, 4
 
@@ -292,7 +292,7 @@ def test_rdma_put_refuses_bad_arguments_before_anything_moves(change, match):
     assert not m.buffers["dst"].any(), "no byte moved"
 
 
-# -- Timeline.ascii ----------------------------------------------------------------------------------
+# -- Timeline.ascii --------------------------------------------------------------------------------
 
 
 def _timeline() -> Timeline:
@@ -327,7 +327,7 @@ def test_timeline_ascii_good_arguments_still_print():
     assert text.startswith("r1 ")
 
 
-# -- ops over several nodes --------------------------------------------------------------------------
+# -- ops over several nodes ------------------------------------------------------------------------
 
 
 def test_all_gather_over_nodes_is_refused_as_a_value_error():
