@@ -27,14 +27,21 @@ each other. What the GPU adds to that:
 
 A blocked agent past its deadline raises CommTimeout; no runnable agent at all raises DeadlockError
 (a CommTimeout, since on a GPU it would run into the deadline).
+
+Progress: inside ``with progress_to(report):`` every run calls ``report(RunProgress)`` every few
+seconds of wall time, and once at its end if it reported before; the CLI prints it. Unset
+(libraries, tests), the run loop only tests a local for None.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
-from collections.abc import Callable, Generator, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,6 +49,33 @@ from ..errors import CommTimeout, DeadlockError, RaceError, TileWriteError
 from .trace import Timeline
 
 Rect = tuple[int, int, int, int]  # row0, rows, col0, cols
+
+
+class RunProgress(NamedTuple):
+    """Where a ``Machine.run`` is (``progress_to``)."""
+
+    done: int  # tasks finished
+    total: int | None  # tasks planned (None where a role is laid out on the device, or shared)
+    running: int  # agents inside a task now
+    steps: int  # scheduling steps so far
+    seconds: float  # wall time since the run began
+
+
+Progress = Callable[[RunProgress], None]
+_PROGRESS: contextvars.ContextVar[tuple[Progress, float] | None] = contextvars.ContextVar(
+    "mkernel_interp_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def progress_to(report: Progress, every_s: float = 2.0) -> Iterator[None]:
+    """Every ``Machine.run`` inside the block calls ``report(RunProgress(...))`` about every
+    ``every_s`` seconds, and once at its end if it reported before."""
+    token = _PROGRESS.set((report, every_s))
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
 
 
 @dataclass
@@ -184,6 +218,7 @@ class Machine:
         self.step = 0
         self.timeline = Timeline()
         self.rdma: Any = None  # program.RdmaPort of a plan over several nodes
+        self.planned: int | None = 0  # kernel agents' tasks (progress); None: not all known
 
     # -- agents ---------------------------------------------------------------------------------
     def add_agent(
@@ -204,6 +239,8 @@ class Machine:
         agent = Agent(id=len(self.agents), rank=rank, role=role, unit=unit, call=call, host=host)
         self.agents.append(agent)
         agent.gen = self._drive(agent, tasks, program)
+        if not host and self.planned is not None:  # a laid-out or shared list has no length yet
+            self.planned = self.planned + len(tasks) if isinstance(tasks, Sized) else None
 
     def expect_outputs(
         self,
@@ -260,8 +297,12 @@ class Machine:
         for a in self.agents:
             a.started = a.started or a.host
         live = [a for a in self.agents]
+        progress, t0 = _PROGRESS.get(), time.perf_counter()
+        reported = t0
         while live:
             self.step += 1
+            if progress is not None and not self.step % 64:
+                reported = self._report(progress, t0, reported, live)
             runnable = [a for a in live if self._ready(a)]
             if not runnable and all(a.host and a.blocked is not None for a in live):
                 break  # every kernel agent is done; the host threads wait for work that never comes
@@ -277,8 +318,22 @@ class Machine:
                 live.remove(agent)
                 self._start_call(agent.rank, None)
             self._check_deadlines(live)
+        if progress is not None and reported > t0:  # it reported: the final count too
+            self._report(progress, t0, 0.0, live)
         self._check_expected()
         return self.timeline
+
+    def _report(
+        self, progress: tuple[Progress, float], t0: float, last: float, live: list[Agent]
+    ) -> float:
+        """Calls the report if ``every_s`` has passed since ``last``; returns when it last did."""
+        report, every_s = progress
+        now = time.perf_counter()
+        if now - last < every_s:
+            return last
+        running = sum(1 for a in live if a.task >= 0 and not a.host)
+        report(RunProgress(len(self.timeline.spans), self.planned, running, self.step, now - t0))
+        return now
 
     def _start_call(self, rank: int, base: list[int] | None) -> None:
         """Starts the agents of the next call on ``rank`` from clock ``base`` (None: from the kernel
