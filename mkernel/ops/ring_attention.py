@@ -597,6 +597,28 @@ def solo(t: torch.Tensor, world: World) -> torch.Tensor:
     return t[0] if world.emulated_world else t
 
 
+PLAIN_FORMS = {"q": "[B, S, Hq, D]", "k": "[B, S, Hkv, D]", "v": "[B, S, Hkv, D]"}
+
+
+def check_plain(q: Any, k: Any, v: Any) -> None:
+    """``attention``'s operands as passed: tensors of 4 dims, contiguous, v shaped as k
+    (TypeError / ValueError naming the argument, its shape as given and the form expected). The
+    checks after run on them lifted into a 1-rank world, [1, B, S, H, D], and would report that
+    shape (issue 33)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        form = PLAIN_FORMS[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}"
+            )
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape {form} (4 dims), got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), shape {form}")
+    if v.shape != k.shape:  # shapes() would report them lifted too
+        raise ValueError(f"v has shape {list(v.shape)}, k {list(k.shape)}: they must agree")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -609,6 +631,7 @@ def attention(
     run on the attention engine (one launch; docs/ring_attention.md has its speed), CPU tensors
     in the interpreter (a 1-rank emulated world). Differentiable when q, k or v require grad
     (on CUDA the backward engine runs: one launch)."""
+    check_plain(q, k, v)
     lift = lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t  # noqa: E731
     if isinstance(q, torch.Tensor) and q.is_cuda:
         world = _solo_gpu_world(q.device)
@@ -747,11 +770,15 @@ def merge(state: torch.Tensor, scores: torch.Tensor, v: torch.Tensor) -> torch.T
     """Online softmax, fp32: fold one K/V tile's ``scores`` [n, kn] (-inf: masked) and values
     [kn, D] into ``state`` [n, D + 2] = (acc, m, den): running max m, denominator den (both of
     scaled scores) and the unnormalised output. A row that sees no key of the tile keeps its
-    state."""
+    state. NaN and +inf propagate as in softmax: a NaN score makes m NaN (torch.maximum keeps
+    NaN), a +inf one makes m +inf, and either makes den NaN (exp(inf - inf))."""
     D = v.shape[1]
     acc, m, den = state[:, :D], state[:, D], state[:, D + 1]
     m_new = torch.maximum(m, scores.amax(dim=1))
-    shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all -inf so far
+    # NOTE: only a row with no key so far (m_new = -inf) shifts by 0, so that exp(-inf - 0) = 0
+    # rather than NaN; a NaN or +inf max must not be taken for one (issue 33: isinf(m_new) here
+    # also caught +inf, and finish() read the NaN den as "no key", out 0 and lse -inf)
+    shift = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
     p = torch.exp(scores - shift[:, None])
     alpha = torch.exp(m - shift)
     out = torch.empty_like(state)
@@ -762,13 +789,17 @@ def merge(state: torch.Tensor, scores: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 def finish(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out bf16 [n, D], lse fp32 [n]) of a final state; a row with no key: 0 and -inf."""
+    """(out bf16 [n, D], lse fp32 [n]) of a final state; a row with no key: 0 and -inf. A row
+    with a NaN score: NaN and NaN; with a +inf one (and no NaN): NaN and +inf, as
+    torch.softmax and torch.logsumexp give (the GPU engine's OnlineSoftmax::finish likewise)."""
     D = state.shape[1] - 2
     acc, m, den = state[:, :D], state[:, D], state[:, D + 1]
-    seen = den > 0
-    den = torch.where(seen, den, 1.0)
-    out = torch.where(seen[:, None], acc / den[:, None], 0.0)
-    lse = torch.where(seen, m + torch.log(den), -math.inf)
+    # NOTE: den == 0, not "not den > 0": a NaN den (a NaN or +inf score) is not an empty row
+    empty = den == 0
+    den = torch.where(empty, 1.0, den)
+    out = torch.where(empty[:, None], 0.0, acc / den[:, None])
+    lse = torch.where(m == math.inf, math.inf, m + torch.log(den))  # log(NaN den) would hide +inf
+    lse = torch.where(empty, -math.inf, lse)
     return out.bfloat16(), lse
 
 

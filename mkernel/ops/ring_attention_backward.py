@@ -705,7 +705,6 @@ def twins_of(plan: Plan, scale: float | None = None):
     Sc, group, T = S // C, H // Hkv, ROW_TILE
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     pos = [fwd.positions(r, W, S, bool(z["zigzag"])) for r in range(W)]
-    log2e = 1.0 / math.log(2.0)
 
     def compute(ctx, task):  # one K/V tile: every q row of one q chunk, all its q heads
         tile = plan.tiles[task.args[0]]
@@ -763,7 +762,7 @@ def twins_of(plan: Plan, scale: float | None = None):
             dlse = (yield from twins.tile_load(ctx, "dlse", ctx.rank, lse_rect))[0]
             value = torch.zeros(1, 2 * T)
             value[0, :T] = math.inf  # rows past the chunk see nothing
-            value[0, :m] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+            value[0, :m] = packed_lse2(lse)
             value[0, T : T + m] = (do * o).sum(dim=1) - dlse
             yield from twins.tile_send(ctx, "delta", ctx.rank, (t, 1, 0, 2 * T), value)
 
@@ -815,10 +814,24 @@ def twins_of(plan: Plan, scale: float | None = None):
     return {"compute": compute, "comm": comm}
 
 
+def packed_lse2(lse: torch.Tensor) -> torch.Tensor:
+    """lse * log2 e as the backward engines read it (the prep's packed rows): +inf where lse is
+    -inf (a row that saw no key: P = exp2(s - inf) = 0), NaN where it is +inf (a row with a +inf
+    score: its softmax is NaN in every column, not 0 where s is finite), else lse * log2 e."""
+    lse2 = torch.where(lse == math.inf, math.nan, lse * (1.0 / math.log(2.0)))
+    return torch.where(lse == -math.inf, math.inf, lse2)
+
+
 def grads(scores, lse, do, q, k, v, delta, scale):
     """FlashAttention's backward of one (q tile, K/V tile), fp32: (dQ [n, D], dK [kn, D], dV [kn,
     D]) from the scaled, masked ``scores`` [n, kn], the forward's ``lse`` [n] and delta [n]."""
-    live = torch.isfinite(lse)  # a row that saw no key at all has no gradient
+    # NOTE: a row that saw no key at all (lse -inf) has no gradient; a NaN or +inf lse (a NaN or
+    # +inf score in the forward) is not such a row: its P, and so the gradients, are NaN
+    live = lse != -math.inf
+    # NOTE: a +inf lse row's softmax is NaN in every column (its sum has an exp(inf - inf), and
+    # torch's softmax divides by it), but exp(s - inf) would give 0 for its finite scores and a
+    # finite dV: taken as NaN, as packed_lse2 and the engines' packed rows take it
+    lse = torch.where(lse == math.inf, math.nan, lse)
     p = torch.where(live[:, None], torch.exp(scores - torch.where(live, lse, 0.0)[:, None]), 0.0)
     dp = do @ v.T  # [n, kn]
     ds = p * (dp - delta[:, None])
