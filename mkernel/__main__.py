@@ -16,6 +16,7 @@ import mkernel
 from . import bench as bench_pkg
 from .interp.machine import Progress, RunProgress, progress_to
 from .protocol import MAX_LOCAL_RANKS
+from .world import MAX_CPU_RANKS
 
 PROGRESS_EVERY_S = 2.0  # a progress line on stderr this often while the CPU interpreter runs
 
@@ -174,8 +175,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--ranks",
         type=_ranks,
         default=4,
-        help=f"ranks of the emulated world: >= 1; at most {MAX_LOCAL_RANKS} on a GPU (one launch "
-        "serves that many) (default: %(default)s)",
+        help=f"ranks of the emulated world, 1 to {MAX_CPU_RANKS} on the CPU, 1 to "
+        f"{MAX_LOCAL_RANKS} on a GPU (what one launch serves) (default: %(default)s)",
     )
     d.add_argument(
         "--device",
@@ -211,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "demo":
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and args.ranks > MAX_LOCAL_RANKS:
-            d.error(
-                f"argument --ranks: an emulated GPU world serves at most {MAX_LOCAL_RANKS} ranks, "
-                f"got {args.ranks}"
+        most = MAX_LOCAL_RANKS if device == "cuda" else MAX_CPU_RANKS
+        if args.ranks > most:
+            where = (
+                "an emulated GPU world (one launch)" if device == "cuda" else "the CPU interpreter"
             )
+            d.error(f"argument --ranks: {where} serves at most {most} ranks, got {args.ranks}")
         if device == "cuda" and not torch.cuda.is_available():
             d.error("argument --device: cuda asked for, but torch sees no CUDA device")
         return demo(args.ranks, device)

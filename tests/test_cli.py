@@ -61,9 +61,15 @@ def test_demo_bad_ranks_is_an_argparse_error(ranks: str, capsys) -> None:
     assert "Traceback" not in err
 
 
-def test_demo_ranks_over_the_gpu_limit_is_an_argparse_error(capsys) -> None:
-    code, _, err = _exit(["demo", "--ranks", "17", "--device", "cuda"], capsys)
-    assert code == 2 and "at most 16 ranks" in err
+@pytest.mark.parametrize("device, most", [("cuda", 16), ("cpu", 64)])
+def test_demo_ranks_over_the_world_limit_is_an_argparse_error(
+    device: str, most: int, capsys
+) -> None:
+    code, out, err = _exit(["demo", "--ranks", str(most + 1), "--device", device], capsys)
+    assert code == 2 and out == ""
+    assert (
+        "error: argument --ranks: " in err and f"serves at most {most} ranks, got {most + 1}" in err
+    )
 
 
 def test_every_subcommand_and_option_has_a_help_text() -> None:
