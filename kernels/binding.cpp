@@ -5,6 +5,7 @@
 
 #include "primitives/protocol_gen.h"  // MK_FUSED_OPS: the ops declared in mkernel/ops
 #include "kernels/p2p_launch.h"
+#include "kernels/poison_launch.h"
 
 namespace py = pybind11;
 
@@ -46,4 +47,14 @@ PYBIND11_MODULE(_mkernel_ext, m) {
         return mk::launch_p2p(L, reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("launch"), py::arg("stream"));
+  // After every fused launch: NaN into its float outputs if the world's status records a timeout
+  // (kernels/poison_launch.h: the record's layout).
+  m.attr("POISON_MAX_OUTPUTS") = mk::kPoisonMaxOutputs;
+  m.def(
+      "launch_poison_if_failed",
+      [](uintptr_t record, uintptr_t stream) {
+        return mk::launch_poison_if_failed(reinterpret_cast<const long long*>(record),
+                                           reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("record"), py::arg("stream"));
 }

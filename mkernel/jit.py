@@ -98,6 +98,7 @@ EXTENSION = ExtensionSpec(
         "kernels/gemm_binding.cpp",
         "kernels/grouped_gemm.cu",
         "kernels/p2p.cu",
+        "kernels/poison.cu",
         *_fused_op_sources(),
     ),
     headers=(

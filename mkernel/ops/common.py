@@ -337,7 +337,14 @@ def run_cpu(
     buffers = {**operands, **{k: v.local for k, v in ws.items() if v is not None}}
     try:
         m = run_plan(world, plan, buffers, moves, seed, outputs, layout=layout, output=output)
-    except CommTimeout:
-        world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
+    except Exception as exc:
+        # as on the GPU (gpu.poison_on_timeout): a failed call's outputs, the caller's ``out``
+        # among them, hold NaN rather than partial results that could pass for valid ones
+        for b in plan.spec.buffers:
+            t = operands.get(b.name)
+            if b.kind == "output" and t is not None and t.is_floating_point():
+                t.fill_(float("nan"))
+        if isinstance(exc, CommTimeout):
+            world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
         raise
     world.last_timeline = m.timeline

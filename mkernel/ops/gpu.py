@@ -400,6 +400,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
     rc = launch(rec.buffer_info()[0], stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
+    poison_on_timeout(world, plan, operands, stream)
     if tracked:
         after_nodes_launch(world)
     trace = world._pending_trace
@@ -408,6 +409,35 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise_timeout(world, status)
         if trace is not None:
             world.last_timeline = gpu_timeline(world, *trace)
+
+
+# The element types a failed launch's outputs are poisoned in (kernels/poison_launch.h
+# PoisonDtype): NaN needs a floating-point type; integer outputs (MoE rows' sources, offsets) are
+# left as they are, since the call's float results and the next call's raise already say it failed.
+_POISON_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def poison_on_timeout(
+    world: World, plan: Plan, operands: dict[str, torch.Tensor], stream: int
+) -> None:
+    """Enqueues, after the op's kernel on ``stream``, the kernel that fills its floating-point
+    outputs with NaN if the world's status block then records a timeout (this launch's or an
+    earlier one's still in flight): an asynchronous call that timed out leaves no result that
+    looks valid, however late the host learns of it. Captured into CUDA graphs like the launch."""
+    outs = [
+        (operands[b.name], _POISON_DTYPES[b.dtype])
+        for b in plan.spec.buffers
+        if b.kind == "output" and b.dtype in _POISON_DTYPES and b.name in operands
+    ]
+    ext, status = extension(), status_block(world).ptr()
+    step = ext.POISON_MAX_OUTPUTS
+    for first in range(0, len(outs), step):
+        rec = array("q", [status, len(outs[first : first + step])])
+        for t, code in outs[first : first + step]:
+            rec.extend((t.data_ptr(), t.numel(), code))
+        rc = ext.launch_poison_if_failed(rec.buffer_info()[0], stream)
+        if rc != 0:
+            raise RuntimeError(f"poison launch failed with code {rc}")
 
 
 def raise_pending(world: World) -> StatusBlock:
