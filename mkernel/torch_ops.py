@@ -13,8 +13,9 @@ weakly: the handle works while the World lives); a distributed world gets its pr
 ``group_name`` (the name PyTorch's own symmetric-memory ops take), and a group name that no World
 was registered for makes one (``World.from_process_group(group)``, kept for the process). The op
 body and the fake implementation look the world up by its handle (the fake reads only its size
-and kind). Schedules do not travel: the custom ops run the default ``Schedule()`` (the cost
-model's picks per shape and world); call the Python API to pass one.
+and kind). Schedules do not travel through the schema: the custom ops run the default
+``Schedule()`` (the cost model's picks per shape and world), or the one ``set_schedule(world,
+schedule)`` set for the world, process-wide.
 
 Per-rank tensors are as in the Python API: in an emulated world one tensor with a leading rank
 dimension [W, ...], in a distributed world this rank's tensor. Two ops differ from their Python
@@ -49,12 +50,14 @@ from .ops.moe_dispatch_gemm import moe_dispatch_gemm as _moe_dispatch_gemm
 from .ops.moe_gemm_combine import moe_gemm_combine as _moe_gemm_combine
 from .ops.ring_attention import attention as _attention
 from .ops.ring_attention import ring_attention as _ring_attention
+from .schedule import Schedule
 from .world import World
 
 __all__ = [
     "OPS",
     "world_handle",
     "lookup",
+    "set_schedule",
     "gemm_rs",
     "ag_gemm",
     "gemm_ar",
@@ -130,6 +133,28 @@ def lookup(handle: str) -> World:
     return world
 
 
+_schedules: dict[str, Schedule] = {}
+
+
+def set_schedule(world: World | str, schedule: Schedule | None) -> None:
+    """The Schedule the custom ops run in ``world`` (a World or its handle; None: the default
+    ``Schedule()``, the cost model's picks). Schedules do not travel through the op schema: this
+    is each world's, process-wide (e.g. ``Schedule(sms=60)`` for two processes sharing a GPU,
+    whose persistent kernels must fit on it at once)."""
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be an mkernel.Schedule or None, got {type(schedule)}")
+    handle = world_handle(world)
+    if schedule is None:
+        _schedules.pop(handle, None)
+    else:
+        _schedules[handle] = schedule
+
+
+def _world(handle: str) -> tuple[World, Schedule | None]:
+    """The World a handle names and the Schedule set for it (set_schedule)."""
+    return lookup(handle), _schedules.get(handle)
+
+
 def _lead(world: World) -> tuple[int, ...]:
     """The leading rank dimension of a per-rank tensor: (W,) in an emulated world, else ()."""
     return (world.size,) if world.emulated_world else ()
@@ -143,7 +168,7 @@ def _gemm_rs_op(a: Tensor, b: Tensor, world: str) -> Tensor:
     """GEMM + ReduceScatter. Per rank r of W: a bf16 [M, K/W], b bf16 [K/W, N] (emulated world:
     [W, ...] of each); returns bf16 [M/W, N], rows r*M/W.. of ``sum_q a_q.float() @ b_q.float()``
     rounded once (``mkernel.gemm_rs``)."""
-    return _gemm_rs(a, b, lookup(world))
+    return _gemm_rs(a, b, *_world(world))
 
 
 @_gemm_rs_op.register_fake
@@ -158,7 +183,7 @@ def _(a: Tensor, b: Tensor, world: str) -> Tensor:
 def _ag_gemm_op(a: Tensor, b: Tensor, world: str) -> Tensor:
     """AllGather + GEMM. Per rank: a bf16 [M/W, K], b bf16 [K, N]; returns bf16 [M, N] =
     ``torch.cat(a_q for q in ranks).float() @ b.float()`` rounded once (``mkernel.ag_gemm``)."""
-    return _ag_gemm(a, b, lookup(world))
+    return _ag_gemm(a, b, *_world(world))
 
 
 @_ag_gemm_op.register_fake
@@ -171,7 +196,7 @@ def _(a: Tensor, b: Tensor, world: str) -> Tensor:
 def _gemm_ar_op(a: Tensor, b: Tensor, world: str) -> Tensor:
     """GEMM + AllReduce. Per rank: a bf16 [M, K/W], b bf16 [K/W, N]; returns bf16 [M, N] =
     ``sum_q a_q.float() @ b_q.float()`` rounded once, on every rank (``mkernel.gemm_ar``)."""
-    return _gemm_ar(a, b, lookup(world))
+    return _gemm_ar(a, b, *_world(world))
 
 
 @_gemm_ar_op.register_fake
@@ -184,7 +209,7 @@ def _(a: Tensor, b: Tensor, world: str) -> Tensor:
 def _all_gather_op(x: Tensor, world: str) -> Tensor:
     """AllGather. Per rank: x bf16 [R, C]; returns bf16 [W * R, C] = ``torch.cat(x_q for q in
     ranks)`` (``mkernel.all_gather``)."""
-    return _all_gather(x, lookup(world))
+    return _all_gather(x, *_world(world))
 
 
 @_all_gather_op.register_fake
@@ -228,7 +253,8 @@ def _ring_attention_op(
     attention of the rank's queries over the whole sequence at the layout's positions
     (``mkernel.ring_attention``). Differentiable (``ring_attention_backward``)."""
     with torch.no_grad():  # the custom op's autograd is registered below, not the Function's
-        return _ring_attention(q, k, v, lookup(world), causal, scale, layout)
+        w, schedule = _world(world)
+        return _ring_attention(q, k, v, w, causal, scale, layout, schedule)
 
 
 @_ring_attention_op.register_fake
@@ -254,8 +280,8 @@ def _ring_attention_backward_op(
     """The gradients (dq, dk, dv) (bf16, like q, k, v) of ``ring_attention`` for the incoming
     gradients ``dout`` (bf16 like out) and ``dlse`` (fp32 like lse, or None: zero), from the
     forward's ``out`` and ``lse`` (``mkernel.ring_attention_backward``)."""
-    w = lookup(world)
-    return _bwd.run(dout, q, k, v, out, lse, w, causal, scale, layout, None, dlse)
+    w, schedule = _world(world)
+    return _bwd.run(dout, q, k, v, out, lse, w, causal, scale, layout, schedule, dlse)
 
 
 @_ring_attention_backward_op.register_fake
@@ -368,8 +394,8 @@ def _moe_dispatch_gemm_op(
     rounded; rows by expert, source, token, slot), src int32 [R, 3] (source, token, slot) and
     expert_offsets int32 [E_local + 1] (expert e's rows; rows from ``expert_offsets[-1]`` on are
     zeros in y, -1 in src) (``mkernel.moe_dispatch_gemm``)."""
-    w = lookup(world)
-    d: MoeDispatch = _moe_dispatch_gemm(x, topk_ids, w1, w)
+    w, schedule = _world(world)
+    d: MoeDispatch = _moe_dispatch_gemm(x, topk_ids, w1, w, schedule)
     T, k = topk_ids.shape[-2:]
     rows = max_rows(w.size, T, k, w1.shape[-3])
     offsets = torch.stack(list(d.expert_offsets)).to(x.device)  # [n, E + 1]
@@ -410,7 +436,7 @@ def _moe_gemm_combine_op(
     [E_local + 1], the routing topk_ids [T, k] it ran and topk_weights fp32 [T, k]. Returns bf16
     [T, H]: ``out_s[t] = sum_j topk_weights_s[t, j] * h_d[row(s, t, j)].float() @ w2_d[e].float()``
     rounded once, zero for a token routed nowhere (``mkernel.moe_gemm_combine``)."""
-    w = lookup(world)
+    w, schedule = _world(world)
     emulated = w.emulated_world
     per_rank = (lambda t: list(t.unbind(0))) if emulated else (lambda t: [t])  # noqa: E731
     hs = per_rank(h)
@@ -424,7 +450,7 @@ def _moe_gemm_combine_op(
         captured=True,  # the worst case's rows
         peak_rows=h.shape[-2],
     )
-    return _moe_gemm_combine(hs if emulated else h, w2, dispatch, topk_weights, w)
+    return _moe_gemm_combine(hs if emulated else h, w2, dispatch, topk_weights, w, schedule)
 
 
 @_moe_gemm_combine_op.register_fake

@@ -287,3 +287,18 @@ def test_compile_moe_layer(world):
     args = _moe_inputs()
     got = _compiled_without_breaks(layer, "aot_eager", *args)
     assert torch.equal(got, layer(*args))
+
+
+def test_set_schedule_is_the_worlds(world):
+    a, b = _gemm_args("gemm_rs")
+    sched = mkernel.Schedule(overlap="inter_sm", comm_sms=2, seed=5, trace=True)
+    torch_ops.set_schedule(world, sched)
+    try:
+        got = torch_ops.gemm_rs(a, b, world)
+        assert world.last_timeline is not None
+        assert torch.equal(got, mkernel.gemm_rs(a, b, world, sched))
+    finally:
+        torch_ops.set_schedule(torch_ops.world_handle(world), None)
+    assert torch_ops._schedules == {}
+    with pytest.raises(TypeError, match="mkernel.Schedule"):
+        torch_ops.set_schedule(world, "inter_sm")
