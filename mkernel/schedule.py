@@ -223,9 +223,11 @@ class Schedule:
             shapes = module.shapes(*operands, world)
         if sorted(shapes) != names:
             raise TypeError(f"Schedule.plan needs the operands or {want} (got {sorted(shapes)})")
-        elif not operands:  # sizes by name: the checks an op's operands would have had
-            check_sizes(op, shapes)
         common.check_world(world)
+        if not operands:  # sizes by name: the checks an op's operands would have had
+            check_sizes(op, shapes)
+            if hasattr(module, "check_sizes"):  # what the op adds (divisibility, ranges)
+                module.check_sizes(world, **shapes)
         return common.cached_plan(module, self, world, **shapes)
 
 
@@ -239,8 +241,8 @@ SIZES_ANY_INT32 = frozenset({"scale_bits"})
 def check_sizes(op: str, shapes: dict[str, Any]) -> None:
     """Sizes given to ``Schedule.plan(op, world, **shapes)`` by name are ints (not bools), each
     >= 1 but those of SIZES_FROM_ZERO (>= 0) and SIZES_ANY_INT32 (any int32): a negative or
-    zero extent would compile to a plan of no tiles. (What the op's operand check adds, e.g. M
-    divisible by W, is the op's make_plan's business.)"""
+    zero extent would compile to a plan of no tiles. What the op's operand check adds (e.g. M
+    divisible by W) is its module's ``check_sizes(world, **sizes)``, where it has one.)"""
     for name, v in sorted(shapes.items()):
         if name in SIZES_ANY_INT32:
             lo, hi, form = -(2**31), 2**31, "an int32"

@@ -361,3 +361,21 @@ def test_moe_combine_over_nodes_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"moe_gemm_combine has no plan for a world of 2 nodes"):
         mkernel.moe_gemm_combine(d.y, w2, moved, weights, world)
     assert world.last_timeline is None and not world.signal_pads()
+
+
+@pytest.mark.parametrize(
+    "op, sizes, match",
+    [
+        ("moe_dispatch_gemm", {"k": 3}, r"k \(columns of topk_ids\)=3 must be in \[1, E=2\]"),
+        ("moe_dispatch_gemm", {"hidden": 12}, r"H \(columns of x\)=12 must be a positive multiple"),
+        ("moe_gemm_combine", {"inter": 4}, r"I \(columns of h\)=4 must be a positive multiple"),
+        ("moe_gemm_combine", {"k": 3}, r"k=3 must be in \[1, E=2\]"),
+    ],
+)
+def test_moe_plan_sizes_get_the_ops_own_checks(op, sizes, match):
+    world = mkernel.World.emulated(2)
+    base = {"tokens": 2, "hidden": 16, "inter": 8, "experts": 1, "k": 1}
+    if op == "moe_gemm_combine":
+        base["partial_rows"] = 0
+    with pytest.raises(ValueError, match=match):
+        mkernel.Schedule().plan(op, world, **{**base, **sizes})

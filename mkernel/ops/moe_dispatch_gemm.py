@@ -197,13 +197,21 @@ def shapes(x: Any, topk_ids: Any, w1: Any, world: World) -> dict[str, int]:
         raise ValueError(f"w1 is [E_local, H, I] = {[E, Hw, N]} but x has H={H} columns")
     if E < 1:
         raise ValueError(f"w1 has E_local={E} experts: each rank needs at least one")
-    if not 1 <= k <= world.size * E:
-        raise ValueError(
-            f"k (columns of topk_ids)={k} must be in [1, E={world.size * E}] (E = W * E_local)"
-        )
-    check_columns("H (columns of x)", H)
-    check_columns("I (columns of w1)", N)
+    check_sizes(world, T, H, N, E, k)
     return {"tokens": T, "hidden": H, "inter": N, "experts": E, "k": k}
+
+
+def check_sizes(world: World, tokens: int, hidden: int, inter: int, experts: int, k: int) -> None:
+    """What a plan's sizes need (shapes' checks, and Schedule.plan's by name): k in [1, E],
+    16-byte rows of x and y."""
+    del tokens  # any T >= 0 (a call of no tokens launches nothing)
+    if not 1 <= k <= world.size * experts:
+        raise ValueError(
+            f"k (columns of topk_ids)={k} must be in [1, E={world.size * experts}] "
+            "(E = W * E_local)"
+        )
+    check_columns("H (columns of x)", hidden)
+    check_columns("I (columns of w1)", inter)
 
 
 def checked(

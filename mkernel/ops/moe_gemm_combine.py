@@ -223,6 +223,18 @@ def shapes(h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: World) -> d
     }
 
 
+def check_sizes(
+    world: World, tokens: int, hidden: int, inter: int, experts: int, k: int, partial_rows: int
+) -> None:
+    """What a plan's sizes given by name need (Schedule.plan; a call's come from its dispatch
+    and h, checked in shapes): k in [1, E], 16-byte rows of h and out."""
+    del tokens, partial_rows  # any T >= 0; the partial's rows are the plan's to size
+    if not 1 <= k <= world.size * experts:
+        raise ValueError(f"k={k} must be in [1, E={world.size * experts}] (E = W * E_local)")
+    check_columns("H (columns of out)", hidden)
+    check_columns("I (columns of h)", inter)
+
+
 def prepare(
     h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: Any, schedule: Any
 ) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
