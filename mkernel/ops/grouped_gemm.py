@@ -182,9 +182,10 @@ def grouped_gemm(
         return out
     if out is None:
         out = _new_out(offsets, m, n, out_dtype, a.device)
-    offsets = offsets.to(a.device, non_blocking=True)
+    # NOTE: the kernel reads offsets and rows by raw pointer: a strided view must be packed
+    offsets = offsets.to(a.device, non_blocking=True).contiguous()
     if rows is not None:
-        rows = rows.to(a.device, non_blocking=True)
+        rows = rows.to(a.device, non_blocking=True).contiguous()
     if m == 0:
         return out
     ext = extension()
