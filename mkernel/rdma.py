@@ -137,6 +137,9 @@ class ProxyRing:
         self.signals.zero()
         self.status.zero()
         self.reserve.zero_()
+        # NOTE: the zero is queued on the current stream; a next launch on another stream (or
+        # one queued before this stream reaches the zero) would take tickets from the old count
+        torch.cuda.synchronize(self.device)
         self.posted = 0
 
     def count_posted(self, puts: int) -> None:
