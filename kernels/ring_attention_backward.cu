@@ -194,7 +194,6 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
   // engine's shared memory (a comm CTA runs no engine), intra_sm after the engine's.
   static_assert(Engine::kSmemBytes + kCommSmemBytes <= 227 * 1024, "fits an sm_90 CTA");
   static_assert(InterRing::kSmemBytes <= Engine::kSmemBytes, "a comm CTA's ring fits");
-  static constexpr float kLog2e = 1.4426950408889634f;
   // The row tasks' loads land in the consumers' dQ staging tiles (32 KB, idle between items:
   // the item's last dQ reduce-add has read them, run_rows' first barrier orders that) by 16-byte
   // cp.async copies, which hold no register in flight: loads into registers were spilled one at
@@ -350,7 +349,7 @@ struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>>
           tile[T + j[u]] = 0.f;
           continue;
         }
-        tile[j[u]] = lv[u] == -INFINITY ? INFINITY : lv[u] * kLog2e;
+        tile[j[u]] = attn::lse2_of(lv[u]);  // +inf for -inf, NaN for +inf (issue 33)
         tile[T + j[u]] = acc - dl[u];
       }
     }

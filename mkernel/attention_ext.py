@@ -208,11 +208,12 @@ def attention_backward_into(
 
 def rows_of(lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """The backward's per-q-tile rows for variant 0: [B, H, ceil(S / 64), 2, 64] fp32, lse * log2 e
-    (+inf where lse is -inf or past S) then delta (0 past S), so one 512-byte bulk copy brings a
-    step's rows."""
+    (+inf where lse is -inf or past S, NaN where it is +inf: softmax.cuh ``lse2_of``) then delta
+    (0 past S), so one 512-byte bulk copy brings a step's rows."""
     B, H, S = lse.shape
     pad = -S % 64
-    lse2 = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    lse2 = torch.where(lse == math.inf, math.nan, lse * math.log2(math.e))
+    lse2 = torch.where(lse == -math.inf, math.inf, lse2)
     lse2 = torch.nn.functional.pad(lse2, (0, pad), value=math.inf).view(B, H, -1, 64)
     d = torch.nn.functional.pad(delta, (0, pad), value=0.0).view(B, H, -1, 64)
     return torch.stack([lse2, d], dim=3).contiguous()

@@ -193,7 +193,6 @@ struct AttnBwdEngine {
   static constexpr int kQCols = D / 2;   // dQ columns per consumer warpgroup
   static constexpr int kBarDS = 1;       // both consumers wrote their half of dS^T
   static constexpr int kBarDQ0 = 2;      // consumer wg's dQ staging tile: kBarDQ0 + wg
-  static constexpr float kLog2e = 1.4426950408889634f;
 
   struct Bars {
     uint64_t* kv_full;
@@ -574,7 +573,8 @@ struct AttnBwdEngine {
 
   // Rows lane and lane + 32 of q tile i of group head g: lse as log2 and delta. Rows past S_q get
   // lse = +inf and delta = 0, so P and dS are exactly 0 there whatever TMA's zero fill makes of S
-  // and dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf.
+  // and dP; an empty row's lse (-inf: nothing seen in the forward) likewise gives P = 0, not inf
+  // (lse2_of, softmax.cuh: and lse +inf gives NaN).
   __device__ static void load_rows(const AttnBwdParams& p, const Work& w, int g, int i,
                                    int lane, float (&lse2)[2], float (&delta)[2]) {
     const size_t head = ((size_t)w.b * p.Hq + w.hk * p.group + g) * p.S_q;
@@ -582,7 +582,7 @@ struct AttnBwdEngine {
     for (int r = 0; r < 2; ++r) {
       const int row = i * BQ + lane + 32 * r;
       const float l = row < p.S_q ? p.lse[head + row] : -INFINITY;
-      lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+      lse2[r] = lse2_of(l);
       delta[r] = row < p.S_q ? p.delta[head + row] : 0.f;
     }
   }

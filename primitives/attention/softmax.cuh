@@ -89,16 +89,33 @@ struct OnlineSoftmax {
 
   // After the last tile: inv[h] = 1 / rowsum (0 for an empty row) and the row's natural-log
   // log-sum-exp of the scaled scores, lse = (m*c + log2(l)) * ln 2 (-inf for an empty row).
+  // NaN and +inf as torch.softmax / torch.logsumexp give them: a NaN score (fmaxf leaves it out of
+  // m, but its exp2 is NaN) or a +inf one (exp2(inf - inf)) makes the sum NaN, so inv and out are
+  // NaN and lse is NaN, except that a +inf max gives lse +inf.
   __device__ __forceinline__ void finish(float scale_log2, float (&inv)[2], float (&lse)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(l[h]);
-      const bool empty = !(sum > 0.f);
+      // NOTE: sum == 0, not !(sum > 0): the sum is never negative, and a NaN sum is not an empty
+      // row (issue 33: it was taken for one, out 0 and lse -inf)
+      const bool empty = sum == 0.f;
       inv[h] = empty ? 0.f : 1.f / sum;
-      lse[h] = empty ? -INFINITY : (m[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f;
+      const float lse2 = m[h] == INFINITY ? INFINITY : m[h] * scale_log2 + log2f(sum);
+      lse[h] = empty ? -INFINITY : lse2 * 0.69314718055994531f;
     }
   }
 };
+
+// The backward's row value lse2 = lse * log2(e) (P = exp2(s * scale_log2 - lse2)): +inf for an
+// empty row (lse -inf: P = 0, not NaN); NaN for lse +inf (a +inf score): torch's softmax of such a
+// row is NaN in every column (its sum has an exp(inf - inf)), where exp2(s*c - inf) would give 0 at
+// the finite scores and a finite dV (issue 33). Packed once per row, never in the kv loop.
+// Two selects, no branch (an early return compiled to branches in the per-step row loads).
+__device__ __forceinline__ float lse2_of(float lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float lse2 = lse == INFINITY ? __int_as_float(0x7fffffff) : lse * kLog2e;
+  return lse == -INFINITY ? INFINITY : lse2;
+}
 
 // O (an m64nD accumulator, D/2 floats) *= corr per row half.
 template <int R>
