@@ -3,9 +3,10 @@
 Public API: ``World`` (emulated or distributed), ``Schedule`` / ``Plan`` / ``Faults``, the fused ops
 (``gemm_rs``, ``ag_gemm``, ``gemm_ar``; ``all_gather``, the op tutorial 03 writes; the MoE
 experts' ``grouped_gemm`` (one GPU, GEMM engine); the MoE pair ``moe_dispatch_gemm`` /
-``moe_gemm_combine`` and ``ring_attention`` / ``attention`` / ``ring_attention_backward`` (fused
-in the CPU interpreter; on GPU worlds, emulated or distributed, unfused on the device engines so
-far), their unfused references
+``moe_gemm_combine`` and ``ring_attention`` / ``attention`` / ``ring_attention_backward`` (fused:
+one persistent kernel per call in emulated and distributed GPU worlds, the same plans in the CPU
+interpreter; with one rank and the default Schedule the ring attention calls run the single-GPU
+engines), their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 

@@ -8,7 +8,8 @@
 # 2. how the CPU interpreter runs such programs with virtual ranks and SMs in a random interleaving,
 #    and catches a missing wait as a race;
 # 3. how one fused op (`mkernel.gemm_rs`) runs under two schedules, intra-SM and inter-SM overlap,
-#    without any change to its programs, and what each timeline looks like.
+#    without any change to its programs, and what each timeline looks like; and what inter-SM
+#    overlap means where an op has communication tasks (`mkernel.ag_gemm`'s all-gather).
 #
 # Runs on a laptop: everything here uses the CPU interpreter.
 
@@ -78,8 +79,12 @@ except mkernel.RaceError as e:
 # %% [markdown]
 # ## 2. GEMM+ReduceScatter, two schedules
 # Each rank multiplies its `a [M, K/W]` by `b [K/W, N]`; the sum over ranks is scattered by rows.
-# With `intra_sm` each CTA (virtual SM) computes tiles while its communicator warp finishes the
-# tiles it owns; with `inter_sm` separate CTAs do the communication. The op's programs are the same.
+# gemm_rs has compute tasks only: the epilogue of a peer's tile stores the fp32 partial into the
+# owner's `stage` and raises a flag there; the owner's own tiles wait for those flags and add the
+# partials in their epilogue. The reduction is those stores, so there is nothing for a comm role to
+# do. With `intra_sm` every CTA (virtual SM) of a rank computes tiles; `inter_sm` sets aside comm
+# CTAs, which gemm_rs gives no task: they stay idle (the timeline has no comm rows), and the only
+# difference is fewer compute CTAs. The plan says so (`comm tasks per rank`).
 
 # %%
 W = 4
@@ -91,12 +96,41 @@ ref = mkernel.reference.gemm_rs(a, b, world=world).float()
 
 for overlap in ("intra_sm", "inter_sm"):
     sched = mkernel.Schedule(overlap=overlap, sms=4, tile="128x128x64", seed=1)
+    plan = sched.plan("gemm_rs", world, a, b)
+    comm_tasks = [len(ts) for ts in plan.roles["comm"].tasks]
+    assert comm_tasks == [0] * W  # gemm_rs: no comm role, under either overlap
     out = mkernel.gemm_rs(a, b, world=world, schedule=sched)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
-    print(f"\n{overlap}: relative error {err:.1e}; timeline of ranks 0 and 1 (digits: task ids)")
+    if overlap == "intra_sm":
+        units = f"{plan.compute_units} CTAs, each with a comm warp"
+    else:
+        units = f"{plan.compute_units} compute CTAs + {plan.comm_units} comm CTA(s), idle"
+    print(f"\n{overlap}: {units}, comm tasks per rank {comm_tasks}")
+    print(f"{overlap}: relative error {err:.1e}; timeline of ranks 0 and 1 (digits: task ids)")
     print(world.last_timeline.ascii(64, ranks=[0, 1]))
     world.last_timeline.save_chrome(f"/tmp/mkernel_tutorial01_{overlap}.json")  # ui.perfetto.dev
+
+# %% [markdown]
+# ## 3. Comm CTAs with work: AllGather+GEMM
+# `ag_gemm` does have a comm role: each rank's shard of `a` is cut into chunks, and comm tasks push
+# every chunk into every rank's `gather` buffer, raising `chunk_ready` there; each compute tile
+# waits only for the chunks its rows need. Under `inter_sm` those pushes run on the comm CTAs while
+# the compute CTAs multiply what has landed: the timeline's `comm` rows.
+
+# %%
+a_shard = torch.randn(W, 128, 64, generator=g).bfloat16()  # per rank [M/W, K]
+ref = mkernel.reference.ag_gemm(a_shard, b, world=world).float()
+sched = mkernel.Schedule(overlap="inter_sm", sms=4, comm_sms=1, tile="128x128x64", seed=1)
+plan = sched.plan("ag_gemm", world, a_shard, b)
+comm_tasks = [len(ts) for ts in plan.roles["comm"].tasks]
+assert all(comm_tasks)
+out = mkernel.ag_gemm(a_shard, b, world=world, schedule=sched)
+err = ((out.float() - ref).norm() / ref.norm()).item()
+assert err < 1e-2, err
+print(f"\nag_gemm inter_sm: comm tasks per rank {comm_tasks}; relative error {err:.1e}")
+print(world.last_timeline.ascii(64, ranks=[0]))
+assert any(s.unit.startswith("comm") for s in world.last_timeline.spans)
 
 # %% [markdown]
 # The Chrome traces in /tmp open in ui.perfetto.dev. On a GPU, `World.emulated(4, device="cuda")`

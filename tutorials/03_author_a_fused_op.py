@@ -163,7 +163,7 @@ bufs = {"x": x, "out": out, **{k: v.local for k, v in ws.items() if v is not Non
 try:
     run_plan(world, plan, bufs, ag.twins_of(plan), seed=0, outputs=lambda r: ag.outputs(plan, r))
 except mkernel.RaceError as e:
-    print("caught while running:", type(e).__name__, str(e)[:160])
+    print("caught while running:", type(e).__name__, str(e))
 for v in ws.values():  # the broken run left flags behind: clear them for later calls
     if v is not None:
         v.local.zero_()

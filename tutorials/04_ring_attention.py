@@ -17,6 +17,7 @@
 # %%
 import copy
 import dataclasses
+import textwrap
 
 import torch
 
@@ -131,7 +132,7 @@ try:
 except mkernel.RaceError as e:
     where = "on the K/V slot" if "_ring[" in str(e) else "elsewhere (unexpected)"
     print("caught while running:", type(e).__name__, where)
-    print("  ", str(e)[:150])
+    print(textwrap.indent(textwrap.fill(str(e), 96, subsequent_indent="  "), "  "))
 
 # %% [markdown]
 # ## 5. Backward (issue 13)

@@ -90,31 +90,48 @@ print(f"out matches the dense MoE: max relative error {err:.2e} (bf16 rounding);
 # ## 4. What the layout phase made
 # The plan is built once per shape: its compute and comm roles are `Capacity` (room per rank), not
 # task lists. At the start of every call the layout twin (on a GPU: the op's device `layout`) reads
-# the routing ids, computes the counts and prefix sums, and appends this rank's tasks: a push per
-# (token, destination rank) raising `expert_rows[e, src]` there for each expert it feeds, and per
-# expert GEMM tiles that wait for their own expert's rows only: one count per source that sends
-# some, so a late rank is the one a timeout names.
+# the routing ids, computes the counts and prefix sums, and appends this rank's tasks: pushes, each
+# a run of up to `PIECE_ROWS` of the tokens it sends one destination (each token once per rank it
+# feeds, whatever the number of experts there), adding their number to `landed[src]` there; on the
+# receiving side expands, which wait for `landed[src]` to count every token of that source, copy
+# the tokens into their experts' rows and add to `expert_rows[e, src]`; and per expert GEMM tiles
+# that wait for their own expert's rows only: one count per source that sends some, so a late rank
+# is the one a timeout names.
 
 # %%
 plan = mdg.make_plan(sched, world, T, H, INTER, E_LOCAL, K)
 print("plan roles:", {role: t.capacity for role, t in plan.roles.items()})
-made = mdg.layout_tasks(plan, route(topk_ids.tolist(), E_LOCAL), 0)
+routing = route(topk_ids.tolist(), E_LOCAL)
+made = mdg.layout_tasks(plan, routing, 0)
 pushes = [t for t in made["comm"] if t.args[0] == mdg.PUSH]
 expands = [t for t in made["comm"] if t.args[0] == mdg.EXPAND]
 n_push, n_exp, n_gemm = len(pushes), len(expands), len(made["compute"])
 print(f"the layout phase on rank 0 made {n_push} pushes, {n_exp} expands, {n_gemm} GEMM tiles")
+# a push's args: (PUSH, destination d, first position i0 in rank 0's send list for d, tokens n):
+# it copies the tokens routing.sent[0][d][i0 : i0 + n] into d's recv rows from
+# recv_base[d][0] + i0 on, and adds n to landed[0] there
 for t in pushes[:3]:
-    print(f"  push token {t.args[1]} -> rank {t.args[2]} recv row {t.args[3]}; +1 landed there")
+    _, d, i0, n = t.args[:4]
+    (add,) = t.raises
+    tokens = routing.sent[0][d][i0 : i0 + n]
+    at = routing.recv_base[d][0] + i0
+    print(
+        f"  push to rank {d}: send list [{i0}:{i0 + n}] = tokens {tokens[:4]}"
+        f"{' ...' if n > 4 else ''} -> its recv rows [{at}:{at + n}]; "
+        f"+{add.value} {add.pad}{list(add.index)} on rank {add.rank}"
+    )
+sent = [sum(t.args[3] for t in pushes if t.args[1] == d) for d in range(W)]
+assert sent == [len(routing.sent[0][d]) for d in range(W)]  # every token sent, once per rank
 for t in expands[:3]:
     (w,), (add,) = t.waits, t.raises
     print(
-        f"  expand rows {t.args[1]}..{t.args[1] + t.args[2]} from rank {t.args[3]}: waits "
+        f"  expand rows [{t.args[1]}:{t.args[1] + t.args[2]}] from rank {t.args[3]}: waits "
         f"landed[{w.index[0]}] == {w.value}, then +{add.value} expert_rows{list(add.index)}"
     )
 for t in made["compute"]:
     e, r0, n, c0 = t.args
     waits = ", ".join(f"expert_rows[{w.index[0]}, {w.index[1]}] == {w.value}" for w in t.waits)
-    print(f"  GEMM expert {e} rows {r0}..{r0 + n} columns {c0}..: waits {waits}")
+    print(f"  GEMM expert {e} rows [{r0}:{r0 + n}] columns [{c0}:]: waits {waits}")
 
 # %% [markdown]
 # ## 5. Another routing, the same plan
