@@ -86,9 +86,8 @@ __global__ void attention_bwd_prep_kernel(const __nv_bfloat16* dout, const __nv_
     const float d = dlse != nullptr ? acc - dlse[at] : acc;
     delta[at] = d;
     if (packed != nullptr) {  // [B, Hq, q_tiles, 2, 64]
-      constexpr float kLog2e = 1.4426950408889634f;
       float* tile = packed + ((b * Hq + h) * ((S + 63) / 64) + s / 64) * 128;
-      tile[s % 64] = lse[at] == -INFINITY ? INFINITY : lse[at] * kLog2e;
+      tile[s % 64] = lse2_of(lse[at]);  // +inf for -inf, NaN for +inf (issue 33)
       tile[64 + s % 64] = d;
       if (s == S - 1)
         for (int i = (int)(s % 64) + 1; i < 64; ++i) {
