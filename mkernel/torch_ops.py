@@ -74,14 +74,10 @@ bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
 # -- world handles --------------------------------------------------------------------------------
 
 _worlds: "weakref.WeakValueDictionary[str, World]" = weakref.WeakValueDictionary()
-_handles: "weakref.WeakKeyDictionary[World, str]" = weakref.WeakKeyDictionary()
 _group_worlds: dict[str, World] = {}  # worlds made here for a process group's name: kept
 _count = itertools.count()
 
 
-# NOTE: under torch.compile the call runs once while tracing, its result a constant of the graph
-# (guarded on the world): registering inside the traced code would put weakrefs in the graph.
-@torch.compiler.assume_constant_result
 def world_handle(world: World | str) -> str:
     """The handle that names ``world`` in a custom op's ``world`` argument, registering the world
     on first use: ``"emulated:<n>"`` for an emulated world, the process group's ``group_name``
@@ -91,16 +87,28 @@ def world_handle(world: World | str) -> str:
         return world
     if not isinstance(world, World):
         raise TypeError(f"world must be an mkernel.World or its handle (str), got {type(world)}")
-    handle = _handles.get(world)
-    if handle is None:
-        if world.emulated_world:
-            handle = f"emulated:{next(_count)}"
-        else:
-            handle = world.group.group_name
-            if handle in _worlds and _worlds[handle] is not world:
-                handle = f"{handle}/{next(_count)}"
-        _worlds[handle] = world
-        _handles[world] = handle
+    # NOTE: under torch.compile a registered world's handle is an attribute read, which every
+    # dynamo traces to a constant (guarded on the world); a torch build that cannot trace
+    # _register's assume_constant_result on a World (seen on the GPU machine's torch) only
+    # needs the world used once outside the compiled code.
+    handle = getattr(world, "_torch_handle", None)
+    if handle is not None:
+        return handle
+    return _register(world)
+
+
+# NOTE: under torch.compile the call runs once while tracing, its result a constant of the graph:
+# registering inside the traced code would put weakrefs in the graph.
+@torch.compiler.assume_constant_result
+def _register(world: World) -> str:
+    if world.emulated_world:
+        handle = f"emulated:{next(_count)}"
+    else:
+        handle = world.group.group_name
+        if handle in _worlds and _worlds[handle] is not world:
+            handle = f"{handle}/{next(_count)}"
+    _worlds[handle] = world
+    world._torch_handle = handle
     return handle
 
 
@@ -129,7 +137,7 @@ def lookup(handle: str) -> World:
     world = World.from_process_group(group)
     _group_worlds[handle] = world
     _worlds[handle] = world
-    _handles[world] = handle
+    world._torch_handle = handle
     return world
 
 

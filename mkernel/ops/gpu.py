@@ -295,17 +295,23 @@ def check_cross_node_raises(plan: Plan) -> int:
     return most
 
 
-# NOTE: the proxies issue their copies through the CUDA driver while the kernel waits for them.
-# Measured (tools/lazy_probe.py): a torch op compiled at run time (its module loads at its first
-# call) launched meanwhile stalled the calls, in either CUDA_MODULE_LOADING mode, while the first
-# launch of a precompiled op did not; freeing pinned memory meanwhile held the driver as well.
+# NOTE (issue 33.1, the root cause of the emulated-nodes race): the proxies issue their copies
+# through the CUDA driver while the kernel waits for them. A CUDA call that must wait for the
+# device (loading a module: cuBLAS's or a jiterator op's first launch; freeing pinned or device
+# memory) holds the driver until the running kernel ends, so the proxies' next copy waits for a
+# kernel that waits for it, until the device deadline. Measured: the first GPU matmul issued
+# right after an asynchronous call over nodes timed out gemm_rs (W=4, 2 nodes) in a fresh process
+# (tests/gpu/test_nodes_busy_stream_gpu.py, H100, 2026-12-06), as tools/lazy_probe.py had shown
+# for jiterator ops. So a launch over nodes returns once its kernel has ended (wait_nodes_launch):
+# the caller's own next CUDA call then never meets a kernel that depends on the proxies. Another
+# thread's such call meanwhile still can (docs/rdma.md).
 NODES_TIMEOUT_HINT = (
     "over nodes on one GPU the rdma proxies' copies go through the CUDA driver while the kernel "
-    "waits for them; a CUDA call that waits for the device meanwhile (loading a module, as a "
-    "torch op compiled at run time does at its first call; freeing pinned or device memory) "
-    "stalls them: run such ops once before the calls (docs/rdma.md)"
+    "waits for them; a CUDA call from another thread that waits for the device meanwhile "
+    "(loading a module, as cuBLAS or a torch op compiled at run time does at its first call; "
+    "freeing pinned or device memory) stalls them (docs/rdma.md)"
 )
-NODES_IN_FLIGHT = 2  # launches of a world over nodes queued at once (before_nodes_launch)
+NODES_POLL_S = 20e-6  # the host's poll of a launch over nodes (wait_nodes_launch)
 
 
 def before_nodes_launch(world: World, plan: Plan, stream: int) -> bool:
@@ -315,9 +321,8 @@ def before_nodes_launch(world: World, plan: Plan, stream: int) -> bool:
     kernel, as the kernel waits for them); count the launch's puts per ring (the tickets are int32
     and monotonic: before they could pass 2^31 the idle rings are emptied and restarted, a
     synchronize once in ~2^31 puts; a graph replayed that often needs
-    ``fused_rings(world).restart()`` between replays, on an idle GPU); and wait for the launch
-    NODES_IN_FLIGHT back (the proxies' stream calls must not find their queue's buffer full).
-    Returns whether the launch is to be recorded (after_nodes_launch): not under capture."""
+    ``fused_rings(world).restart()`` between replays, on an idle GPU).
+    Returns whether the launch is to be waited for (wait_nodes_launch): not under capture."""
     from ..rdma import _MAX_COUNT
 
     if torch.cuda.is_current_stream_capturing():
@@ -328,17 +333,17 @@ def before_nodes_launch(world: World, plan: Plan, stream: int) -> bool:
         torch.cuda.synchronize(world.device)
         rings.restart()
     rings.count_posted(puts)
-    queue = world.__dict__.setdefault("_nodes_launches", [])
-    while len(queue) >= NODES_IN_FLIGHT:
-        queue.pop(0).synchronize()
     return True
 
 
-def after_nodes_launch(world: World) -> None:
-    """After a launch over nodes: its completion event, for before_nodes_launch's bound."""
+def wait_nodes_launch() -> None:
+    """After a launch over nodes (not under capture): returns once the current stream has reached
+    the end of it. Polled (cudaEventQuery never waits for the device, so it never holds the
+    driver against the proxies), without a deadline: the kernel's own waits time out."""
     done = torch.cuda.Event()
     done.record()
-    world._nodes_launches.append(done)
+    while not done.query():
+        time.sleep(NODES_POLL_S)
 
 
 def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
@@ -402,7 +407,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
     poison_on_timeout(world, plan, operands, stream)
     if tracked:
-        after_nodes_launch(world)
+        wait_nodes_launch()
     trace = world._pending_trace
     if (world.sync_checks or trace) and not torch.cuda.is_current_stream_capturing():
         torch.cuda.current_stream(world.device).synchronize()

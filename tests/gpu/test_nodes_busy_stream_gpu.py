@@ -2,7 +2,9 @@
 called while the stream is still busy (issue 33.1): inputs moved from the host just before the
 call (pageable copies still queued), a large copy or a long kernel queued before it, several calls
 back to back without a synchronize, calls from two streams in turn, and the first use of cuBLAS
-(the reference) issued while the call's kernel waits for the proxies. Each first call runs in a
+(the reference) or a jiterator op's first call (a module load) right after the call: before the
+fix (a call over nodes returns once its kernel ended, mkernel/ops/gpu.py wait_nodes_launch) the
+first of these timed out gemm_rs W=4 over 2 nodes on the H100. Each first call runs in a
 fresh process (tests/helpers.run_script), since the first call of a world is the one that sets up
 its rings and copy stream. Results against the fp32 reference; no timeout; rings drained."""
 
@@ -42,6 +44,11 @@ elif mode in ("big_copy", "long_kernel"):
         torch.cuda._sleep(100_000_000)
     outs.append(fn(a, b, world=world))
     ref = ref_fn(a, b, world=world)
+elif mode == "module_load":  # a jiterator op's first call loads its module (tools/lazy_probe.py)
+    a, b = a_host.cuda(), b_host.cuda()
+    outs.append(fn(a, b, world=world))
+    torch.special.bessel_j0(torch.rand(64, device="cuda"))
+    ref = ref_fn(a, b, world=world)
 elif mode == "back_to_back":
     a, b = a_host.cuda(), b_host.cuda()
     outs += [fn(a, b, world=world) for _ in range(20)]
@@ -73,7 +80,7 @@ CASES = [
     ("gemm_rs", 8, 2),
     ("ag_gemm", 4, 2),
 ]
-MODES = ["moved_inputs", "big_copy", "long_kernel", "back_to_back", "two_streams"]
+MODES = ["moved_inputs", "module_load", "big_copy", "long_kernel", "back_to_back", "two_streams"]
 
 
 @pytest.mark.parametrize("mode", MODES)
