@@ -157,6 +157,13 @@ def _sizes(shapes: dict[str, int], W: int, ms: int, per_owner: int) -> dict[str,
     }
 
 
+def check_sizes(world: World, m: int, n: int, k: int) -> None:
+    """What Schedule.plan by sizes adds to the generic checks: the operand path's divisibility
+    (rank r's M/W rows of the sum)."""
+    if m % world.size:
+        raise ValueError(f"gemm_rs: M (m={m}) must be divisible by the world size W={world.size}")
+
+
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
     if world.nodes > 1:
         return _make_plan_nodes(schedule, world, m, n, k)

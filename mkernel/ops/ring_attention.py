@@ -645,7 +645,7 @@ def attention(
         return ring_attention_gpu.attention(q, k, v, causal, scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise NotImplementedError(
+            raise ValueError(
                 f"attention: {name} is on {t.device}; CUDA tensors run on the attention engine, "
                 "CPU tensors in the interpreter"
             )
