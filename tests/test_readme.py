@@ -42,3 +42,19 @@ def test_usage_example_runs_on_cpu() -> None:
 def test_gpu_usage_example_is_valid_python() -> None:
     for block in _usage_blocks():
         compile(block, "README.md", "exec")  # GPU blocks run only where CUDA is: check the syntax
+
+
+def test_compile_example_runs_on_cpu() -> None:
+    """The README's torch.compile block (issue 37) runs as written in a fresh interpreter."""
+    block = next(b for b in _usage_blocks() if "torch.compile" in b)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", block],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
