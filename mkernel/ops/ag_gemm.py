@@ -124,10 +124,8 @@ def _sizes(schedule: Schedule, shapes: dict, W: int, ms: int, cr: int, C: int) -
 
 
 def check_sizes(world: World, m: int, n: int, k: int) -> None:
-    """What Schedule.plan by sizes adds to the generic checks: the operand path's divisibility
-    (each rank's shard holds M/W rows)."""
-    if m % world.size:
-        raise ValueError(f"ag_gemm: M (m={m}) must be divisible by the world size W={world.size}")
+    """What Schedule.plan by sizes adds to the generic checks (common.check_rows_divisible)."""
+    common.check_rows_divisible("ag_gemm", world, m)
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:

@@ -63,6 +63,13 @@ class UnsupportedWorld(NotImplementedError, ValueError):
     anything runs."""
 
 
+def check_rows_divisible(op: str, world: World, m: int) -> None:
+    """The operand path's divisibility of the GEMM ops' M by W (each rank owns M/W rows), for
+    Schedule.plan by sizes, which reaches make_plan without the operands."""
+    if m % world.size:
+        raise ValueError(f"{op}: M (m={m}) must be divisible by the world size W={world.size}")
+
+
 def check_nodes(module: Any, world: World) -> None:
     """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
     plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the

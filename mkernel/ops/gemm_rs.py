@@ -158,10 +158,8 @@ def _sizes(shapes: dict[str, int], W: int, ms: int, per_owner: int) -> dict[str,
 
 
 def check_sizes(world: World, m: int, n: int, k: int) -> None:
-    """What Schedule.plan by sizes adds to the generic checks: the operand path's divisibility
-    (rank r's M/W rows of the sum)."""
-    if m % world.size:
-        raise ValueError(f"gemm_rs: M (m={m}) must be divisible by the world size W={world.size}")
+    """What Schedule.plan by sizes adds to the generic checks (common.check_rows_divisible)."""
+    common.check_rows_divisible("gemm_rs", world, m)
 
 
 def make_plan(schedule: Schedule, world: World, m: int, n: int, k: int) -> Plan:
