@@ -18,9 +18,10 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import mkernel
+from mkernel.bench.baselines import moe_gpu
 from mkernel.errors import CommTimeout, RaceError, TileWriteError
 from mkernel.interp.program import run_plan
-from mkernel.ops import common, moe_gpu
+from mkernel.ops import common
 from mkernel.ops import moe_dispatch_gemm as mdg
 from mkernel.ops import moe_gemm_combine as mgc
 from mkernel.ops.moe_common import route

@@ -1,13 +1,12 @@
-"""moe_dist (the distributed unfused MoE pair: the two-GPU benchmark's baseline) on the CPU: W
-processes joined by
-torch.distributed (gloo), the grouped GEMM as mkernel.grouped_gemm runs it on the CPU (its fp32
-reference), so what is tested is the exchange: each token sent once per destination rank and
-expanded there, the row order (local expert, source, token, slot), src and expert_offsets, the
-products sent back and summed in slot order. Every rank's results are checked with
-tests/test_moe.py's formulas (W 2 and 3; uniform routing with unused slots, all tokens to one
-expert, all to rank 0, none routed; T = 0; k 1, 2, 8). Also the fused path's counts exchange
-(moe_common.rows_per_rank) and that the public API launches the fused kernels on a distributed
-GPU world."""
+"""mkernel.bench.baselines.moe_dist (the distributed unfused MoE pair: the two-GPU benchmark's
+baseline) on the CPU: W processes joined by torch.distributed (gloo), the grouped GEMM as
+mkernel.grouped_gemm runs it on the CPU (its fp32 reference), so what is tested is the exchange:
+each token sent once per destination rank and expanded there, the row order (local expert, source,
+token, slot), src and expert_offsets, the products sent back and summed in slot order. Every rank's
+results are checked with tests/test_moe.py's formulas (W 2 and 3; uniform routing with unused slots,
+all tokens to one expert, all to rank 0, none routed; T = 0; k 1, 2, 8). Also the fused path's
+counts exchange (moe_common.rows_per_rank) and that the public API launches the fused kernels on a
+distributed GPU world."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mkernel.ops import moe_dist
+from mkernel.bench.baselines import moe_dist
 from mkernel.ops.moe_common import rows_per_rank
 from mkernel.world import World
 from tests.helpers import assert_close_exact, gloo_world
@@ -117,7 +116,7 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     the dispatch's buffers have this rank's rows, its result one entry and the largest rank's
     rows as ``peak``; the combine's operands are this rank's, without a rank dimension, and its
     plan sizes the symmetric partial_peers by that peak (the per-call partial is a placeholder
-    there); moe_dist (the unfused baseline) is not called."""
+    there); baselines.moe_dist (the unfused baseline) is not called."""
     import mkernel
     from mkernel.ops import common
     from mkernel.ops import moe_dispatch_gemm as mdg

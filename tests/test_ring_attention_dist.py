@@ -1,11 +1,11 @@
-"""ring_attention_dist (the distributed, not yet fused ring) on the CPU: W processes joined by
-torch.distributed (gloo), the block functions in fp32 torch instead of the GPU engines, so what is
-tested is the ring itself: which block each step holds, what each query chunk sees (contiguous /
-zigzag, causal or not), the double-buffered K/V sends, the lse merges, and the dK / dV
-accumulators that travel with their blocks and come home. Every rank's out, lse, dq, dk, dv are
-checked against the fp64 formulas of tests/test_ring_attention{,_backward}.py (their tolerances,
-no bf16 rounding of P); and that the public API launches the fused kernels on a distributed GPU
-world (this module is the two-GPU benchmark's unfused baseline)."""
+"""mkernel.bench.baselines.ring_dist (the distributed unfused ring) on the CPU: W processes joined
+by torch.distributed (gloo), the block functions in fp32 torch instead of the GPU engines, so what
+is tested is the ring itself: which block each step holds, what each query chunk sees (contiguous /
+zigzag, causal or not), the double-buffered K/V sends, the lse merges, and the dK / dV accumulators
+that travel with their blocks and come home. Every rank's out, lse, dq, dk, dv are checked against
+the fp64 formulas of tests/test_ring_attention{,_backward}.py (their tolerances, no bf16 rounding of
+P); and that the public API launches the fused kernels on a distributed GPU world (ring_dist is the
+two-GPU benchmark's unfused baseline)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from mkernel.ops import ring_attention_dist as rd
+from mkernel.bench.baselines import ring_dist as rd
 from mkernel.world import World
 from tests.helpers import gloo_world
 from tests.test_ring_attention import _assert_attention
@@ -63,7 +63,7 @@ def test_every_rank_gets_the_ring_results(W, B, S, heads, tmp_path):
 def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
     """On a distributed world with a CUDA device, ring_attention and ring_attention_backward each
     launch their fused kernel with this rank's tensors (the launches stubbed here: no GPU, no
-    process group); the unfused ring (ring_attention_dist) is not called."""
+    process group); the unfused ring (baselines.ring_dist) is not called."""
     import mkernel
     from mkernel.ops import common
     from mkernel.ops import ring_attention as ra
@@ -97,7 +97,7 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
 @pytest.mark.parametrize("W", [1, 2, 3])
 @pytest.mark.parametrize(("layout", "causal"), CASES)
 def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, layout, causal):
-    """ring_attention_gpu.backward (the unfused emulated backward: which key chunks each query
+    """baselines.ring_gpu.backward (the unfused emulated backward: which key chunks each query
     chunk sees, at most two engine calls, dk / dv added to their owners' rows) with the backward
     engine's contract computed in torch on the CPU."""
     import types
@@ -105,7 +105,7 @@ def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, l
 
     import mkernel
     from mkernel import attention_ext
-    from mkernel.ops import ring_attention_gpu
+    from mkernel.bench.baselines import ring_gpu
 
     q, k, v, dout = _inputs(W, 2, 10, 4, 2, seed=W + 7)
     out, lse = mkernel.ring_attention(q, k, v, mkernel.World.emulated(W), causal, SCALE, layout)
@@ -114,8 +114,8 @@ def test_the_emulated_gpu_backward_path_with_the_engine_contract_on_the_cpu(W, l
         attention_backward_into=rd.torch_bwd_block, delta_of=attention_ext.delta_of
     )
     zigzag = layout == "zigzag"
-    with unittest.mock.patch.object(ring_attention_gpu, "_engine", lambda: fake):
-        got = ring_attention_gpu.backward(dout, q, k, v, out, lse, dlse, causal, SCALE, zigzag)
+    with unittest.mock.patch.object(ring_gpu, "attention_ext", fake):
+        got = ring_gpu.backward(dout, q, k, v, out, lse, dlse, causal, SCALE, zigzag)
     what = f"emulated gpu path W={W} {layout} causal={causal}"
     _assert_grads(got, q, k, v, dout, out, lse, causal, SCALE, layout, what, dlse)
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import mkernel
-from mkernel.ops import moe_dist
+from mkernel.bench.baselines import moe_dist
 
 from .plot import draw_run
 from .timing import save, table

@@ -9,8 +9,8 @@ GEMM + combine):
   for the row counts included), and ``kernel*``: the same kernel launched on prepared
   buffers (no host work: the kernel alone), under the default schedule and variants (VARIANTS:
   tile heights, overlap);
-- ``unfused``: the GPU path users would write from our parts (mkernel/ops/moe_gpu.py: device sort,
-  ``index_select`` expansion / weighted slot sum, our grouped GEMM per rank);
+- ``unfused``: the GPU path users would write from our parts (mkernel/bench/baselines/moe_gpu.py:
+  device sort, ``index_select`` expansion / weighted slot sum, our grouped GEMM per rank);
 - ``gemm``: the grouped GEMM engine alone on the already expanded rows of every rank (the floor);
   ``gemm_gather_*``: the same with A's rows gathered by index (the fused dispatch's GEMM, alone).
 Timed INTERLEAVED in rounds (timing.interleaved_ms). TFLOP/s counts 2 * rows * H * I over all
@@ -25,10 +25,11 @@ from collections.abc import Callable
 import torch
 
 from .. import World, grouped_gemm, moe_dispatch_gemm, moe_gemm_combine
-from ..ops import common, moe_gpu
+from ..ops import common
 from ..ops import moe_dispatch_gemm as mdg
 from ..ops import moe_gemm_combine as mgc
 from ..schedule import Schedule
+from .baselines import moe_gpu
 from .plot import draw_run
 from .timing import interleaved_ms, save, span_summary, table
 

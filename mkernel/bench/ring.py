@@ -5,11 +5,12 @@
 B = 1, H = 32 (GQA off), D = 128 bf16, S_local in {4096, 8192}; zigzag causal and contiguous full.
 Versions, timed interleaved in rounds (mkernel.bench.tp.interleaved_dist_ms, the slowest rank's
 median):
-- ``ours``: mkernel.ring_attention on the distributed world (today unfused: NCCL-sent K/V blocks,
-  our attention engine per block, lse merges: mkernel/ops/ring_attention_dist.py);
+- ``ours``: mkernel.ring_attention on the distributed world (the fused kernel);
 - ``unfused_cudnn``: the same ring with torch SDPA's cuDNN attention per block (the unfused
   recipe users copy: NCCL send/recv of K/V per step, cuDNN on the block, lse merge);
-- ``compute``: our engine's per-step calls with no sends (the attention alone);
+- ``compute``: our engine's per-step calls with no sends (the attention alone: the unfused ring of
+  mkernel/bench/baselines/ring_dist.py, NCCL-sent K/V blocks, our engine per block, lse merges,
+  with its sends off);
 - ``traffic``: the W - 1 K/V exchanges alone;
 and ideal = max(compute, traffic). The backward rows (``pass="bwd"``) time the same four:
 ``ours`` = mkernel.ring_attention_backward (our backward engine per block, fp32 dK / dV
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import mkernel
-from mkernel.ops import ring_attention_dist as rd
+from mkernel.bench.baselines import ring_dist as rd
 
 from .plot import draw_run
 from .timing import save, table
@@ -64,7 +65,7 @@ def cudnn_block(q, k, v, causal: bool, scale: float):
 
 
 def cudnn_bwd_block(dout, q, k, v, lse, delta, causal, scale, dq32, dk32, dv32, *, out):
-    """The backward block contract (ring_attention_dist.BwdBlock: dq32 += dq; dk32, dv32 = dk, dv,
+    """The backward block contract (ring_dist.BwdBlock: dq32 += dq; dk32, dv32 = dk, dv,
     fp32, GQA summed over each group) through SDPA's cuDNN backward, which computes delta itself
     from ``out``: the GLOBAL out of these query rows (``backward(..., pass_out=True)``), with the
     global lse, so each block's P and dS are the final ones."""

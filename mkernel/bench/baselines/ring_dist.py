@@ -1,10 +1,10 @@
-"""Ring attention over a distributed world (one process per GPU), not yet fused: K/V blocks travel
-the ring by torch.distributed point-to-point sends (NCCL on GPUs) while the attention engines
+"""Ring attention over a distributed world (one process per GPU), unfused: K/V blocks travel the
+ring by torch.distributed point-to-point sends (NCCL on GPUs) while the attention engines
 (mkernel.attention_ext) compute on the block each rank holds; the forward merges blocks by
 log-sum-exp in fp32, the backward sends each block's fp32 dK / dV accumulator along with it and
-brings it home after the last step. The fused kernel of issue 12 (blocks moved by the kernel
-itself, consumed tile by tile) replaces this; it is also the unfused baseline that kernel is
-measured against.
+brings it home after the last step. The API runs the fused kernel of issue 12 (blocks moved by
+the kernel itself, consumed tile by tile); this is the unfused baseline mkernel.bench.ring
+measures it against.
 
 Step s on rank r (W ranks): rank r holds the K/V block of rank o = (r - s) mod W and, while it
 computes on it, sends it to r + 1 and receives block o - 1 from r - 1 (double-buffered). Causal:
@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from .ring_attention_gpu import _merge, block_backward, chunks
+from mkernel import attention_ext
+
+from .ring_gpu import _call, _merge, block_backward, chunks
 
 # fwd(q, k, v, causal, scale) -> (o fp32 [B, n, Hq, D], lse [B, Hq, n])
 FwdBlock = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -33,10 +35,7 @@ BwdBlock = Callable[..., None]
 
 
 def gpu_engines() -> tuple[FwdBlock, BwdBlock]:
-    """The attention engines as block functions (mkernel/ops/ring_attention_gpu.py's contract)."""
-    from .. import attention_ext
-    from .ring_attention_gpu import _call
-
+    """The attention engines as block functions (ring_gpu.py's contract)."""
     return _call, attention_ext.attention_backward_into
 
 
@@ -148,11 +147,9 @@ def backward(
     and its accumulator for every step (measurements: the compute alone). ``pass_out`` gives
     ``bwd`` the query chunk's rows of ``out`` as keyword ``out`` (a block function that computes
     delta itself, as cuDNN's backward does)."""
-    from ..attention_ext import delta_of  # NOTE: imported on use, as ring_attention_gpu does
-
     W, r = world.size, world.rank
     S = q.shape[1]
-    delta = delta_of(dout, out, dlse)
+    delta = attention_ext.delta_of(dout, out, dlse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     spare = torch.empty_like(kv)

@@ -22,15 +22,14 @@ from typing import Any
 
 import torch
 
-from .moe_common import MoeDispatch
+from mkernel.ops.grouped_gemm import grouped_gemm
+from mkernel.ops.moe_common import MoeDispatch
 
 Gemm = Callable[..., torch.Tensor]
 
 
 def engine_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
     """mkernel.grouped_gemm: the engine on CUDA tensors, its fp32 reference on CPU ones (tests)."""
-    from .grouped_gemm import grouped_gemm
-
     return grouped_gemm(a.contiguous(), w, offsets, out_dtype=out_dtype)
 
 
