@@ -57,4 +57,5 @@ PYBIND11_MODULE(_mkernel_ext, m) {
                                            reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("record"), py::arg("stream"));
+  m.def("preload_poison", &mk::preload_poison);
 }

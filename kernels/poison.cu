@@ -60,4 +60,9 @@ int launch_poison_if_failed(const long long* record, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
+int preload_poison() {
+  cudaFuncAttributes attr;
+  return (int)cudaFuncGetAttributes(&attr, poison_if_failed);
+}
+
 }  // namespace mk

@@ -18,4 +18,11 @@ constexpr int kPoisonMaxOutputs = 8;
 // 0, or cudaErrorInvalidValue for a record the kernel cannot serve (checked before launching).
 int launch_poison_if_failed(const long long* record, cudaStream_t stream);
 
+// Loads the poison kernel's module now (CUDA loads modules lazily, at a kernel's first launch). A
+// module load waits for the device: the first poison launch, queued right after a fused kernel
+// over emulated nodes that waits for the host's rdma proxies, would stall the proxies' copies
+// until the kernel timed out (mkernel/ops/gpu.py run_gpu calls this before a device's first
+// fused launch). Returns the cudaError_t.
+int preload_poison();
+
 }  // namespace mk

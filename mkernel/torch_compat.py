@@ -28,6 +28,7 @@ How each case maps (W ranks, this rank r; the leading dims are flattened as PyTo
 A non-contiguous operand (e.g. a transposed weight) is copied once per call (``contiguous()``).
 """
 
+import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -269,6 +270,7 @@ def supports_matmul_reduce_scatter(
 _torch_all_gather_matmul = symm_mem._fused_all_gather_matmul  # PyTorch's CUDA kernels
 _torch_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter
 _library: torch.library.Library | None = None
+_IMPL_HAS_OVERRIDE = "allow_override" in inspect.signature(torch.library.Library.impl).parameters
 
 
 def _all_gather_matmul_kernel(
@@ -296,10 +298,13 @@ def install() -> None:
     if _library is not None:
         return
     lib = torch.library.Library("symm_mem", "IMPL")
+    # PyTorch registers these CUDA kernels from Python; Library.impl refuses to override such a
+    # kernel unless told (allow_override, False by default before torch 2.13, absent earlier)
+    kw = {"allow_override": True} if _IMPL_HAS_OVERRIDE else {}
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
         warnings.simplefilter("ignore", UserWarning)
-        lib.impl("fused_all_gather_matmul", _all_gather_matmul_kernel, "CUDA")
-        lib.impl("fused_matmul_reduce_scatter", _matmul_reduce_scatter_kernel, "CUDA")
+        lib.impl("fused_all_gather_matmul", _all_gather_matmul_kernel, "CUDA", **kw)
+        lib.impl("fused_matmul_reduce_scatter", _matmul_reduce_scatter_kernel, "CUDA", **kw)
     _library = lib
 
 

@@ -346,6 +346,22 @@ def wait_nodes_launch() -> None:
         time.sleep(NODES_POLL_S)
 
 
+_POISON_LOADED: set[int] = set()
+
+
+def preload_poison(device_index: int) -> None:
+    """Loads the poison kernel's module on this device before the device's first fused launch
+    (kernels/poison_launch.h preload_poison): CUDA loads a module at its first launch and a load
+    waits for the device, so loading it right after a kernel over nodes that waits for the
+    proxies would stall them (the NOTE above) and time the first call of every process out."""
+    if device_index in _POISON_LOADED:
+        return
+    rc = extension().preload_poison()
+    if rc != 0:
+        raise RuntimeError(f"loading the poison kernel failed with code {rc}")
+    _POISON_LOADED.add(device_index)
+
+
 def _record(world: World, plan: Plan, operands: dict[str, torch.Tensor], launch: int) -> array:
     """The launch record (mkernel/protocol.py RECORD_FIELDS) of one call."""
     rec = array("q", _plan_record(world, plan))
@@ -402,6 +418,7 @@ def run_gpu(world: World, plan: Plan, operands: dict[str, torch.Tensor]) -> None
         launch = plan.extra["_launch"] = getattr(
             launcher(world, plan), f"launch_{plan.spec.kernel_name}"
         )
+    preload_poison(world.device.index)
     rc = launch(rec.buffer_info()[0], stream)
     if rc != 0:
         raise RuntimeError(f"kernel launch failed with code {rc} ({torch.cuda.get_device_name()})")
