@@ -40,7 +40,7 @@ from types import ModuleType
 from mkernel._paths import source_root
 
 __all__ = [
-    "EXTENSION",
+    "main_extension",
     "BuildError",
     "ExtensionSpec",
     "cache_dir",
@@ -87,28 +87,42 @@ def _fused_op_sources() -> tuple[str, ...]:
     return tuple(f"kernels/{name}.cu" for name in registry.kernel_names())
 
 
-EXTENSION = ExtensionSpec(
-    name="_mkernel_ext",
-    # NOTE: listed, not globbed: a fused op's kernel joins the extension when its Python module
-    # declares a SPEC (the binding binds every op of MK_FUSED_OPS, generated from the same list),
-    # and a half-written kernel elsewhere in kernels/ cannot break the build.
-    sources=(
-        "kernels/binding.cpp",
-        "kernels/gemm.cu",
-        "kernels/gemm_binding.cpp",
-        "kernels/grouped_gemm.cu",
-        "kernels/p2p.cu",
-        "kernels/poison.cu",
-        *_fused_op_sources(),
-    ),
-    headers=(
-        "primitives/**/*.cuh",
-        "primitives/**/*.h",
-        "templates/**/*.cuh",
-        "kernels/**/*.h",
-        "kernels/**/*.cuh",
-    ),
+# The headers every source of the package's extension may include (a change to one rebuilds it).
+MAIN_HEADERS = (
+    "primitives/**/*.cuh",
+    "primitives/**/*.h",
+    "templates/**/*.cuh",
+    "kernels/**/*.h",
+    "kernels/**/*.cuh",
 )
+
+
+@functools.cache
+def main_extension() -> ExtensionSpec:
+    """The package's extension (``EXTENSION``). Built on first use, not at import: its sources
+    come from the op registry, which imports the ops, some of which import this module."""
+    return ExtensionSpec(
+        name="_mkernel_ext",
+        # NOTE: listed, not globbed: a fused op's kernel joins the extension when its Python
+        # module declares a SPEC (the binding binds every op of MK_FUSED_OPS, generated from the
+        # same list), and a half-written kernel elsewhere in kernels/ cannot break the build.
+        sources=(
+            "kernels/binding.cpp",
+            "kernels/gemm.cu",
+            "kernels/gemm_binding.cpp",
+            "kernels/grouped_gemm.cu",
+            "kernels/p2p.cu",
+            "kernels/poison.cu",
+            *_fused_op_sources(),
+        ),
+        headers=MAIN_HEADERS,
+    )
+
+
+def __getattr__(name: str) -> ExtensionSpec:  # ``jit.EXTENSION``, resolved on first use
+    if name == "EXTENSION":
+        return main_extension()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Extensions built apart from EXTENSION, by the module that declares their SPEC: `--check` compiles
@@ -455,12 +469,13 @@ def cached_loader(spec: ExtensionSpec) -> Callable[[], ModuleType]:
     return functools.cache(lambda: load(spec))
 
 
-def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleType:
+def load(spec: ExtensionSpec | None = None, *, verbose: bool = False) -> ModuleType:
     """Return the built extension for ``spec``, building it on a cache miss.
 
     Raises BuildError on a compile error, on a miss when ``MKERNEL_NO_BUILD=1``, or when the
     generated headers (``python -m mkernel.codegen``) no longer match the Python declarations.
     """
+    spec = spec or main_extension()
     _check_generated(spec)
     key = cache_key(spec)
     with _LOCK:
@@ -487,7 +502,7 @@ def load(spec: ExtensionSpec = EXTENSION, *, verbose: bool = False) -> ModuleTyp
 def _check_generated(spec: ExtensionSpec) -> None:
     """The device code reads constants and op layouts from headers generated from the Python side:
     building against stale ones would launch kernels that disagree with their plans."""
-    if spec.name != EXTENSION.name:
+    if spec.name != main_extension().name:
         return
     from mkernel import codegen
 
@@ -542,8 +557,9 @@ def _check_one(nvcc: str, spec: ExtensionSpec, root: Path, path: Path, obj: Path
 
 
 def _iter_check(
-    paths: Sequence[str] | None, root: Path | None, spec: ExtensionSpec = EXTENSION
+    paths: Sequence[str] | None, root: Path | None, spec: ExtensionSpec | None = None
 ) -> Iterator[tuple[str, str | None]]:
+    spec = spec or main_extension()
     root = root if root is not None else _root(spec)
     nvcc = _require_nvcc()
     targets = _check_targets(spec, root, paths)
@@ -563,7 +579,7 @@ def compile_check(
     paths: Sequence[str] | None = None,
     *,
     root: str | Path | None = None,
-    spec: ExtensionSpec = EXTENSION,
+    spec: ExtensionSpec | None = None,
 ) -> list[str]:
     """Compile every source the build of ``spec`` compiles (.cu and .cpp) with the build's flags,
     and every header alone (``spec.headers`` plus primitives/ and templates/), for ``spec.arch``.
@@ -586,9 +602,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 2
     failed = checked = 0
     t0 = time.perf_counter()
-    runs: list[tuple[ExtensionSpec, Sequence[str] | None]] = [(EXTENSION, args.paths or None)]
+    runs: list[tuple[ExtensionSpec, Sequence[str] | None]] = [
+        (main_extension(), args.paths or None)
+    ]
     if args.paths:  # a separate extension's files with its flags (and the main build's, if both)
-        main = set(_source_files(EXTENSION))
+        main = set(_source_files(main_extension()))
         mine: list[str] = list(args.paths)
         for spec in _separate_specs():
             owned = set(_source_files(spec)) | _external_headers(spec)
@@ -596,7 +614,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             mine = [p for p in mine if p not in owned or p in main]
             if theirs:
                 runs.append((spec, theirs))
-        runs[0] = (EXTENSION, mine)
+        runs[0] = (main_extension(), mine)
     if not args.paths:  # their headers are among the main check's (primitives/, kernels/*.h)
         for spec in _separate_specs():
             runs.append((spec, _source_files(spec) + sorted(_external_headers(spec))))

@@ -51,7 +51,7 @@ def _spec(home: Path) -> jit.ExtensionSpec:
         name="_mkernel_nvshmem",
         sources=("kernels/nvshmem_test.cu", "kernels/nvshmem_binding.cpp", *_nodes_sources()),
         # the nodes kernels reach the template, the engines and every primitive
-        headers=jit.EXTENSION.headers,
+        headers=jit.MAIN_HEADERS,
         defines=(("MK_RDMA_NVSHMEM", "1"),),
         rdc=True,
         extra_cuda_flags=(f"-I{home / 'include'}",),

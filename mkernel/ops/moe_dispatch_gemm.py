@@ -58,7 +58,7 @@ from ..interp.program import PlanSignals
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import Plan, Schedule, build_plan
 from ..world import World
-from . import common, moe_gpu
+from . import common
 from .moe_common import (
     MoeDispatch,
     Routing,
@@ -325,8 +325,16 @@ def dispatch_gpu(
                 pass
         raise
     W, T, E, N, H = world.size, s["tokens"], s["experts"], s["inter"], s["hidden"]
-    if T == 0 and emulated:  # nothing routed anywhere: no launch
-        return moe_gpu.dispatch(x, ids, w1, H, world)
+    if T == 0 and emulated:  # nothing routed anywhere: no launch, every rank's rows empty
+        dev, e_local = x.device, w1.shape[1]
+        return MoeDispatch(
+            [torch.empty((0, N), dtype=torch.bfloat16, device=dev) for _ in range(W)],
+            [torch.empty((0, 3), dtype=torch.int32, device=dev) for _ in range(W)],
+            [torch.zeros(e_local + 1, dtype=torch.int32, device=dev) for _ in range(W)],
+            world,
+            ids.clone(),
+            H,
+        )
     captured = capturing(ids)
     if captured:  # no host read: the results hold the worst case's rows (MoeDispatch.captured)
         per_rank = [plan.sizes["max_rows"]] * W

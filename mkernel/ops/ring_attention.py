@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .. import attention_ext
 from ..cost import ring_block_lag
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
@@ -70,7 +71,7 @@ from ..schedule import (
     split_units,
 )
 from ..world import World
-from . import common, ring_attention_gpu
+from . import common
 
 Q_TILE = 16  # query rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_Q_TILE = 128  # the GPU engine's (primitives/attention/engine.cuh, BM): its only tile
@@ -528,7 +529,7 @@ def ring_attention(
         )
     common.check_faults(schedule, world)
     if solo_engine(world, schedule):
-        res = ring_attention_gpu.attention(*(solo(t, world) for t in (q, k, v)), causal, scale)
+        res = engine_attention(*(solo(t, world) for t in (q, k, v)), causal, scale)
         return tuple(t[None] for t in res) if world.emulated_world else res
     s["scale_bits"] = scale_bits(scale)
     plan = common.cached_plan(module, schedule, world, **s)
@@ -573,6 +574,14 @@ def _solo_world() -> World:
 @functools.cache
 def _solo_gpu_world(device: torch.device) -> World:
     return World.emulated(1, device=device)
+
+
+def engine_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention of one rank on the GPU (checked operands [B, S, H, D]): one engine call,
+    what a world of one runs (solo_engine)."""
+    return attention_ext.attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), causal, scale
+    )
 
 
 def solo_engine(world: World, schedule: Schedule) -> bool:
@@ -642,7 +651,7 @@ def attention(
             return out[0], lse[0]
         s = shapes(lift(q), lift(k), lift(v), world, causal)
         scale = check_scale(scale, s["head_dim"])
-        return ring_attention_gpu.attention(q, k, v, causal, scale)
+        return engine_attention(q, k, v, causal, scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise ValueError(

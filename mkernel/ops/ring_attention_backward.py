@@ -3,7 +3,7 @@ Function that makes ``ring_attention`` differentiable. The same plan runs in the
 and, in emulated GPU worlds, as one launch of the fused kernel (kernels/ring_attention_backward.cu:
 the backward engine, primitives/attention/bwd_engine.cuh, on the persistent template), in
 distributed GPU worlds too (one process per GPU, the ring through symmetric memory). The unfused
-ring of ring_attention_dist.py stays as the two-GPU benchmark's baseline.
+ring (mkernel/bench/baselines/ring_dist.py) is the two-GPU benchmark's baseline.
 
 Unfused meaning, per rank r of W (shapes as the forward; dout, out bf16 like q, lse fp32)::
 
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import attention_ext
 from ..cost import item_rows, row_task_rows, spare_copy_rows
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
@@ -657,8 +658,6 @@ def run(
         )
     common.check_faults(schedule, world)
     if fwd.solo_engine(world, schedule):  # one rank: the backward engine (three launches)
-        from .. import attention_ext  # NOTE: on first use (attention_ext imports the registry)
-
         ops = (fwd.solo(t, world) for t in (dout, q, k, v, out, lse))
         dl = None if dlse is None else fwd.solo(dlse, world)
         grads = attention_ext.attention_backward(*ops, causal, scale, dlse=dl)
