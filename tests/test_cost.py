@@ -5,7 +5,9 @@ and its predictions move the obvious ways with bytes, rates and shapes."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 import mkernel
 from mkernel import cost
 from mkernel.bench.tp import INTER, H
+from mkernel.ops import registry
 from mkernel.schedule import resolve
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -153,6 +156,77 @@ def test_an_op_without_a_model_keeps_the_fixed_defaults():
     assert c.chosen == cost.Candidate("intra_sm", None, "stores") and c.predicted == ()
     c = cost.choose("toy", {}, 3, 8, overlap="inter_sm")
     assert c.chosen == cost.Candidate("inter_sm", 1, "stores")
+
+
+# -- the declared models: cost.py knows no op, each op module registers its own -------------------
+
+
+def test_cost_py_names_no_op():
+    """Every op's model lives in its module (mkernel/ops/<op>.py; ring attention's helpers in
+    mkernel/ops/ring_cost.py): cost.py holds the formula and the registry only."""
+    src = inspect.getsource(cost)
+    for op in set(registry.names()) | set(cost.registered()):
+        assert op not in src, op
+    assert not re.search(r"\bring", src), "ring attention's costs belong in ops/ring_cost.py"
+
+
+def test_every_op_with_a_model_registers_it_at_import():
+    """``import mkernel`` registers them; the other public ops keep the fixed defaults."""
+    with_model = ["ag_gemm", "all_gather", "gemm_ar", "gemm_rs", "ring_attention"]
+    assert cost.registered() == with_model
+    assert set(with_model) <= set(registry.names()) & set(mkernel.__all__)
+    assert cost.lookup("ring_attention").rule is not None  # by rule: no model yet
+    for op in set(registry.names()) - set(with_model):
+        assert cost.choose(op, {}, 2, 132).note == "no cost model: fixed defaults", op
+
+
+def _one_push(s: dict[str, int], W: int, bm: int, bn: int, rates: cost.Rates) -> cost.Work:
+    """A toy op: one comm task of ``bytes``, all over the link, feeding an empty GEMM tile."""
+    b = float(s["bytes"])
+    return cost.Work(1, 0.0, 0.0, 1, b, b, True, b, 0.0)
+
+
+def test_a_registered_model_is_what_choose_weighs():
+    """A toy OpCost: its transfers are the candidates, its mechanism the rate, its rule the pick;
+    once unregistered it has the fixed defaults again."""
+    shapes, ms = {"bytes": 10**9}, lambda link: 1e9 / link.per_cta / 1e6  # one task, one CTA
+    cost.register("toy", cost.OpCost(work=_one_push, transfers=("stores", "tma"), tiled=False))
+    try:
+        c = cost.choose("toy", shapes, 2, 132)
+        assert {cand.transfer for cand, _ in c.predicted} == {"stores", "tma"}
+        assert c.chosen == cost.Candidate("inter_sm", 8, "stores")  # the fewest comm SMs win ties
+        assert c.predicted_ms == pytest.approx(ms(cost.RATES.stores))
+        tma = dict(c.predicted)[cost.Candidate("inter_sm", 8, "tma")]
+        assert tma == pytest.approx(ms(cost.RATES.tma))
+        with pytest.raises(ValueError, match="already has a cost model"):
+            cost.register("toy", cost.OpCost(work=_one_push))
+    finally:
+        cost.unregister("toy")
+    cost.register("toy", cost.OpCost(work=_one_push, mechanism="loop", tiled=False))
+    try:  # a mechanism of its own: the transfer no longer matters
+        c = cost.choose("toy", shapes, 2, 132, overlap="inter_sm", transfer="tma")
+        assert c.predicted_ms == pytest.approx(ms(cost.RATES.loop))
+    finally:
+        cost.unregister("toy")
+    pick = cost.Candidate("inter_sm", 3, "stores")
+    cost.register("toy", cost.OpCost(rule=lambda sms, overlap, comm_sms: pick, note="by rule"))
+    try:
+        c = cost.choose("toy", {}, 2, 132)
+        assert (c.chosen, c.predicted, c.note) == (pick, (), "by rule")
+    finally:
+        cost.unregister("toy")
+    assert cost.choose("toy", {}, 2, 132).note == "no cost model: fixed defaults"
+    with pytest.raises(ValueError, match="no cost model"):
+        cost.predict("toy", shapes, 2, 132, cost.Candidate("intra_sm", None, "stores"))
+
+
+def test_an_op_cost_declares_a_model_or_a_rule():
+    with pytest.raises(ValueError, match="exactly one"):
+        cost.OpCost()
+    with pytest.raises(ValueError, match="exactly one"):
+        cost.OpCost(work=_one_push, rule=lambda sms, overlap, comm_sms: None)
+    with pytest.raises(ValueError, match="not a Link"):
+        cost.OpCost(work=_one_push, mechanism="local_gbps")
 
 
 def test_resolve_keeps_every_other_field():

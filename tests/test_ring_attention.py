@@ -430,14 +430,14 @@ def test_chain_order_from_step_major_to_chains():
 def test_gpu_plans_estimate_when_the_next_block_lands():
     """The cost model's lag grows with the block and shrinks with the pieces carrying it (up to
     the link's ceiling); an emulated world's copies stay in one GPU's memory."""
-    from mkernel.cost import RATES, ring_block_lag
+    from mkernel.ops.ring_cost import RING_RATES, ring_block_lag
 
     def lag(nbytes: int, parts: int, emulated: bool = False) -> float:
         return ring_block_lag(nbytes, parts, 128, 128, emulated)
 
     assert lag(2 << 26, 16) == pytest.approx(2 * lag(1 << 26, 16))
     assert lag(1 << 26, 16) == pytest.approx(2 * lag(1 << 26, 32))
-    capped = int(RATES.tma.ceiling / RATES.ring_part_gbps) + 1
+    capped = int(RING_RATES.tma.ceiling / RING_RATES.ring_part_gbps) + 1
     assert lag(1 << 26, capped) == pytest.approx(lag(1 << 26, 4 * capped))
     assert lag(1 << 26, 1000, emulated=True) < lag(1 << 26, 1000)
 

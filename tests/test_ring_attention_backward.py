@@ -18,7 +18,7 @@ import torch
 import mkernel
 from mkernel.errors import RaceError, TileWriteError
 from mkernel.interp import program, twins
-from mkernel.ops import common
+from mkernel.ops import common, ring_cost
 from mkernel.ops import ring_attention as ra
 from mkernel.ops import ring_attention_backward as rb
 from mkernel.ops.ring_attention import attention, ring_attention
@@ -651,10 +651,10 @@ def test_grad_parts_are_capped_and_the_gradients_stay_right(monkeypatch):
 @pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag")])
 def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
     """intra_sm: comm unit u runs on compute unit u's SM, so the LPT starts that unit with the cost
-    of the copies it hosts (cost.spare_copy_rows of their bytes read + written). Recomputed here:
-    each unit's K/V tile costs (q rows walked + cost.item_rows) and tail parts' (tail_costs) plus
-    its hosted copies end within one task's cost of each other, where the copies alone outweigh a
-    task (grad sends in 3 parts, so 3 of the 8 units host them)."""
+    of the copies it hosts (ring_cost.spare_copy_rows of their bytes read + written). Recomputed
+    here: each unit's K/V tile costs (q rows walked + ring_cost.item_rows) and tail parts'
+    (tail_costs) plus its hosted copies end within one task's cost of each other, where the copies
+    alone outweigh a task (grad sends in 3 parts, so 3 of the 8 units host them)."""
     monkeypatch.setattr(rb, "GRAD_PARTS", 3)
     W, S, Hkv, D = 2, 2048, 8, 128  # a grad part: 256 rows x 8 heads of fp32 dK | dV
     world = mkernel.World.emulated(W)
@@ -665,12 +665,12 @@ def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
         **shapes,
     )  # fmt: skip
     units, tk = plan.compute_units, plan.extra["kv_tile"]
-    item = mkernel.cost.item_rows(tk, D)
+    item = ring_cost.item_rows(tk, D)
     for r in range(W):
         hosted = [0.0] * units
         for i, t in enumerate(plan.roles["comm"].tasks[r]):
             per_row = 24 * Hkv * D if t.args[1] == rb.GRAD else 8 * Hkv * D
-            hosted[i % units] += mkernel.cost.spare_copy_rows(per_row * t.args[3], tk, D)
+            hosted[i % units] += ring_cost.spare_copy_rows(per_row * t.args[3], tk, D)
         work, biggest = [0.0] * units, 0.0
         tails = rb.tail_costs(plan.tiles, 1, D, tk)  # home, dq, finish parts (row tasks)
         for u in range(units):

@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention
-from ..cost import RING_OVERLAP
+from ..ops.ring_cost import RING_OVERLAP
 from ..schedule import Schedule
 from .attention import _bhsd, _event_ms
 from .plot import draw_run

@@ -31,9 +31,9 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from .. import World, attention_ext, ring_attention, ring_attention_backward
-from ..cost import RING_OVERLAP
 from ..ops import ring_attention as ra
 from ..ops import ring_attention_backward as rb
+from ..ops.ring_cost import RING_OVERLAP
 from ..schedule import Schedule
 from .attention import _event_ms
 from .attention_bwd import _sdpa_backward

@@ -42,6 +42,7 @@ import sys
 
 import torch
 
+from .. import cost
 from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -252,6 +253,34 @@ def ag_gemm(
     """
     out_shape = lambda s, W: (s["m"], s["n"])  # per rank
     return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
+
+
+# -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
+
+
+def _cost_work(s: dict[str, int], W: int, bm: int, bn: int, rates: cost.Rates) -> cost.Work:
+    """One rank's call: the comm role pushes its shard in chunks of ``chunk_rows`` (default: the
+    tile's height), one task per (chunk, destination), (W - 1) / W of them over a link (one in W
+    is the rank's own copy); the GEMM's tiles read them as they land. W = 1 reads ``a`` directly."""
+    m, n, k = s["m"], s["n"], s["k"]
+    ms = m // W
+    cr = min(s.get("chunk_rows") or bm, ms)
+    chunk = cr * k * 2.0
+    return cost.Work(
+        tiles=-(-m // bm) * -(-n // bn),
+        flops=2.0 * m * n * k,
+        epilogue_bytes=0.0,
+        comm_tasks=W * -(-ms // cr) if W > 1 else 0,
+        task_bytes=chunk,
+        task_remote=chunk * (W - 1) / W,
+        comm_produces=True,
+        link_bytes=(W - 1) * ms * k * 2.0,
+        after_ms=0.0,
+    )
+
+
+# Pushes by 16-byte stores or TMA bulk copies (the transfer knob).
+cost.register(SPEC.name, cost.OpCost(work=_cost_work, transfers=("stores", "tma")))
 
 
 # -- CPU interpreter: data-movement twins of kernels/ag_gemm.cu ----------------------------------

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from .. import cost
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
@@ -115,6 +116,32 @@ def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
     result = plan.extra["_workspace"]["result"]  # (the launch cached the plan's workspace)
     if result is not None:
         out.copy_(result.local)
+
+
+# -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
+
+
+def _cost_work(s: dict[str, int], W: int, bm: int, bn: int, rates: cost.Rates) -> cost.Work:
+    """One rank's call: no GEMM; the comm role pushes its rows in chunks of ``chunk_rows`` (default
+    64), one task per (chunk, destination), (W - 1) / W of them over a link (one in W is the rank's
+    own copy, made at W = 1 too)."""
+    rows, cols = s["rows"], s["cols"]
+    cr = min(s.get("chunk_rows") or 64, rows)
+    chunk = cr * cols * 2.0
+    return cost.Work(
+        tiles=0,
+        flops=0.0,
+        epilogue_bytes=0.0,
+        comm_tasks=W * -(-rows // cr),
+        task_bytes=chunk,
+        task_remote=chunk * (W - 1) / W,
+        comm_produces=True,
+        link_bytes=(W - 1) * rows * cols * 2.0,
+        after_ms=0.0,
+    )
+
+
+cost.register(SPEC.name, cost.OpCost(work=_cost_work, tiled=False))  # no tiles: bm, bn unused
 
 
 # -- CPU interpreter: the data-movement twin of kernels/all_gather.cu -----------------------------

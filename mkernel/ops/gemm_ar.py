@@ -50,6 +50,7 @@ import sys
 
 import torch
 
+from .. import cost
 from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -251,6 +252,34 @@ def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
     result = plan.extra["_workspace"].get("result")  # (the launch cached the plan's workspace)
     if result is not None:
         out.copy_(result.local)
+
+
+# -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
+
+
+def _cost_work(s: dict[str, int], W: int, bm: int, bn: int, rates: cost.Rates) -> cost.Work:
+    """One rank's call: every tile, its epilogue reduce-adding the fp32 tile into the owner's
+    ``acc``; the comm role finalizes the owned tiles (1 in W): loads 4 bytes an element, stores 4
+    (zeros) and 2 (bf16 out), and 2 into each peer's result. After the kernel (W > 1) the result
+    is copied into ``out``."""
+    m, n, k = s["m"], s["n"], s["k"]
+    tile = bm * bn
+    tiles = -(-m // bm) * -(-n // bn)
+    remote = (W - 1) * tile * 2.0  # bf16 into each peer's result
+    return cost.Work(
+        tiles=tiles,
+        flops=2.0 * m * n * (k // W),
+        epilogue_bytes=tile * 4.0 if W > 1 else 0.0,
+        comm_tasks=-(-tiles // W) if W > 1 else 0,
+        task_bytes=tile * 10.0 + remote,  # load fp32, store zeros, store bf16
+        task_remote=remote,
+        comm_produces=False,
+        link_bytes=(W - 1) / W * m * n * 6.0,
+        after_ms=0.0 if W == 1 else m * n * 4.0 / rates.local_gbps / 1e6,
+    )
+
+
+cost.register(SPEC.name, cost.OpCost(work=_cost_work, mechanism="loop"))  # the finalize loop
 
 
 # -- CPU interpreter: data-movement twins of kernels/gemm_ar.cu ----------------------------------

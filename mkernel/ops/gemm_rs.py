@@ -50,6 +50,7 @@ import sys
 
 import torch
 
+from .. import cost
 from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -290,6 +291,31 @@ def gemm_rs(
     """
     out_shape = lambda s, W: (s["m"] // W, s["n"])  # per rank
     return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
+
+
+# -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
+
+
+def _cost_work(s: dict[str, int], W: int, bm: int, bn: int, rates: cost.Rates) -> cost.Work:
+    """One rank's call: every tile of the [M, N] sum; the epilogue of a peer's tile (W - 1 in W)
+    stores its fp32 partial (4 bytes an element) into the owner's ``stage``, which the owner adds
+    in its own tile's epilogue. No comm role, no pass after."""
+    m, n, k = s["m"], s["n"], s["k"]
+    tiles = W * -(-(m // W) // bm) * -(-n // bn)
+    return cost.Work(
+        tiles=tiles,
+        flops=2.0 * m * n * (k // W),
+        epilogue_bytes=bm * bn * 4.0 * (W - 1) / W,  # the average tile's remote store
+        comm_tasks=0,
+        task_bytes=0.0,
+        task_remote=0.0,
+        comm_produces=False,
+        link_bytes=(W - 1) / W * m * n * 4.0,
+        after_ms=0.0,
+    )
+
+
+cost.register(SPEC.name, cost.OpCost(work=_cost_work, mechanism="loop"))
 
 
 # -- CPU interpreter: data-movement twins of kernels/gemm_rs.cu ----------------------------------

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from .. import attention_ext
-from ..cost import ring_block_lag
+from ..cost import OpCost, register
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -72,6 +72,7 @@ from ..schedule import (
 )
 from ..world import World
 from . import common
+from .ring_cost import overlap_rule, ring_block_lag
 
 Q_TILE = 16  # query rows per compute task in the interpreter (Schedule.chunk_rows)
 ENGINE_Q_TILE = 128  # the GPU engine's (primitives/attention/engine.cuh, BM): its only tile
@@ -135,6 +136,8 @@ SPEC = OpSpec(
     scalars=("batch", "seq", "heads", "kv_heads", "head_dim", "causal", "zigzag", "scale_bits"),
     constants=(("tag_key", TAG_KEY),),
 )
+# Its Schedule's overlap by rule, no cost model yet (mkernel/ops/ring_cost.py says why).
+register(SPEC.name, OpCost(rule=overlap_rule, note="rule"))
 
 
 # -- positions and tiles --------------------------------------------------------------------------
@@ -277,7 +280,7 @@ def block_lag(
     world: World, block_bytes: int, parts: int, q_rows: int, head_dim: int, seq: int
 ) -> float:
     """``chain_order``'s lag for this world: on a GPU the cost model's estimate
-    (cost.ring_block_lag); in the CPU interpreter one and a half steps of a q tile (``seq`` key
+    (ring_cost.ring_block_lag); in the CPU interpreter one and a half steps of a q tile (``seq`` key
     rows a step), so its runs see tiles both chained and left for later."""
     if not world.on_gpu:
         return 1.5 * seq

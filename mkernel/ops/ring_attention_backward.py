@@ -48,7 +48,6 @@ from typing import Any
 import torch
 
 from .. import attention_ext
-from ..cost import item_rows, row_task_rows, spare_copy_rows
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import (
@@ -64,6 +63,7 @@ from ..schedule import (
 from ..world import World
 from . import common
 from . import ring_attention as fwd
+from .ring_cost import item_rows, row_task_rows, spare_copy_rows
 
 # comm args[1] beyond a K/V send's part: a grad send on (to the next holder); the kinds of the
 # compute role's row tasks (their tile's key, AUX set): the finish, the prep, the dq store, home
@@ -435,7 +435,7 @@ def make_plan(
         load, lists = [0.0] * units, [[] for _ in range(units)]
         if schedule.overlap == "intra_sm":  # comm unit u runs on compute unit u's SM
             # NOTE: its copies slow that unit's tiles (a unit hosting a grad part ended its tiles
-            # ~340 us late, emulated W = 2; cost.Rates.spare_copy_gbps): start it with their cost.
+            # ~340 us late, emulated W = 2; RingRates.spare_copy_gbps): start it with their cost.
             # Traffic in bytes read + written a row: a K/V piece's (K and V, bf16), a grad part's
             # (dK | dV fp32: read, reduce-added into the peer, zeroed); comm task k runs on unit
             # k % comm_units (the template's rule).
