@@ -8,7 +8,7 @@ import time
 import torch
 
 import mkernel
-from mkernel.ops import gpu
+from mkernel.runtime import gpu
 
 N = 2000
 

@@ -10,7 +10,6 @@ engines), their unfused references
 (``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
-from . import reference
 from .errors import (
     CommTimeout,
     DeadlockError,
@@ -31,6 +30,9 @@ from .ops.ring_attention import attention, ring_attention
 from .ops.ring_attention_backward import ring_attention_backward
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
 from .world import World
+
+# isort: split
+from . import reference  # after the ops: it collects their references from the registry
 
 __all__ = [
     "World",

@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import jit
-from .ops.gpu import stream_handle
+from .runtime.gpu import stream_handle
 
 __all__ = [
     "SPEC",

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .schedule import TILE_CONFIGS, pick_tile
+from .tiles import TILE_CONFIGS, pick_tile
 
 FIELDS = ("overlap", "comm_sms", "transfer")  # the Schedule fields the model picks when unset
 

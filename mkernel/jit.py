@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from mkernel import codegen
 from mkernel._paths import source_root
+from mkernel.runtime import registry
 
 __all__ = [
     "main_extension",
@@ -81,9 +83,7 @@ class ExtensionSpec:
 
 
 def _fused_op_sources() -> tuple[str, ...]:
-    """kernels/<op>.cu of every fused op (mkernel/ops/registry.py: the modules with a SPEC)."""
-    from mkernel.ops import registry
-
+    """kernels/<op>.cu of every fused op (mkernel/runtime/registry.py: the registered ops)."""
     return tuple(f"kernels/{name}.cu" for name in registry.kernel_names())
 
 
@@ -100,7 +100,8 @@ MAIN_HEADERS = (
 @functools.cache
 def main_extension() -> ExtensionSpec:
     """The package's extension (``EXTENSION``). Built on first use, not at import: its sources
-    come from the op registry, which imports the ops, some of which import this module."""
+    come from the op registry, complete once the ops are imported (importing mkernel imports
+    them), which happens after this module is imported."""
     return ExtensionSpec(
         name="_mkernel_ext",
         # NOTE: listed, not globbed: a fused op's kernel joins the extension when its Python
@@ -504,8 +505,6 @@ def _check_generated(spec: ExtensionSpec) -> None:
     building against stale ones would launch kernels that disagree with their plans."""
     if spec.name != main_extension().name:
         return
-    from mkernel import codegen
-
     stale = codegen.stale(_root(spec))
     if stale:
         raise BuildError(

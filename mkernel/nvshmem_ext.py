@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from . import jit
+from .runtime import registry
 
 __all__ = ["ABSENT", "SPEC", "load", "nvshmem_home"]
 
@@ -39,8 +40,6 @@ def nvshmem_home() -> Path | None:
 
 def _nodes_sources() -> tuple[str, ...]:
     """kernels/<op>_nodes.cu of every op with a plan over several nodes (MK_NODES_OPS)."""
-    from .ops import registry
-
     return tuple(f"kernels/{name}.cu" for name in registry.nodes_kernel_names())
 
 

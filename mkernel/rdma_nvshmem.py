@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from .errors import CommTimeout
-from .ops.gpu import StatusBlock
 from .protocol import STATUS_FIELDS
 from .rdma import _check_buffer
+from .runtime.gpu import StatusBlock
+from .runtime.memory import SymBuffer
 
 __all__ = [
     "SYM_TAG",
@@ -319,9 +320,7 @@ class _Barrier:
 
 def world_buffer(world: Any, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
     """A zeroed symmetric buffer of a distributed world of several nodes, from NVSHMEM's heap
-    (collective), as a SymBuffer (mkernel/world.py)."""
-    from .world import SymBuffer
-
+    (collective), as a SymBuffer (mkernel/runtime/memory.py)."""
     nv = world_transport(world)
     _WORLDS.add(world)
     nbytes = math.prod(shape) * dtype.itemsize

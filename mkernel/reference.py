@@ -4,8 +4,8 @@ distributed: local tensors, gathered with torch.distributed). fp32 math, bf16 re
 
 from __future__ import annotations
 
-from .ops import registry
 from .ops.grouped_gemm import reference as grouped_gemm  # a local op: no protocol, no SPEC
+from .runtime import registry
 
 __all__ = [*registry.names(), "grouped_gemm"]
 globals().update({name: registry.get(name).reference for name in registry.names()})

@@ -16,11 +16,11 @@ import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from . import cost
 from .protocol import (
     OVERLAPS,
     TILE_CONFIG_IDS,  # noqa: F401 (re-exported: names -> device config ids)
@@ -32,40 +32,20 @@ from .protocol import (
     empty_tables,
     encode,
 )
+from .runtime import registry
+from .tiles import (  # noqa: F401 (re-exported: mkernel.schedule's tile names)
+    _TILE_RATE,
+    TILE_CONFIGS,
+    Tile,
+    TileConfig,
+    grid_tiles,
+    grouped_order,
+    pick_grouped_tile,
+    pick_tile,
+)
+from .world import check_world
 
 TRANSFERS = ("auto", "stores", "tma")
-
-
-class TileConfig(NamedTuple):
-    """A named compile-time tile shape of the GEMM engine."""
-
-    name: str
-    bm: int
-    bn: int
-    bk: int
-
-
-TILE_CONFIGS = {
-    "128x256x64": TileConfig("128x256x64", 128, 256, 64),
-    "128x128x64": TileConfig("128x128x64", 128, 128, 64),
-    "64x128x64": TileConfig("64x128x64", 64, 128, 64),
-}
-# Relative throughput per SM of each config at full occupancy (128x256 reads the least shared
-# memory per FLOP). NOTE: estimates, not fitted; see docs/gemm_engine.md. Exact fractions, so that
-# equal predicted times tie exactly and pick_tile's tie rule holds.
-_TILE_RATE = {"128x256x64": Fraction(1), "128x128x64": Fraction(9, 10), "64x128x64": Fraction(3, 4)}
-
-
-class Tile(NamedTuple):
-    """One output tile: origin (m0, n0), valid extent (rows, cols), and an op-specific tag (the
-    owner rank for gemm_rs / gemm_ar, the A row chunk for ag_gemm)."""
-
-    index: int
-    m0: int
-    n0: int
-    rows: int
-    cols: int
-    tag: int
 
 
 # The longest injected delay: a minute, past any deadline a test sets (the device sleeps
@@ -212,8 +192,6 @@ class Schedule:
         (``plan.extra["choice"]``, mkernel/cost.py)."""
         import inspect
 
-        from .ops import common, registry
-
         module = registry.get(op)
         names = sorted(set(inspect.signature(module.make_plan).parameters) - {"schedule", "world"})
         want = ", ".join(f"{n}=" for n in names)
@@ -223,12 +201,12 @@ class Schedule:
             shapes = module.shapes(*operands, world)
         if sorted(shapes) != names:
             raise TypeError(f"Schedule.plan needs the operands or {want} (got {sorted(shapes)})")
-        common.check_world(world)
+        check_world(world)
         if not operands:  # sizes by name: the checks an op's operands would have had
             check_sizes(op, shapes)
             if hasattr(module, "check_sizes"):  # what the op adds (divisibility, ranges)
                 module.check_sizes(world, **shapes)
-        return common.cached_plan(module, self, world, **shapes)
+        return cached_plan(module, self, world, **shapes)
 
 
 # Sizes by name (Schedule.plan): each is an extent or count >= 1 (m, n, k, rows, cols, experts,
@@ -355,78 +333,6 @@ class Plan:
 # -- helpers the ops use to build plans ----------------------------------------------------------
 
 
-def pick_tile(m: int, n: int, k: int, sms: int = 132) -> TileConfig:
-    """The config with the least predicted time for an m x n x k GEMM on ``sms`` SMs: persistent
-    CTAs run ceil(tiles / sms) waves, each as long as one tile, and a BM x BN tile takes
-    BM * BN / rate, where the rate (_TILE_RATE) is the config's relative efficiency per SM. Ties go
-    to the first config of TILE_CONFIGS (the lowest device id). The one heuristic of the package:
-    the fused ops' plans and the plain GEMM op (mkernel/bench/gemm.py) both call it."""
-    return pick_grouped_tile(m, n, k, 1, sms)
-
-
-def pick_grouped_tile(m: int, n: int, k: int, groups: int, sms: int = 132) -> TileConfig:
-    """pick_tile's rule for a grouped GEMM of ``groups`` groups over m rows in all (their sizes
-    live on the device, so each is taken as the mean m / groups): a group's last m-tile is partial,
-    which favours shorter tiles when groups are small (MoE decode). One group: pick_tile."""
-    del k
-    rows = max(1, -(-m // max(1, groups)))
-
-    def cost(c: TileConfig) -> Fraction:
-        tiles = groups * -(-rows // c.bm) * -(-n // c.bn)
-        return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]
-
-    return min(TILE_CONFIGS.values(), key=cost)  # min keeps the first of equal costs
-
-
-def grouped_order(
-    tiles_m: int,
-    tiles_n: int,
-    cfg: TileConfig,
-    sms: int,
-    *,
-    cluster: int = 1,
-    group: int | None = None,
-) -> list[int]:
-    """Unit ids of a tiles_m x tiles_n tile grid in L2-friendly order.
-
-    A unit is ``cluster`` vertically adjacent tiles (one tile when cluster = 1): unit id
-    ``um * tiles_n + tn`` over ceil(tiles_m / cluster) unit-rows, and unit um covers tile rows
-    um * cluster ... um * cluster + cluster - 1 (those below the grid are empty). Units go down a
-    group of g unit-rows, then to the next column, so the ~sms tiles in flight cover a near-square
-    block of C and share A rows and B columns in L2; columns snake (alternate direction per group)
-    so that consecutive groups start on B columns still in L2. g ~ sqrt(slots * BN / (BM *
-    cluster)) with slots = sms // cluster, or ``group`` when given (the dev harness's experiments).
-
-    The plain GEMM op takes this order as its ``tile_order`` (kernels/gemm_args.h); the fused ops'
-    plans use it with cluster = 1."""
-    if not isinstance(cluster, int) or cluster < 1:
-        raise ValueError(f"cluster must be a positive int, got {cluster!r}")
-    if group is not None and (not isinstance(group, int) or group < 1):
-        raise ValueError(f"group must be a positive int or None, got {group!r}")
-    units_m = -(-tiles_m // cluster)
-    if group is None:
-        unit_bm, slots = cfg.bm * cluster, max(1, sms // cluster)
-        group = 1
-        while (group + 1) * (group + 1) * unit_bm <= slots * cfg.bn:
-            group += 1
-    order = []
-    for grp, m_base in enumerate(range(0, units_m, group)):
-        rows = min(group, units_m - m_base)
-        cols = range(tiles_n - 1, -1, -1) if grp % 2 else range(tiles_n)
-        order += [(m_base + i) * tiles_n + j for j in cols for i in range(rows)]
-    return order
-
-
-def grid_tiles(m0: int, rows: int, n: int, cfg: TileConfig, tag: int, start: int) -> list[Tile]:
-    """Tiles covering rows [m0, m0 + rows) x all n columns, row-major, clipped at the edges."""
-    out = []
-    for i in range(0, rows, cfg.bm):
-        for j in range(0, n, cfg.bn):
-            r, c = min(cfg.bm, rows - i), min(cfg.bn, n - j)
-            out.append(Tile(start + len(out), m0 + i, j, r, c, tag))
-    return out
-
-
 def _shown(got: Any, most: int = 8) -> str:
     """A short repr of what a hook returned: a sequence's first ``most`` entries."""
     if isinstance(got, (list, tuple)):
@@ -492,8 +398,6 @@ def resolve(
     model's (mkernel/cost.py), the ones set are kept. An op without a model gets the fixed
     defaults of before (intra_sm, S // 8 comm SMs, stores)."""
     import dataclasses
-
-    from . import cost
 
     if schedule.chunk_rows is not None:
         shapes = {**shapes, "chunk_rows": schedule.chunk_rows}
@@ -606,3 +510,37 @@ def build_plan(
         nodes=nodes,
         extra=extra,
     )
+
+
+def cached_plan(op_module: Any, schedule: Schedule, world: Any, **shapes: int) -> Plan:
+    """The op's plan for these shapes, built once per (schedule settings, shapes) and kept on the
+    world: its device tables are copied once, so calls (and CUDA-graph captures) copy nothing."""
+    hook = schedule.tile_order
+    key = (
+        op_module.__name__,
+        schedule.overlap,
+        schedule.sms,
+        schedule.comm_sms,
+        schedule.tile,
+        id(hook) if hook is not None else None,
+        schedule.chunk_rows,
+        schedule.faults,
+        schedule.backoff_ns,
+        schedule.trace,
+        schedule.transfer,
+        tuple(sorted(shapes.items())),
+    )
+    plans = world._plans
+    plan = plans.get(key)
+    if plan is None:
+        # The fields left None are the cost model's (mkernel/cost.py), picked once per key.
+        schedule, choice = resolve(schedule, op_module.SPEC.name, world, shapes)
+        plan = op_module.make_plan(schedule, world, **shapes)
+        plan.extra["choice"] = choice
+        if hook is not None:
+            plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
+        plan.extra["backoff_ns"] = schedule.backoff_ns
+        plan.extra["trace"] = schedule.trace
+        plan.extra["transfer"] = schedule.transfer
+        plans[key] = plan
+    return plan

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from .protocol import MAX_LOCAL_RANKS
+from .runtime.gpu import raise_timeout
+from .runtime.memory import SymBuffer
 
 # NOTE: NVLink multicast / NVLS can take shared GPUs out of service on our machines; every path that
 # may touch NCCL or symmetric memory keeps it off.
@@ -75,20 +77,6 @@ def _check_nodes(ranks: int, nodes: Any) -> int:
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or ranks % nodes:
         raise ValueError(f"nodes must be a positive int dividing ranks={ranks}, got {nodes!r}")
     return nodes
-
-
-@dataclass
-class SymBuffer:
-    """A symmetric buffer: the same shape on every rank, each rank able to address every peer's.
-
-    ``local`` is this process's view: in an emulated world the [W, ...] tensor of all ranks; in a
-    distributed world the local rank's tensor. ``peer_ptrs`` (int64, on the world's device) holds
-    the address of every rank's buffer, for device code (``SymPtr::map(rank)``).
-    """
-
-    local: torch.Tensor
-    peer_ptrs: torch.Tensor | None
-    handle: Any = None
 
 
 @dataclass(eq=False)
@@ -172,8 +160,6 @@ class World:
     def check(self) -> None:
         """Waits for this world's launches and raises CommTimeout if a wait timed out."""
         if self.on_gpu:
-            from .ops.gpu import raise_timeout
-
             torch.cuda.current_stream(self.device).synchronize()
             raise_timeout(self)
 
@@ -273,3 +259,9 @@ class World:
         torch.cuda.synchronize()
         handle.barrier()
         return SymBuffer(local=t, peer_ptrs=ptrs, handle=handle)
+
+
+def check_world(world: Any) -> World:
+    if not isinstance(world, World):
+        raise TypeError(f"world must be an mkernel.World, got {type(world).__name__}")
+    return world

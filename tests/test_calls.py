@@ -74,7 +74,7 @@ def test_a_call_on_a_world_of_another_gpu_launches_with_that_gpu_current(monkeyp
 
     import torch
 
-    from mkernel.ops import gpu
+    from mkernel.runtime import gpu
 
     current = [0]
     seen: list[tuple[str, int]] = []

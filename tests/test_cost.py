@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import mkernel
 from mkernel import cost
 from mkernel.bench.tp import INTER, H
-from mkernel.ops import registry
+from mkernel.runtime import registry
 from mkernel.schedule import resolve
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

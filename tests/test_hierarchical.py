@@ -368,7 +368,7 @@ def test_a_distributed_world_over_nodes_without_nvshmem_says_so(monkeypatch):
 def test_every_raise_across_nodes_is_a_set(module):
     """A cross-node raise becomes a put whose signal the proxy's stream sets (kPutSetDevice): the
     launch refuses a plan with an add across nodes; the three plans have none."""
-    from mkernel.ops.gpu import check_cross_node_raises
+    from mkernel.runtime.gpu import check_cross_node_raises
 
     for W, N in ((2, 2), (4, 2), (8, 2), (8, 4)):
         world = mkernel.World.emulated(W, nodes=N)

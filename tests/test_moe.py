@@ -494,7 +494,7 @@ def test_distributed_cpu_worlds_are_refused_before_anything_runs():
         dispatch(None, None, None, dist)
     with pytest.raises(NotImplementedError, match="moe_gemm_combine on the CPU runs"):
         combine(None, None, None, None, dist)
-    from mkernel.ops import registry
+    from mkernel.runtime import registry
 
     # the dispatch has its fused kernel (kernels/moe_dispatch_gemm.cu) in the build
     assert mdg.SPEC.device and "moe_dispatch_gemm" in registry.device_names()
@@ -653,8 +653,8 @@ def test_combine_reduces_are_claimed_by_several_agents_in_any_order():
 
 def test_a_bad_id_found_on_the_device_is_named_from_the_status_record():
     # the kernel's layout records (rank, token, slot, id) in the status block; the host names them
-    from mkernel.ops.gpu import bad_input
     from mkernel.protocol import STATUS_ERRORS, STATUS_FIELDS
+    from mkernel.runtime.gpu import bad_input
 
     plan = mdg.make_plan(mkernel.Schedule(), mkernel.World.emulated(2), 8, H, INTER, 3, 2)
     v = dict.fromkeys(STATUS_FIELDS, 0)

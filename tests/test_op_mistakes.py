@@ -24,8 +24,9 @@ import pytest
 
 import mkernel
 from mkernel.interp import program, twins
-from mkernel.ops import common, registry
+from mkernel.ops import common
 from mkernel.protocol import RoleTables
+from mkernel.runtime import registry
 from tests.helpers import assert_close_exact, assert_pads_zero, gemm_inputs, poisoned
 from tests.test_laws import ag_gemm_formula, assert_gemm_rs, gemm_ar_formula
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import mkernel
-from mkernel.ops import registry
 from mkernel.protocol import RAISE_OPS, signal_name
+from mkernel.runtime import registry
 from tests.helpers import assert_pads_zero, gemm_inputs, random_order
 
 OPS = ("gemm_rs", "ag_gemm", "gemm_ar")

@@ -138,7 +138,7 @@ def test_the_tag_is_the_device_headers():
 
 
 def test_a_distributed_world_over_nodes_launches_from_the_nvshmem_extension(monkeypatch):
-    from mkernel.ops import gpu
+    from mkernel.runtime import gpu
 
     sentinel = object()
     monkeypatch.setattr(nvshmem_ext, "load", lambda: sentinel)
@@ -159,7 +159,7 @@ def test_a_distributed_world_over_nodes_launches_from_the_nvshmem_extension(monk
 
 
 def test_the_nvshmem_extension_builds_every_plan_over_nodes(tmp_path, monkeypatch):
-    from mkernel.ops import registry
+    from mkernel.runtime import registry
 
     home = _fake_nvshmem(tmp_path / "nvshmem")
     monkeypatch.setenv("MKERNEL_NVSHMEM_HOME", str(home))

@@ -45,6 +45,7 @@ import torch
 from .. import cost
 from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..runtime import registry
 from ..schedule import (
     TILE_CONFIGS,
     Plan,
@@ -335,3 +336,6 @@ def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     if world.emulated_world:
         return torch.stack([full_a @ b[r].float() for r in range(world.size)]).bfloat16()
     return (full_a @ b.float()).bfloat16()
+
+
+registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

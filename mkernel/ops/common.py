@@ -9,33 +9,22 @@ from typing import Any
 import torch
 
 from ..errors import CommTimeout
-from ..protocol import (
-    BARRIER_PAD,
-    MAX_BARRIER_SLOTS,
-    OpSpec,
-    buffer_shape,
-    pad_shape,
-)
-from ..schedule import Plan, Schedule, resolve
-from ..world import SymBuffer, World
-from .gpu import (  # noqa: F401 (the GPU path)
+from ..protocol import OpSpec
+from ..runtime.gpu import (  # noqa: F401 (the GPU path)
     extension,
     raise_pending,
     raise_timeout,
     run_gpu,
     status_block,
 )
+from ..runtime.memory import SymBuffer, barrier_pad, workspace  # noqa: F401 (the ops' workspaces)
+from ..schedule import Plan, Schedule, cached_plan  # noqa: F401 (the ops' plans)
+from ..world import World, check_world
 
 ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pairs / quads
 
 
 # -- input checks (before anything is launched) -------------------------------------------------
-
-
-def check_world(world: Any) -> World:
-    if not isinstance(world, World):
-        raise TypeError(f"world must be an mkernel.World, got {type(world).__name__}")
-    return world
 
 
 def check_world_for(spec: OpSpec, world: Any) -> World:
@@ -214,40 +203,6 @@ def result_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def cached_plan(op_module: Any, schedule: Schedule, world: World, **shapes: int) -> Plan:
-    """The op's plan for these shapes, built once per (schedule settings, shapes) and kept on the
-    world: its device tables are copied once, so calls (and CUDA-graph captures) copy nothing."""
-    hook = schedule.tile_order
-    key = (
-        op_module.__name__,
-        schedule.overlap,
-        schedule.sms,
-        schedule.comm_sms,
-        schedule.tile,
-        id(hook) if hook is not None else None,
-        schedule.chunk_rows,
-        schedule.faults,
-        schedule.backoff_ns,
-        schedule.trace,
-        schedule.transfer,
-        tuple(sorted(shapes.items())),
-    )
-    plans = world._plans
-    plan = plans.get(key)
-    if plan is None:
-        # The fields left None are the cost model's (mkernel/cost.py), picked once per key.
-        schedule, choice = resolve(schedule, op_module.SPEC.name, world, shapes)
-        plan = op_module.make_plan(schedule, world, **shapes)
-        plan.extra["choice"] = choice
-        if hook is not None:
-            plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached
-        plan.extra["backoff_ns"] = schedule.backoff_ns
-        plan.extra["trace"] = schedule.trace
-        plan.extra["transfer"] = schedule.transfer
-        plans[key] = plan
-    return plan
-
-
 def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every rank's tensor, for the references: the slices of an emulated world's [W, ...] tensor,
     or an all_gather over a distributed world's group."""
@@ -293,34 +248,6 @@ def run_op(
     else:
         outputs = lambda rank: module.outputs(plan, rank)
         run_cpu(world, plan, operands, module.twins_of(plan), outputs, schedule.seed)
-    return out
-
-
-# -- workspace: every symmetric buffer and signal pad the spec declares ----------------------------
-
-
-def barrier_pad(world: World) -> SymBuffer:
-    """The template's entry-barrier flags, [MAX_BARRIER_SLOTS, W] int32, shared by every op."""
-    return world.symmetric(("fused", BARRIER_PAD), (MAX_BARRIER_SLOTS, world.size), torch.int32)
-
-
-def workspace(world: World, plan: Plan) -> dict[str, SymBuffer | None]:
-    """The op's symmetric buffers and pads by name (allocated once per shape, kept on the world;
-    pads reset themselves). A buffer declared ``when="distributed"`` is None in emulated worlds,
-    ``when="ranks"`` at W = 1."""
-    spec, sizes = plan.spec, plan.sizes
-    out: dict[str, SymBuffer | None] = {BARRIER_PAD: barrier_pad(world)}
-    for b in spec.buffers:
-        if b.kind == "symmetric":
-            wanted = b.when == "always" or (
-                world.size > 1 and (b.when == "ranks" or not world.emulated_world)
-            )
-            shape = buffer_shape(b, sizes)
-            # int32 data (MoE's row maps) is keyed apart from signal pads (World.signal_pads)
-            key = (spec.name, b.name, "data") if b.dtype == torch.int32 else (spec.name, b.name)
-            out[b.name] = world.symmetric(key, shape, b.dtype) if wanted else None
-    for p in spec.all_pads()[1:]:
-        out[p.name] = world.symmetric((spec.name, p.name), pad_shape(spec, p, sizes), torch.int32)
     return out
 
 

@@ -53,6 +53,7 @@ import torch
 from .. import cost
 from ..interp import program, twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..runtime import registry
 from ..schedule import (
     TILE_CONFIGS,
     Plan,
@@ -406,3 +407,6 @@ def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     if world.emulated_world:
         return torch.stack([full[r * ms : (r + 1) * ms] for r in range(world.size)]).bfloat16()
     return full[world.rank * ms : (world.rank + 1) * ms].bfloat16().contiguous()
+
+
+registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

@@ -56,6 +56,7 @@ import torch
 from ..interp import twins
 from ..interp.program import PlanSignals
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
+from ..runtime import registry
 from ..schedule import Plan, Schedule, build_plan
 from ..world import World
 from . import common
@@ -151,7 +152,7 @@ SPEC = OpSpec(
 
 
 def bad_input_detail(plan: Plan, rank: int, task: int, index: int, value: int) -> str:
-    """The message of a bad input the device layout recorded (ops/gpu.py bad_input): routing id
+    """The message of a bad input the device layout recorded (runtime/gpu.py bad_input): routing id
     ``value`` of ``rank``'s token ``task``, slot ``index``."""
     return bad_id(value, rank, task, index, plan.world_size * plan.sizes["experts"])
 
@@ -502,3 +503,6 @@ def reference(
         srcs.append(torch.tensor(src, dtype=torch.int32, device=dev).reshape(-1, 3))
         offs.append(torch.tensor(off, dtype=torch.int32, device=dev))
     return MoeDispatch(ys, srcs, offs, world, ids.clone(), x.shape[-1])
+
+
+registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

@@ -48,6 +48,7 @@ import torch
 from ..interp import twins
 from ..interp.program import PlanSignals
 from ..protocol import Buffer, Capacity, OpSpec, Pad, Raise, Task, Wait
+from ..runtime import registry
 from ..schedule import Plan, Schedule, build_plan
 from ..world import World
 from . import common
@@ -442,3 +443,6 @@ def reference(
                 s, t, j = dispatch.src[d][r].tolist()
                 acc[s, t] += topk_weights[s, t, j] * (h[d][r].float() @ w2[d, e].float())
     return acc.bfloat16()
+
+
+registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

@@ -50,6 +50,7 @@ import functools
 import math
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,7 @@ from .. import attention_ext
 from ..cost import OpCost, register
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..runtime import registry
 from ..schedule import (
     TILE_CONFIGS,
     Faults,
@@ -516,9 +518,7 @@ def ring_attention(
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
     ):  # differentiable: the backward op's autograd Function calls back here without grad
-        from .ring_attention_backward import RingAttention
-
-        return RingAttention.apply(q, k, v, world, causal, scale, layout, schedule)
+        return _differentiable(q, k, v, world, causal, scale, layout, schedule)
     module = sys.modules[__name__]
     world = common.check_world_for(SPEC, world)
     common.check_nodes(module, world)
@@ -577,6 +577,25 @@ def _solo_world() -> World:
 @functools.cache
 def _solo_gpu_world(device: torch.device) -> World:
     return World.emulated(1, device=device)
+
+
+def _no_backward(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    raise RuntimeError(
+        "ring_attention's backward is not registered (mkernel.ops.ring_attention_backward)"
+    )
+
+
+# The differentiable call: ring_attention_backward.py, which imports this module, sets it at its
+# import to its autograd Function's apply (importing mkernel imports both): the backward op
+# declares itself the forward's gradient, so this module need not import it.
+_differentiable: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _no_backward
+
+
+def set_backward(apply: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Called once by mkernel/ops/ring_attention_backward.py: ``apply(q, k, v, world, causal,
+    scale, layout, schedule)`` is what a call whose q, k or v requires grad runs."""
+    global _differentiable
+    _differentiable = apply
 
 
 def engine_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -859,3 +878,6 @@ def reference(
     if world.emulated_world:
         return torch.stack(outs), torch.stack(lses)
     return outs[world.rank], lses[world.rank]
+
+
+registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

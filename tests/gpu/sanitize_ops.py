@@ -16,7 +16,7 @@ import sys
 import torch
 
 import mkernel
-from mkernel.ops import registry
+from mkernel.runtime import registry
 from tests.gpu.test_moe_fused_gpu import run as moe_layer
 from tests.helpers import assert_close_bf16
 from tests.test_ring_attention import _assert_attention

@@ -226,7 +226,7 @@ def test_silent_rank_times_out_and_the_next_call_is_right(op, overlap):
 
 def test_ticket_counters_restart_before_they_overflow():
     """The rings' int32 tickets: the host counts each launch's puts and, before they could pass
-    2^31, empties and restarts the idle rings (mkernel/ops/gpu.py before_nodes_launch)."""
+    2^31, empties and restarts the idle rings (mkernel/runtime/gpu.py before_nodes_launch)."""
     from mkernel.rdma import _MAX_COUNT, fused_rings
 
     W, N = 4, 2

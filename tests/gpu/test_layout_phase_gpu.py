@@ -15,7 +15,7 @@ import torch
 import mkernel
 from mkernel import jit
 from mkernel.codegen import _layout
-from mkernel.ops import gpu
+from mkernel.runtime import gpu
 from tests.helpers import assert_pads_zero
 from tests.test_layout_phase import COLS, ROWS, SPEC, assert_routed, make_plan
 

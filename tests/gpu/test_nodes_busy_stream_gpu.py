@@ -3,7 +3,7 @@ called while the stream is still busy (issue 33.1): inputs moved from the host j
 call (pageable copies still queued), a large copy or a long kernel queued before it, several calls
 back to back without a synchronize, calls from two streams in turn, and the first use of cuBLAS
 (the reference) or a jiterator op's first call (a module load) right after the call: before the
-fix (a call over nodes returns once its kernel ended, mkernel/ops/gpu.py wait_nodes_launch) the
+fix (a call over nodes returns once its kernel ended, mkernel/runtime/gpu.py wait_nodes_launch) the
 first of these timed out gemm_rs W=4 over 2 nodes on the H100. Each first call runs in a
 fresh process (tests/helpers.run_script), since the first call of a world is the one that sets up
 its rings and copy stream. Results against the fp32 reference; no timeout; rings drained."""

@@ -1,27 +1,36 @@
-"""The fused ops: every module of ``mkernel/ops`` that declares a ``SPEC`` (mkernel/protocol.py) is
-one, named by its module. Its module holds the op's API, plan, data-movement twins and reference;
-its device code is ``kernels/<name>.cu``. Adding an op adds no line here."""
+"""The fused ops: each op module (mkernel/ops/<name>.py, one that declares a ``SPEC``,
+mkernel/protocol.py) registers itself when it is imported, under its module's name. Its module holds
+the op's API, plan, data-movement twins and reference; its device code is ``kernels/<name>.cu``.
+Adding an op adds no line here: its module calls ``register`` and mkernel/__init__.py exports it
+(importing mkernel imports every op, so the registry is complete before anything reads it).
+
+NOTE: passive, not discovered: a registry that imported the op modules would import upward, from
+the runtime layer into mkernel/ops (tests/test_imports.py)."""
 
 from __future__ import annotations
 
-import functools
-import importlib
-import pkgutil
 from types import ModuleType
 
 from ..protocol import OpSpec
 
+_OPS: dict[str, ModuleType] = {}
 
-@functools.cache
+
+def register(module: ModuleType) -> None:
+    """Called once by an op module, at the end of its import: the op joins the registry under its
+    module's name (``mkernel.ops.gemm_rs`` -> ``"gemm_rs"``)."""
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, OpSpec):
+        raise TypeError(f"{module.__name__} declares no SPEC (an OpSpec): not a fused op")
+    name = module.__name__.rsplit(".", 1)[-1]
+    other = _OPS.get(name)
+    if other is not None and other is not module:
+        raise ValueError(f"op {name!r} is registered already (by {other.__name__})")
+    _OPS[name] = module
+
+
 def _ops() -> dict[str, ModuleType]:
-    from .. import ops
-
-    found = {}
-    for info in pkgutil.iter_modules(ops.__path__):
-        module = importlib.import_module(f"{ops.__name__}.{info.name}")
-        if hasattr(module, "SPEC"):
-            found[info.name] = module
-    return dict(sorted(found.items()))
+    return dict(sorted(_OPS.items()))
 
 
 def names() -> list[str]:

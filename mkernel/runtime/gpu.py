@@ -21,7 +21,7 @@ import time
 import warnings
 import weakref
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,9 +39,12 @@ from ..protocol import (
     TILE_CONFIG_IDS,
     signal_name,
 )
-from ..schedule import Plan
-from ..world import World
 from . import registry
+from .memory import workspace
+
+if TYPE_CHECKING:
+    from ..schedule import Plan
+    from ..world import World
 
 WATCHDOG_PERIOD_S = 0.1
 _LAUNCH_HISTORY = 1024  # launch ids remembered per world, to name the flag of a late-read timeout
@@ -208,8 +211,6 @@ def _plan_record(world: World, plan: Plan) -> array:
     cached = plan.extra.get("_record")
     if cached is not None:
         return cached
-    from .common import workspace
-
     spec, emulated = plan.spec, world.emulated_world
     if emulated and world.size > MAX_LOCAL_RANKS:
         raise ValueError(
