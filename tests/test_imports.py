@@ -6,6 +6,8 @@ op. Imports under ``if TYPE_CHECKING:`` are annotations only and do not count.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,3 +161,12 @@ def test_nothing_imports_the_package_root_but_the_entry_points():
     # `import mkernel` imports every op: a module below the API that imported it would import up
     users = sorted(m for m, targets in _graph().items() if "mkernel" in targets)
     assert all(_layer(m) == 2 for m in users), users
+
+
+def test_importing_mkernel_imports_no_build_machinery():
+    # `python -m mkernel.jit --check` and `python -m mkernel.codegen` run those modules as scripts:
+    # had `import mkernel` imported them first, runpy would warn and run a second copy
+    code = "import sys, mkernel; print(sorted(m for m in sys.modules if m in MODS))"
+    code = code.replace("MODS", repr(("mkernel.jit", "mkernel.codegen", "mkernel.attention_ext")))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

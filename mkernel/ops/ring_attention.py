@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 
-from .. import attention_ext
 from ..cost import OpCost, register
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
@@ -601,6 +600,10 @@ def set_backward(apply: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Non
 def engine_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention of one rank on the GPU (checked operands [B, S, H, D]): one engine call,
     what a world of one runs (solo_engine)."""
+    # NOTE: imported on first use (no cycle): `import mkernel` then imports no build machinery,
+    # so `python -m mkernel.jit` / `mkernel.codegen` run as scripts without runpy's warning
+    from .. import attention_ext
+
     return attention_ext.attention_forward(
         q.contiguous(), k.contiguous(), v.contiguous(), causal, scale
     )

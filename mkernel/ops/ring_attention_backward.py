@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from .. import attention_ext
 from ..interp import twins
 from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..runtime import registry
@@ -659,6 +658,8 @@ def run(
         )
     common.check_faults(schedule, world)
     if fwd.solo_engine(world, schedule):  # one rank: the backward engine (three launches)
+        from .. import attention_ext  # NOTE: on first use, as ring_attention.engine_attention
+
         ops = (fwd.solo(t, world) for t in (dout, q, k, v, out, lse))
         dl = None if dlse is None else fwd.solo(dlse, world)
         grads = attention_ext.attention_backward(*ops, causal, scale, dlse=dl)
