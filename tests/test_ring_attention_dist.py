@@ -64,10 +64,12 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
     """On a distributed world with a CUDA device, ring_attention and ring_attention_backward each
     launch their fused kernel with this rank's tensors (the launches stubbed here: no GPU, no
     process group); the unfused ring (baselines.ring_dist) is not called."""
+    import dataclasses
+
     import mkernel
-    from mkernel.ops import common
     from mkernel.ops import ring_attention as ra
     from mkernel.ops import ring_attention_backward as rb
+    from mkernel.runtime import run
 
     world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=1)
     calls = []
@@ -75,11 +77,12 @@ def test_the_api_takes_these_paths_on_a_distributed_gpu_world(monkeypatch):
     monkeypatch.setattr(rd, "forward", lambda *a: calls.append(("unfused forward",)) or "f")
     monkeypatch.setattr(rd, "backward", lambda *a: calls.append(("backward", a[7:])) or "b")
     sizes = dict(batch=1, seq=4, heads=2, kv_heads=1, head_dim=64, causal=1, zigzag=1)
-    monkeypatch.setattr(ra, "shapes", lambda *a, **kw: dict(sizes, scale_bits=0))
-    monkeypatch.setattr(rb, "shapes", lambda *a, **kw: dict(sizes))
-    monkeypatch.setattr(common, "cached_plan", lambda module, sched, w, **s: ("plan", s))
+    for m, extra in ((ra, dict(scale_bits=0)), (rb, {})):  # the run path's operand checks
+        fake = lambda *a, extra=extra, **kw: dict(sizes, **extra)  # noqa: E731
+        monkeypatch.setattr(m, "OP", dataclasses.replace(m.OP, shapes=fake))
+    monkeypatch.setattr(run, "cached_plan", lambda module, sched, w, **s: ("plan", s))
     monkeypatch.setattr(
-        common, "run_gpu", lambda w, plan, ops: calls.append(("fused", plan, sorted(ops)))
+        run, "run_gpu", lambda w, plan, ops: calls.append(("fused", plan, sorted(ops)))
     )
     x = torch.zeros(1)
     out, lse = mkernel.ring_attention(x, x, x, world, True, 0.5, "zigzag")

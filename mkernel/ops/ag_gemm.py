@@ -252,8 +252,7 @@ def ag_gemm(
     Requires M/W >= 1, and K and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    out_shape = lambda s, W: (s["m"], s["n"])  # per rank
-    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
+    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
@@ -338,4 +337,6 @@ def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     return (full_a @ b.float()).bfloat16()
 
 
+# the run path's view of the op (mkernel/runtime/run.py): one bf16 result, its per-rank shape
+OP = common.single_output_op(sys.modules[__name__], lambda s, W: (s["m"], s["n"]))
 registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

@@ -108,15 +108,7 @@ def all_gather(
         ``reference.all_gather(x, world=world)``. Raises TypeError / ValueError naming the argument
         before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    out_shape = lambda s, W: (W * s["rows"], s["cols"])  # per rank
-    return common.run_op(sys.modules[__name__], {"x": x}, world, schedule, out, out_shape)
-
-
-def after_gpu(world: World, plan: Plan, out: torch.Tensor) -> None:
-    """A distributed world's peers wrote the symmetric result buffer: copy it into out."""
-    result = plan.extra["_workspace"]["result"]  # (the launch cached the plan's workspace)
-    if result is not None:
-        out.copy_(result.local)
+    return common.run_op(sys.modules[__name__], {"x": x}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
@@ -182,4 +174,8 @@ def reference(x: torch.Tensor, world: World) -> torch.Tensor:
     return full
 
 
+# the run path's view of the op (mkernel/runtime/run.py): one bf16 result, its per-rank shape
+OP = common.single_output_op(
+    sys.modules[__name__], lambda s, W: (W * s["rows"], s["cols"]), after_gpu=common.copy_result
+)
 registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

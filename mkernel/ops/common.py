@@ -1,15 +1,13 @@
-"""What every fused op shares: input checks, the interpreter driver, the GPU launch plumbing."""
+"""What the fused ops share: operand checks, and the names of the run path they take
+(mkernel/runtime/run.py: run_op and its checks; runtime/gpu.py: the launch)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..errors import CommTimeout
-from ..protocol import OpSpec
 from ..runtime.gpu import (  # noqa: F401 (the GPU path)
     extension,
     raise_pending,
@@ -18,8 +16,21 @@ from ..runtime.gpu import (  # noqa: F401 (the GPU path)
     status_block,
 )
 from ..runtime.memory import SymBuffer, barrier_pad, workspace  # noqa: F401 (the ops' workspaces)
+from ..runtime.run import (  # noqa: F401 (the run path and its checks, for the ops)
+    Call,
+    OpDef,
+    UnsupportedWorld,
+    check_faults,
+    check_nodes,
+    check_out,
+    check_schedule,
+    check_world_for,
+    result_buffer,
+    run_cpu,
+    run_op,
+)
 from ..schedule import Plan, Schedule, cached_plan  # noqa: F401 (the ops' plans)
-from ..world import World, check_world
+from ..world import World
 
 ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pairs / quads
 
@@ -27,77 +38,11 @@ ALIGN = 8  # elements: TMA needs 16-byte strides, the epilogues store column pai
 # -- input checks (before anything is launched) -------------------------------------------------
 
 
-def check_world_for(spec: OpSpec, world: Any) -> World:
-    """check_world, and for an op with no device kernel yet (``spec.device`` False) a CPU emulated
-    world: its plan runs only in the interpreter; any op on a CPU world: an emulated one."""
-    world = check_world(world)
-    if not spec.device and world.on_gpu:
-        raise NotImplementedError(
-            f"{spec.name} has no GPU kernel yet: it runs in the CPU interpreter "
-            "(World.emulated(W), device='cpu')"
-        )
-    if not spec.device and not world.emulated_world:
-        raise NotImplementedError(f"{spec.name} runs in emulated worlds only (World.emulated(W))")
-    if not world.on_gpu and not world.emulated_world:
-        raise NotImplementedError(
-            f"{spec.name} on the CPU runs in the interpreter, which runs emulated worlds "
-            "(World.emulated(W)); a distributed world runs on GPUs (one process per GPU)"
-        )
-    return world
-
-
-class UnsupportedWorld(NotImplementedError, ValueError):
-    """A world the op cannot serve (yet): a NotImplementedError, as it was raised before, and a
-    ValueError, as the README promises for bad input (the world argument), raised before
-    anything runs."""
-
-
 def check_rows_divisible(op: str, world: World, m: int) -> None:
     """The operand path's divisibility of the GEMM ops' M by W (each rank owns M/W rows), for
     Schedule.plan by sizes, which reaches make_plan without the operands."""
     if m % world.size:
         raise ValueError(f"{op}: M (m={m}) must be divisible by the world size W={world.size}")
-
-
-def check_nodes(module: Any, world: World) -> None:
-    """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
-    plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
-    plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu), and a distributed world needs
-    NVSHMEM (its puts cross the nodes; an emulated world's proxy transport serves one GPU)."""
-    if world.nodes == 1:
-        return
-    name = module.SPEC.name
-    if not getattr(module, "HIERARCHICAL", False):
-        raise UnsupportedWorld(
-            f"{name} has no plan for a world of {world.nodes} nodes yet (world.nodes > 1): only "
-            "gemm_rs, ag_gemm and gemm_ar span nodes; pass a world of nodes=1"
-        )
-    if not world.on_gpu:
-        return
-    spec = getattr(module, "SPEC_NODES", None)
-    if spec is None or not spec.device:
-        raise NotImplementedError(f"{name} has no GPU kernel over {world.nodes} nodes")
-    if not world.emulated_world:
-        from .. import nvshmem_ext
-
-        if nvshmem_ext.SPEC is None:
-            raise RuntimeError(
-                f"{name} in a distributed world of {world.nodes} nodes puts across them through "
-                f"NVSHMEM: {nvshmem_ext.ABSENT}"
-            )
-
-
-_DEFAULT_SCHEDULE = Schedule()  # never handed out: calls without a schedule share it (host time)
-
-
-def check_schedule(schedule: Any) -> Schedule:
-    if schedule is None:
-        return _DEFAULT_SCHEDULE
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"schedule must be an mkernel.Schedule or None, got {type(schedule).__name__}"
-        )
-    return schedule
 
 
 def check_operand(
@@ -167,42 +112,6 @@ def check_columns(k_name: str, k: int, n: int) -> None:
     check_divides("N (columns of b)", n, ALIGN, "16-byte rows")
 
 
-def check_faults(schedule: Schedule, world: World) -> None:
-    """The injected faults (Schedule.faults) must name ranks of this world."""
-    f = schedule.faults
-    for name in ("silent_rank", "delay_rank"):
-        v = getattr(f, name)
-        if v is not None and not 0 <= v < world.size:
-            raise ValueError(f"Faults.{name}={v} is not a rank of this world (0..{world.size - 1})")
-
-
-def check_out(out: Any, world: World, shape: tuple[int, ...]) -> torch.Tensor:
-    """The result tensor: the caller's ``out`` (checked) or a new one (``result_buffer``: NaN on
-    the CPU and under MKERNEL_POISON=1, so that an unwritten tile shows)."""
-    full = (world.size, *shape) if world.emulated_world else shape
-    if out is None:
-        return result_buffer(full, torch.bfloat16, world.device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != full:
-        raise ValueError(
-            f"out must be bfloat16 of shape {list(full)}, got {out.dtype} {list(out.shape)}"
-        )
-    if out.device.type != world.device.type or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor on {world.device}")
-    return out
-
-
-def result_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A result or per-call workspace that the kernel writes in full before anything reads it,
-    made by an op that takes no ``out``: NaN-filled on the CPU (the interpreter) and wherever
-    ``MKERNEL_POISON=1`` (the test suites set it), so a row nobody writes shows; left
-    uninitialized on a GPU otherwise (the fill is a write of every byte, per call)."""
-    if device.type == "cpu" or os.environ.get("MKERNEL_POISON") == "1":
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every rank's tensor, for the references: the slices of an emulated world's [W, ...] tensor,
     or an all_gather over a distributed world's group."""
@@ -218,67 +127,31 @@ def per_rank(x: torch.Tensor, world: World) -> list[torch.Tensor]:
     return [p.to(x.device) for p in parts]
 
 
-def run_op(
+# -- the GEMM family's OpDef: one bf16 result ``out`` ---------------------------------------------
+
+
+def copy_result(call: Call) -> None:
+    """after_gpu of an op whose distributed peers write a symmetric ``result`` buffer (gemm_ar,
+    all_gather): copy it into ``out`` (the launch cached the plan's workspace)."""
+    result = call.plan.extra["_workspace"].get("result")
+    if result is not None:
+        call.results["out"].copy_(result.local)
+
+
+def single_output_op(
     module: Any,
-    inputs: dict[str, Any],
-    world: Any,
-    schedule: Any,
-    out: Any,
     out_shape: Callable[[dict[str, int], int], tuple[int, ...]],
-) -> torch.Tensor:
-    """The path every fused op's API takes: check the world, schedule, operands (the op's
-    ``shapes(*inputs, world)``, named as its SPEC's input buffers), faults and ``out`` (per-rank
-    shape ``out_shape(shapes, W)``), all before anything
-    runs; then the cached plan on the GPU (``run_gpu``, then the op's optional ``after_gpu``) or
-    in the interpreter with the op's data-movement twins (``module.twins_of(plan)``) and the output
-    tiles the kernel end reads (``module.outputs(plan, rank)``). A world of several nodes needs a
-    hierarchical op, on the CPU (check_nodes)."""
-    world = check_world_for(module.SPEC, world)
-    check_nodes(module, world)
-    schedule = check_schedule(schedule)
-    s = module.shapes(*inputs.values(), world)
-    check_faults(schedule, world)
-    out = check_out(out, world, out_shape(s, world.size))
-    plan = cached_plan(module, schedule, world, **s)
-    operands = {**inputs, "out": out}
-    if world.on_gpu:
-        run_gpu(world, plan, operands)
-        if hasattr(module, "after_gpu"):
-            module.after_gpu(world, plan, out)
-    else:
-        outputs = lambda rank: module.outputs(plan, rank)
-        run_cpu(world, plan, operands, module.twins_of(plan), outputs, schedule.seed)
-    return out
-
-
-def run_cpu(
-    world: World,
-    plan: Plan,
-    operands: dict[str, torch.Tensor],
-    moves: dict[str, Callable],
-    outputs: Callable[[int], dict[int, tuple[int, int, int, int]]],
-    seed: int,
-    layout: Callable | None = None,
-    output: str = "out",
-) -> None:
-    """One call in the CPU interpreter: the plan's tables run by the template's twin
-    (mkernel/interp/program.py) with the op's data-movement twins ``moves`` per role;
-    ``outputs(rank)`` gives the output tiles of buffer ``output`` the kernel end reads; ``layout``:
-    the op's layout twin, for a plan with device-filled roles (run_plan)."""
-    from ..interp.program import run_plan
-
-    ws = workspace(world, plan)
-    buffers = {**operands, **{k: v.local for k, v in ws.items() if v is not None}}
-    try:
-        m = run_plan(world, plan, buffers, moves, seed, outputs, layout=layout, output=output)
-    except Exception as exc:
-        # as on the GPU (gpu.poison_on_timeout): a failed call's outputs, the caller's ``out``
-        # among them, hold NaN rather than partial results that could pass for valid ones
-        for b in plan.spec.buffers:
-            t = operands.get(b.name)
-            if b.kind == "output" and t is not None and t.is_floating_point():
-                t.fill_(float("nan"))
-        if isinstance(exc, CommTimeout):
-            world.reset()  # as on the GPU: a timed-out call leaves flags and workspace dirty
-        raise
-    world.last_timeline = m.timeline
+    after_gpu: Callable[[Call], None] | None = None,
+) -> OpDef:
+    """The OpDef of an op with one bf16 result ``out`` of per-rank shape ``out_shape(sizes, W)``
+    (the caller's, checked, or new) whose module gives ``shapes``, ``twins_of(plan)`` and
+    ``outputs(plan, rank)``: the GEMM family and all_gather."""
+    return OpDef(
+        shapes=lambda *args: module.shapes(*args),
+        results=lambda c: {
+            "out": check_out(c.options["out"], c.world, out_shape(c.sizes, c.world.size))
+        },
+        twins=lambda c: module.twins_of(c.plan),
+        outputs=lambda plan, rank: module.outputs(plan, rank),
+        after_gpu=after_gpu,
+    )

@@ -290,8 +290,7 @@ def gemm_rs(
     ValueError naming the argument before anything runs, CommTimeout if a wait passes the world's
     deadline.
     """
-    out_shape = lambda s, W: (s["m"] // W, s["n"])  # per rank
-    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out, out_shape)
+    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------
@@ -409,4 +408,6 @@ def reference(a: torch.Tensor, b: torch.Tensor, world: World) -> torch.Tensor:
     return full[world.rank * ms : (world.rank + 1) * ms].bfloat16().contiguous()
 
 
+# the run path's view of the op (mkernel/runtime/run.py): one bf16 result, its per-rank shape
+OP = common.single_output_op(sys.modules[__name__], lambda s, W: (s["m"] // W, s["n"]))
 registry.register(sys.modules[__name__])  # the op joins the registry (mkernel/runtime/registry.py)

@@ -518,36 +518,58 @@ def ring_attention(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
     ):  # differentiable: the backward op's autograd Function calls back here without grad
         return _differentiable(q, k, v, world, causal, scale, layout, schedule)
-    module = sys.modules[__name__]
-    world = common.check_world_for(SPEC, world)
-    common.check_nodes(module, world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(q, k, v, world, causal, layout)
-    scale = check_scale(scale, s["head_dim"])
-    if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_Q_TILE):
+    inputs = {"q": q, "k": k, "v": v}
+    options = dict(causal=causal, scale=scale, layout=layout)
+    return common.run_op(sys.modules[__name__], inputs, world, schedule, **options)
+
+
+# -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
+
+
+def _check(call: common.Call) -> None:
+    """The scale (default 1/sqrt(D); its fp32 bits key the plan) and the GPU engine's q tile."""
+    call.options["scale"] = scale = check_scale(call.options["scale"], call.sizes["head_dim"])
+    if call.world.on_gpu and call.schedule.chunk_rows not in (None, ENGINE_Q_TILE):
         raise ValueError(
-            f"Schedule.chunk_rows={schedule.chunk_rows}: the GPU attention engine's q tile is "
-            f"{ENGINE_Q_TILE} rows (leave it None)"
+            f"Schedule.chunk_rows={call.schedule.chunk_rows}: the GPU attention engine's q tile "
+            f"is {ENGINE_Q_TILE} rows (leave it None)"
         )
-    common.check_faults(schedule, world)
-    if solo_engine(world, schedule):
-        res = engine_attention(*(solo(t, world) for t in (q, k, v)), causal, scale)
-        return tuple(t[None] for t in res) if world.emulated_world else res
-    s["scale_bits"] = scale_bits(scale)
-    plan = common.cached_plan(module, schedule, world, **s)
-    lead = (world.size,) if world.emulated_world else ()
-    B, S, H, D = s["batch"], s["seq"], s["heads"], s["head_dim"]
-    # NaN where poisoned (result_buffer): a tile the plan forgets shows (and the kernel end
-    # reports it unwritten)
-    out = common.result_buffer((*lead, B, S, H, D), torch.bfloat16, q.device)
-    lse = common.result_buffer((*lead, B, H, S), torch.float32, q.device)
-    if world.on_gpu:  # the fused kernel (kernels/ring_attention.cu), one launch
-        common.run_gpu(world, plan, {"q": q, "k": k, "v": v, "out": out, "lse": lse})
-        return out, lse
-    views = operands(plan, q, k, v, out, lse)
-    reads = lambda rank: outputs(plan, rank)  # noqa: E731
-    common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
-    return out, lse
+    call.sizes["scale_bits"] = scale_bits(scale)
+
+
+def _solo(call: common.Call) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One rank on a GPU with nothing to observe or inject: the engine's own launch."""
+    world = call.world
+    if not solo_engine(world, call.schedule):
+        return None
+    views = (solo(t, world) for t in call.inputs.values())
+    res = engine_attention(*views, call.options["causal"], call.options["scale"])
+    return tuple(t[None] for t in res) if world.emulated_world else res
+
+
+def _results(call: common.Call) -> dict[str, torch.Tensor]:
+    """out and lse, poisoned where result_buffer poisons: a tile the plan forgets shows (and the
+    kernel end reports it unwritten)."""
+    z, q = call.sizes, call.inputs["q"]
+    lead = (call.world.size,) if call.world.emulated_world else ()
+    B, S, H, D = z["batch"], z["seq"], z["heads"], z["head_dim"]
+    return {
+        "out": common.result_buffer((*lead, B, S, H, D), torch.bfloat16, q.device),
+        "lse": common.result_buffer((*lead, B, H, S), torch.float32, q.device),
+    }
+
+
+OP = common.OpDef(
+    shapes=shapes,
+    shape_args=("causal", "layout"),
+    check=_check,
+    solo=_solo,
+    results=_results,
+    views=lambda c: operands(c.plan, *c.inputs.values(), c.results["out"], c.results["lse"]),
+    twins=lambda c: twins_of(c.plan, c.options["scale"]),
+    outputs=lambda plan, rank: outputs(plan, rank),
+    finish=lambda c: (c.results["out"], c.results["lse"]),
+)
 
 
 def scale_bits(scale: float) -> int:

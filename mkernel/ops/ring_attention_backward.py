@@ -643,42 +643,75 @@ def run(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ring_attention_backward`` with the gradient of lse too (``dlse``, fp32 like lse, or None):
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
-    module = sys.modules[__name__]
-    world = common.check_world_for(SPEC, world)
-    common.check_nodes(module, world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(dout, q, k, v, out, lse, world, causal, layout)
-    scale = fwd.check_scale(scale, s["head_dim"])
+    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    options = dict(causal=causal, scale=scale, layout=layout, dlse=dlse)
+    return common.run_op(sys.modules[__name__], inputs, world, schedule, **options)
+
+
+# -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
+
+
+def _check(call: common.Call) -> None:
+    """The scale (its fp32 bits key the plan), dlse like lse, the GPU engine's K/V tile."""
+    world, lse, dlse = call.world, call.inputs["lse"], call.options["dlse"]
+    call.options["scale"] = scale = fwd.check_scale(call.options["scale"], call.sizes["head_dim"])
     if dlse is not None:  # lse is checked: per rank [B, Hq, S_local] after a rank dimension
         check_lse("dlse", dlse, world, tuple(lse.shape[1 if world.emulated_world else 0 :]))
-    if world.on_gpu and schedule.chunk_rows not in (None, ENGINE_KV_TILE):
+    if world.on_gpu and call.schedule.chunk_rows not in (None, ENGINE_KV_TILE):
         raise ValueError(
-            f"Schedule.chunk_rows={schedule.chunk_rows}: the GPU backward engine's K/V tile is "
-            f"{ENGINE_KV_TILE} rows (leave it None)"
+            f"Schedule.chunk_rows={call.schedule.chunk_rows}: the GPU backward engine's K/V tile "
+            f"is {ENGINE_KV_TILE} rows (leave it None)"
         )
-    common.check_faults(schedule, world)
-    if fwd.solo_engine(world, schedule):  # one rank: the backward engine (three launches)
-        from .. import attention_ext  # NOTE: on first use, as ring_attention.engine_attention
+    call.sizes["scale_bits"] = fwd.scale_bits(scale)
 
-        ops = (fwd.solo(t, world) for t in (dout, q, k, v, out, lse))
-        dl = None if dlse is None else fwd.solo(dlse, world)
-        grads = attention_ext.attention_backward(*ops, causal, scale, dlse=dl)
-        return tuple(g[None] for g in grads) if world.emulated_world else grads
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
-    s["scale_bits"] = fwd.scale_bits(scale)
-    plan = common.cached_plan(module, schedule, world, **s)
-    # NaN where poisoned (result_buffer): a tile the plan forgets shows (and the kernel end
-    # reports it unwritten)
-    dq, dk, dv = (common.result_buffer(t.shape, torch.bfloat16, q.device) for t in (q, k, v))
-    if world.on_gpu:  # the fused kernel (kernels/ring_attention_bwd.cu), one launch
-        ins = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse)
-        common.run_gpu(world, plan, ins | dict(dq=dq, dk=dk, dv=dv))
-        return dq, dk, dv
-    views = operands(plan, dout, q, k, v, out, lse, dlse, dq, dk, dv)
-    reads = lambda rank: outputs(plan, rank)  # noqa: E731
-    common.run_cpu(world, plan, views, twins_of(plan, scale), reads, schedule.seed)
-    return dq, dk, dv
+
+def _solo(call: common.Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One rank on a GPU with nothing to observe or inject: the backward engine (three launches)."""
+    world, dlse = call.world, call.options["dlse"]
+    if not fwd.solo_engine(world, call.schedule):
+        return None
+    from .. import attention_ext  # NOTE: on first use, as ring_attention.engine_attention
+
+    ops = (fwd.solo(t, world) for t in call.inputs.values())
+    dl = None if dlse is None else fwd.solo(dlse, world)
+    opts = call.options
+    grads = attention_ext.attention_backward(*ops, opts["causal"], opts["scale"], dlse=dl)
+    return tuple(g[None] for g in grads) if world.emulated_world else grads
+
+
+def _results(call: common.Call) -> dict[str, torch.Tensor]:
+    """dq, dk, dv like q, k, v, poisoned where result_buffer poisons (a tile the plan forgets
+    shows). dlse's default (zeros: no gradient through lse) joins the operands here, after the
+    solo path, whose engine takes None."""
+    ins = call.inputs
+    dlse = call.options["dlse"]
+    ins["dlse"] = torch.zeros_like(ins["lse"]) if dlse is None else dlse
+    dev = ins["q"].device
+    return {
+        f"d{n}": common.result_buffer(ins[n].shape, torch.bfloat16, dev) for n in ("q", "k", "v")
+    }
+
+
+def _views(call: common.Call) -> dict[str, torch.Tensor]:
+    i, r = call.inputs, call.results
+    return operands(
+        call.plan,
+        *(i[n] for n in ("dout", "q", "k", "v", "out", "lse", "dlse")),
+        *(r[n] for n in ("dq", "dk", "dv")),
+    )
+
+
+OP = common.OpDef(
+    shapes=shapes,
+    shape_args=("causal", "layout"),
+    check=_check,
+    solo=_solo,
+    results=_results,
+    views=_views,
+    twins=lambda c: twins_of(c.plan, c.options["scale"]),
+    outputs=lambda plan, rank: outputs(plan, rank),
+    finish=lambda c: (c.results["dq"], c.results["dk"], c.results["dv"]),
+)
 
 
 def operands(plan: Plan, dout, q, k, v, out, lse, dlse, dq, dk, dv) -> dict[str, torch.Tensor]:
