@@ -7,7 +7,8 @@ experts' ``grouped_gemm`` (one GPU, GEMM engine); the MoE pair ``moe_dispatch_ge
 one persistent kernel per call in emulated and distributed GPU worlds, the same plans in the CPU
 interpreter; with one rank and the default Schedule the ring attention calls run the single-GPU
 engines), their unfused references
-(``mkernel.reference``), ``CommTimeout`` and the CPU interpreter's errors.
+(``mkernel.reference``), ``TaskGraph`` (graphs of ops whose tasks are tiles, run by the CPU
+interpreter; docs/megakernel.md), ``CommTimeout`` and the CPU interpreter's errors.
 """
 
 from .errors import (
@@ -29,6 +30,7 @@ from .ops.moe_gemm_combine import moe_gemm_combine
 from .ops.ring_attention import attention, ring_attention
 from .ops.ring_attention_backward import ring_attention_backward
 from .schedule import TILE_CONFIGS, Faults, Plan, Schedule, Tile
+from .taskgraph import TaskGraph
 from .world import World
 
 # isort: split
@@ -53,6 +55,7 @@ __all__ = [
     "attention",
     "ring_attention_backward",
     "reference",
+    "TaskGraph",
     "CommTimeout",
     "DeadlockError",
     "DeviceInputError",

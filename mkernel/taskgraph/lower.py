@@ -1,0 +1,152 @@
+"""Lowering: a TaskGraph into tasks (tiles of its ops) with per-tile events, as a protocol Plan.
+
+Tasks. The live nodes (those an output depends on) in build order, each cut into tiles
+(mkernel/taskgraph/ops.py); task i of every rank is the same tile of the same op, so task ids are
+rank-independent. Every rank's list is a topological order: a task reads only tiles of earlier
+tasks. All tasks are in the compute role (no comm role: the collectives pull their peers' tiles).
+
+Events. One counted signal pad ``ready[task]`` per rank: task j raises ``ready[j]`` on its own
+rank (set 1, release) after its tile has landed, if anyone reads the tile. A task waits, before it
+loads anything, for ``ready[j]`` on rank q of every tile j (of rank q) that overlaps a rectangle it
+reads, and nothing else: a down-projection tile waits for the SiLU tiles of its rows, not for the
+whole SiLU op. ``consumers`` is the number of waits on that flag over all ranks, so the last reader
+resets it (counter ``ready_count``) and the pad ends every call at zero.
+
+No deadlock: units take a rank's tasks round robin (task u, u + n, ...) and run them in order, and
+every rank has the same topological order, so a wait of task i only needs tasks j < i; by
+induction on i every task runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
+from ..tiles import Tile
+from ..world import World
+from .ops import DEFAULT_BLOCKS, Blocks, TileTask, const_2d, const_buf, tiles, value_buf
+
+if TYPE_CHECKING:
+    from .graph import Node, TaskGraph
+
+# A debug hook (tests): drop(rank, task, peer, producer) -> True drops the wait of ``task`` on
+# ``rank`` for tile ``producer`` of ``peer`` from the plan, as a lowering bug would.
+DropHook = Callable[[int, int, int, int], bool]
+READY = "ready"
+_IDS = itertools.count()  # each compiled graph's own spec name, so workspaces never mix
+
+
+@dataclass
+class Lowered:
+    """A graph's tasks per rank (``tasks[r][i]``: what task i reads and writes), the live nodes,
+    the output values, the buffers and the Plan (protocol tables)."""
+
+    nodes: list[Node]  # the graph's nodes, by index (the dead ones too)
+    live: list[int]  # the indices of the nodes the outputs need, in order
+    tasks: list[list[TileTask]]
+    outputs: dict[int, list[str]]  # output value id -> its output names
+    buffers: dict[str, tuple[str, tuple[int, int]]]  # name -> (kind, per-rank 2-D shape)
+    plan: Plan
+
+    def describe(self, task: int) -> str:
+        """What task ``task`` is: ``linear #5 (node 5) rows 0:4 cols 32:64``."""
+        t = self.tasks[0][task]
+        r0, nr, c0, nc = t.rect
+        return f"{self.nodes[t.node].op} (node {t.node}) rows {r0}:{r0 + nr} cols {c0}:{c0 + nc}"
+
+
+def live_nodes(graph: TaskGraph) -> list[int]:
+    """The nodes the outputs depend on, in build order (the others are never lowered)."""
+    need = {v.id for v in graph.outputs.values()}
+    for node in reversed(graph.nodes):
+        if node.out.id in need:
+            need.update(a.id for a in node.args)
+    return [i for i, n in enumerate(graph.nodes) if n.out.id in need and n.op != "input"]
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+
+
+def _buffers(graph: TaskGraph, live: list[int], outs: dict[int, list[str]]):
+    bufs: dict[str, tuple[str, tuple[int, int]]] = {}
+    for v in graph.inputs.values():
+        bufs[value_buf(v.id)] = ("input", v.shape)
+    for i in live:
+        node = graph.nodes[i]
+        for name, ts in node.consts.items():
+            bufs[const_buf(i, name)] = ("input", tuple(const_2d(ts[0]).shape))
+        kind = "output" if node.out.id in outs else "symmetric"
+        bufs[value_buf(node.out.id)] = (kind, node.out.shape)
+    return bufs
+
+
+def lower(
+    graph: TaskGraph,
+    world: World,
+    schedule: Schedule,
+    blocks: Blocks = DEFAULT_BLOCKS,
+    drop: DropHook | None = None,
+) -> Lowered:
+    W = world.size
+    live = live_nodes(graph)
+    outs: dict[int, list[str]] = {}
+    for name, v in graph.outputs.items():
+        outs.setdefault(v.id, []).append(name)
+    per_rank = [[t for i in live for t in tiles(graph.nodes[i], i, r, W, blocks)] for r in range(W)]
+    T = len(per_rank[0])
+    producers: dict[int, list[tuple[int, tuple]]] = {}
+    for j, t in enumerate(per_rank[0]):
+        producers.setdefault(graph.nodes[t.node].out.id, []).append((j, t.rect))
+    deps: list[list[list[tuple[int, int]]]] = []  # [rank][task] -> (peer, producer task)
+    for r in range(W):
+        deps.append([])
+        for i, t in enumerate(per_rank[r]):
+            found: list[tuple[int, int]] = []
+            for rd in t.reads:
+                for j, rect in producers.get(rd.value, []):
+                    key = (rd.rank, j)
+                    if _overlap(rect, rd.rect) and key not in found:
+                        assert j < i, f"task {i} reads task {j}: not a topological order"
+                        if drop is None or not drop(r, i, rd.rank, j):
+                            found.append(key)
+            deps[r].append(found)
+    readers = Counter(key for rank_deps in deps for task_deps in rank_deps for key in task_deps)
+    compute = []
+    for r in range(W):
+        rank_tasks = []
+        for i, t in enumerate(per_rank[r]):
+            waits = tuple(Wait(READY, q, (j,), consumers=readers[(q, j)]) for q, j in deps[r][i])
+            raises = (Raise(READY, r, (i,)),) if readers[(r, i)] else ()
+            rank_tasks.append(Task(i, (i, t.node), waits=waits, raises=raises))
+        compute.append(rank_tasks)
+    bufs = _buffers(graph, live, outs)
+    sizes = {"tasks": T}
+    for name, (_, (rows, cols)) in bufs.items():
+        sizes[f"{name}_rows"], sizes[f"{name}_cols"] = rows, cols
+    spec = OpSpec(
+        name=f"taskgraph{next(_IDS)}",
+        doc="a TaskGraph: tiles of its ops as tasks, per-tile ready events",
+        buffers=tuple(
+            Buffer(name, kind, torch.bfloat16, (f"{name}_rows", f"{name}_cols"))
+            for name, (kind, _) in bufs.items()
+        ),
+        pads=(Pad(READY, ("task",), ("tasks",), counted=True, doc="the task's tile has landed"),),
+        scalars=(),
+        device=False,  # NOTE: no persistent kernel for TaskGraph yet (docs/megakernel.md)
+    )
+    tile_table = [
+        Tile(i, t.rect[0], t.rect[2], t.rect[1], t.rect[3], t.node)
+        for i, t in enumerate(per_rank[0])
+    ]
+    cfg = TILE_CONFIGS["64x128x64"]  # NOTE: a placeholder: no device kernel reads it yet
+    comm: list[list[Task]] = [[] for _ in range(W)]
+    plan = build_plan(spec, schedule, world, cfg, {"tasks": T}, sizes, tile_table, compute, comm)
+    return Lowered(list(graph.nodes), live, per_rank, outs, bufs, plan)
