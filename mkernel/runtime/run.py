@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +35,18 @@ class Call:
     sizes: dict[str, int] = field(default_factory=dict)  # the plan's key (shapes, then check)
     plan: Plan | None = None
     results: dict[str, torch.Tensor] = field(default_factory=dict)  # output buffers by name
+    state: dict[str, Any] = field(default_factory=dict)  # the op's own, between its hooks
+    result: Any = None  # what the API returns, once known before a run (solo, empty)
+
+
+class Twins(NamedTuple):
+    """The interpreter side of a call made in one piece (an op whose routing gives them all):
+    data-movement twins per role, the layout twin (a plan with device-filled roles, run_plan) and
+    the output tiles the kernel end reads per rank."""
+
+    moves: dict[str, Callable | None]
+    layout: Callable | None
+    outputs: Callable[[int], dict[int, tuple[int, int, int, int]]]
 
 
 @dataclass(frozen=True)
@@ -44,23 +56,36 @@ class OpDef:
     - ``shapes(*inputs, world, **shape_options)``: the plan's sizes, after checking the operands
       (``shape_options``: the options named in ``shape_args``, e.g. causal and layout);
     - ``results``: the output tensors by SPEC buffer name (the caller's ``out``, checked, or new);
-    - ``twins``: the interpreter's data-movement twins per role; ``outputs(plan, rank)``: the
-      output tiles its kernel end reads;
+    - ``twins``: the interpreter's data-movement twins per role, or a ``Twins`` (with the layout
+      twin and the kernel-end reads); ``outputs(plan, rank)``: the output tiles of buffer
+      ``output`` (default ``out``) its kernel end reads (unused when twins gives a Twins);
     - ``check`` (optional): the op's checks beyond its operands', before anything runs; it may
-      set sizes (a scale's bits) and options (defaults);
+      set sizes (a scale's bits), options (defaults) and inputs (as the kernel takes them);
+    - ``world_check(world)`` (optional): the op's checks of the world, before the nodes' (the
+      MoE pair's CUDA-graph capture in a distributed world);
+    - ``refused`` (optional): called when a check (nodes to plan) raises TypeError / ValueError,
+      before it propagates (the MoE dispatch's peers, about to exchange counts, raise too);
     - ``solo`` (optional): the result of a path without the fused plan (the ring ops' one-rank
       engines), or None to take the plan;
-    - ``views`` (optional): the operands and results as the interpreter addresses them;
+    - ``empty`` (optional): the result of a call with nothing to run (the MoE ops' T == 0),
+      after the results, or None to run;
+    - ``operands`` (optional): the kernel's tensors by SPEC name on both paths (default: the
+      inputs, then the results); ``views`` (optional): the interpreter's, if they differ;
     - ``after_gpu`` (optional): host work after the launch (gemm_ar's copy into ``out``);
     - ``finish``: what the API returns (default: the result ``out``)."""
 
     shapes: Callable[..., dict[str, int]]
     results: Callable[[Call], dict[str, torch.Tensor]]
-    twins: Callable[[Call], dict[str, Callable]]
-    outputs: Callable[[Plan, int], dict]
+    twins: Callable[[Call], dict[str, Callable] | Twins]
+    outputs: Callable[[Plan, int], dict] | None = None
+    output: str = "out"
     shape_args: tuple[str, ...] = ()
     check: Callable[[Call], None] | None = None
+    world_check: Callable[[World], None] | None = None
+    refused: Callable[[Call], None] | None = None
     solo: Callable[[Call], Any] | None = None
+    empty: Callable[[Call], Any] | None = None
+    operands: Callable[[Call], dict[str, torch.Tensor]] | None = None
     views: Callable[[Call], dict[str, torch.Tensor]] | None = None
     after_gpu: Callable[[Call], None] | None = None
     finish: Callable[[Call], Any] = lambda call: call.results["out"]
@@ -69,35 +94,62 @@ class OpDef:
 def run_op(
     module: ModuleType, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any
 ) -> Any:
-    """The path every fused op's API takes: the world (its kind, its nodes: check_nodes), the
-    schedule, the operands (the op's ``shapes``), the op's own checks, the faults and the results
-    (``out``), all before anything runs; then the op's ``solo`` path if it takes one, else the
-    cached plan on the GPU (``run_gpu``, then ``after_gpu``) or in the interpreter with the op's
-    twins and kernel-end reads. Returns the op's ``finish``."""
+    """The path every fused op's API takes: ``prepare`` (every check, then the op's ``solo`` path
+    or the cached plan and the results), the op's ``empty`` result if it has nothing to run,
+    else the plan on the GPU (``run_gpu``, then ``after_gpu``) or in the interpreter with the
+    op's twins and kernel-end reads. Returns the op's ``finish``."""
     op: OpDef = module.OP
-    world = check_world_for(module.SPEC, world)
-    check_nodes(module, world)
-    call = Call(module, world, check_schedule(schedule), dict(inputs), dict(options))
-    shape_options = {k: call.options[k] for k in op.shape_args}
-    call.sizes = op.shapes(*call.inputs.values(), world, **shape_options)
-    if op.check is not None:
-        op.check(call)
-    check_faults(call.schedule, world)
-    if op.solo is not None:
-        res = op.solo(call)
-        if res is not None:
-            return res
-    call.plan = cached_plan(module, call.schedule, world, **call.sizes)
-    call.results = op.results(call)
+    call = prepare(module, inputs, world, schedule, **options)
+    if call.result is None and op.empty is not None:
+        call.result = op.empty(call)
+    if call.result is not None:
+        return call.result
+    world, plan = call.world, call.plan
+    operands = op.operands(call) if op.operands else {**call.inputs, **call.results}
     if world.on_gpu:
-        run_gpu(world, call.plan, {**call.inputs, **call.results})
+        run_gpu(world, plan, operands)
         if op.after_gpu is not None:
             op.after_gpu(call)
     else:
-        views = op.views(call) if op.views else {**call.inputs, **call.results}
-        reads = lambda rank: op.outputs(call.plan, rank)  # noqa: E731
-        run_cpu(world, call.plan, views, op.twins(call), reads, call.schedule.seed)
+        tw = op.twins(call)
+        if not isinstance(tw, Twins):
+            tw = Twins(tw, None, lambda rank: op.outputs(plan, rank))
+        views = op.views(call) if op.views else operands
+        run_cpu(world, plan, views, tw.moves, tw.outputs, call.schedule.seed, tw.layout, op.output)
     return op.finish(call)
+
+
+def prepare(
+    module: ModuleType, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any
+) -> Call:
+    """run_op before the run: the world (its kind, the op's ``world_check``, its nodes:
+    check_nodes), the schedule, the operands (the op's ``shapes``), the op's own checks and the
+    faults, all before anything runs (a TypeError / ValueError among them calls ``refused``
+    first); then the op's ``solo`` result (``call.result``) or the cached plan and the results.
+    Also for tests and benchmarks that run a call's plan themselves."""
+    op: OpDef = module.OP
+    world = check_world_for(module.SPEC, world)
+    if op.world_check is not None:
+        op.world_check(world)
+    call = Call(module, world, _DEFAULT_SCHEDULE, dict(inputs), dict(options))
+    try:
+        check_nodes(module, world)
+        call.schedule = check_schedule(schedule)
+        shape_options = {k: call.options[k] for k in op.shape_args}
+        call.sizes = op.shapes(*call.inputs.values(), world, **shape_options)
+        if op.check is not None:
+            op.check(call)
+        check_faults(call.schedule, world)
+        call.result = op.solo(call) if op.solo is not None else None
+        if call.result is None:
+            call.plan = cached_plan(module, call.schedule, world, **call.sizes)
+    except (TypeError, ValueError):
+        if op.refused is not None:
+            op.refused(call)
+        raise
+    if call.result is None:
+        call.results = op.results(call)
+    return call
 
 
 # -- the checks of the run path (before anything is launched) ---------------------------------
