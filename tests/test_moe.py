@@ -500,6 +500,27 @@ def test_distributed_cpu_worlds_are_refused_before_anything_runs():
     assert mdg.SPEC.device and "moe_dispatch_gemm" in registry.device_names()
 
 
+def test_a_world_of_several_nodes_is_refused_as_by_the_other_flat_ops():
+    """Both ops take the run path's nodes check (common.check_nodes): a world of nodes > 1 raises
+    the UnsupportedWorld the other ops without a hierarchical plan raise (all_gather's message,
+    the op's name in it), before anything runs."""
+    W, T, E, k = 4, 3, 1, 1
+    world, flat = mkernel.World.emulated(W, nodes=2), mkernel.World.emulated(W)
+    x, w1, w2, weights = operands(W, T, E, 5)
+    ids, w = routing(W, T, E, k, "uniform", 5), weights[..., :k].contiguous()
+    with pytest.raises(common.UnsupportedWorld) as ag:
+        mkernel.all_gather(x, world=world)
+    with pytest.raises(common.UnsupportedWorld) as got:
+        dispatch(x, ids, w1, world)
+    assert str(got.value) == str(ag.value).replace("all_gather", "moe_dispatch_gemm", 1)
+    d = dispatch(x, ids, w1, flat)
+    moved = mkernel.MoeDispatch(d.y, d.src, d.expert_offsets, world, d.topk_ids, d.hidden)
+    with pytest.raises(common.UnsupportedWorld) as got:
+        combine(d.y, w2, moved, w, world)
+    assert str(got.value) == str(ag.value).replace("all_gather", "moe_gemm_combine", 1)
+    assert world.last_timeline is None and not world.signal_pads()
+
+
 @settings(max_examples=40)
 @given(
     W=st.integers(1, 4),

@@ -118,24 +118,30 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
     plan sizes the symmetric partial_peers by that peak (the per-call partial is a placeholder
     there); baselines.moe_dist (the unfused baseline) is not called."""
     import mkernel
-    from mkernel.ops import common
     from mkernel.ops import moe_dispatch_gemm as mdg
     from mkernel.ops import moe_gemm_combine as mgc
     from mkernel.ops.moe_common import partial_rows
+    from mkernel.runtime import run
 
     world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=1)
     T, H, N, E, k = 3, 8, 16, 2, 2
     s = dict(tokens=T, hidden=H, inter=N, experts=E, k=k)
     ids = torch.tensor([[0, 3], [2, -1], [1, 2]], dtype=torch.int32)
-    plan = types.SimpleNamespace(sizes={"max_rows": 12, "tokens": T})
-    checked = lambda x, t, w, wo, sc: (wo, mkernel.Schedule(), s, ids, plan, None)  # noqa: E731
-    monkeypatch.setattr(mdg, "checked", checked)
+    # the run path's operand checks and plan stubbed (the operands live on the CPU here)
+    monkeypatch.setattr(mdg, "shapes", lambda *a: dict(s))
+    sizes = {}
+
+    def cached_plan(module, sched, w, **shape):
+        sizes.update(shape)
+        return types.SimpleNamespace(sizes={**shape, "max_rows": 12})
+
+    monkeypatch.setattr(run, "cached_plan", cached_plan)
     monkeypatch.setattr(mdg, "rows_per_rank", lambda w, i, e: [4, 5])
     monkeypatch.setattr(moe_dist, "dispatch", None)  # the unfused path would fail
     monkeypatch.setattr(moe_dist, "combine", None)
     launched = []
     shapes = lambda ops: {n: tuple(t.shape) for n, t in ops.items()}  # noqa: E731
-    monkeypatch.setattr(common, "run_gpu", lambda w, p, ops: launched.append(shapes(ops)))
+    monkeypatch.setattr(run, "run_gpu", lambda w, p, ops: launched.append(shapes(ops)))
     x, w1 = torch.zeros(T, H).bfloat16(), torch.zeros(E, H, N).bfloat16()
     d = mkernel.moe_dispatch_gemm(x, ids, w1, world)
     want = {"x": (T, H), "topk_ids": (T, k), "w1": (1, E * H, N), "y": (1, 5, N)}
@@ -145,19 +151,28 @@ def test_the_api_launches_the_fused_kernels_on_a_distributed_gpu_world(monkeypat
         "expert_offsets": (1, 1, E + 1),
     }
     assert d.buffer_rows == [5] and d.peak == 5 and len(d.src) == len(d.expert_offsets) == 1
-    sizes = {}
-
-    def cached_plan(module, sched, w, **shape):
-        sizes.update(shape)
-        return types.SimpleNamespace(sizes=shape)
-
-    monkeypatch.setattr(common, "cached_plan", cached_plan)
     h, w2 = torch.zeros(5, N).bfloat16(), torch.zeros(E, N, H).bfloat16()
     monkeypatch.setattr(mgc, "shapes", lambda *a: dict(s, partial_rows=partial_rows(d.peak)))
     out = mkernel.moe_gemm_combine(h, w2, d, torch.zeros(T, k), world)
     assert out.shape == (T, H) and sizes["partial_rows"] == partial_rows(5) == 64
     want = {"h": (5, N), "w2": (E * N, H), "src": (5, 3), "expert_offsets": (1, E + 1)}
     assert launched[1] == want | {"out": (T, H), "topk_weights": (T, k), "partial": (1, H)}
+
+
+def test_a_refused_input_in_a_distributed_world_still_joins_the_counts_exchange(monkeypatch):
+    """The run path's ``refused`` hook (mkernel/runtime/run.py OpDef): when a check refuses this
+    rank's dispatch inputs in a distributed world, the rank still takes part in the counts
+    exchange as refusing (ids None), so that its peers raise instead of waiting; then the check's
+    own error propagates."""
+    import mkernel
+    from mkernel.ops import moe_dispatch_gemm as mdg
+
+    world = World(size=2, device=torch.device("cuda", 0), kind="distributed", rank=0)
+    joined = []
+    monkeypatch.setattr(mdg, "rows_per_rank", lambda w, ids, e: joined.append((w, ids, e)))
+    with pytest.raises(TypeError, match="x must be torch.bfloat16"):
+        mkernel.moe_dispatch_gemm(torch.zeros(2, 8), torch.zeros(2, 1), torch.zeros(1), world)
+    assert joined == [(world, None, 0)]
 
 
 def test_capture_in_a_distributed_world_is_refused_by_name(monkeypatch):

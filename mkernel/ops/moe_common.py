@@ -19,16 +19,14 @@ global id of local expert e on rank d is d * E_local + e):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..schedule import TILE_CONFIGS, TileConfig
 from ..world import World
-
-Rect = tuple[int, int, int, int]
+from .common import ALIGN, check_divides
 
 
 @dataclass(frozen=True)
@@ -126,15 +124,6 @@ def grouped_tile(rows: int, world: Any, wide: str | None = None) -> TileConfig:
             f"Schedule.chunk_rows={rows}: the grouped GEMM engine takes tiles of at most 128 rows"
         )
     return TILE_CONFIGS["64x128x64" if rows <= 64 else wide or "128x128x64"]
-
-
-class Twins(NamedTuple):
-    """The interpreter side of one call: data-movement twins per role, the layout twin (the device
-    layout phase), and the output tiles the kernel end reads per rank."""
-
-    moves: dict[str, Callable | None]
-    layout: Callable
-    outputs: Callable[[int], dict[int, Rect]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -258,15 +247,6 @@ def stacked(parts: list[torch.Tensor], rows: int, fill: float = 0.0) -> torch.Te
 # -- checks (before anything runs) ----------------------------------------------------------------
 
 
-def on_gpu_path(spec: Any, world: Any) -> bool:
-    """Which path a call takes: True on a GPU (the fused kernel: an emulated world, every rank in
-    one launch, or a distributed one, this process's rank), False for an emulated world on the CPU
-    (the interpreter runs the protocol). A distributed CPU world is refused by name."""
-    from .common import check_world_for
-
-    return check_world_for(spec, world).on_gpu
-
-
 def capturing(t: torch.Tensor) -> bool:
     """A CUDA graph is being captured on the current stream (no host reads of device data)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -287,8 +267,6 @@ def check_capture(name: str, world: World) -> None:
 
 def check_columns(name: str, value: int) -> None:
     """Row lengths the device's TMA copies will need (16-byte rows)."""
-    from .common import ALIGN, check_divides
-
     check_divides(name, value, ALIGN, "16-byte rows")
 
 

@@ -63,7 +63,6 @@ from . import common
 from .moe_common import (
     MoeDispatch,
     Routing,
-    Twins,
     bad_id,
     capturing,
     check_capture,
@@ -73,7 +72,6 @@ from .moe_common import (
     gemm_tasks,
     grouped_tile,
     max_rows,
-    on_gpu_path,
     route,
     rows_per_rank,
     tile_rows,
@@ -215,48 +213,6 @@ def check_sizes(world: World, tokens: int, hidden: int, inter: int, experts: int
     check_columns("I (columns of w1)", inter)
 
 
-def checked(
-    x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
-) -> tuple[World, Schedule, dict[str, int], torch.Tensor, Plan, list[list[int]] | None]:
-    """Every check, before anything runs (both paths), then the shapes, the routing ids as int32,
-    the cached plan and (emulated world, not under capture) each source rank's used slots per
-    destination rank, from check_ids' one host read. A distributed world's ids are checked by
-    the counts exchange (rows_per_rank), so that every rank raises when one refuses its ids."""
-    world = common.check_world_for(SPEC, world)
-    common.check_nodes(sys.modules[__name__], world)  # no plan over several nodes yet
-    schedule = common.check_schedule(schedule)
-    s = shapes(x, topk_ids, w1, world)
-    counts = None
-    if world.emulated_world:
-        counts = check_ids(topk_ids, world.size * s["experts"], s["experts"])
-    common.check_faults(schedule, world)
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    return world, schedule, s, topk_ids.to(torch.int32).contiguous(), plan, counts
-
-
-def prepare(
-    x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
-) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
-    """Every check, then what one call runs in the interpreter: the cached plan, the routing (the
-    host knows it in the emulated world: it sizes ``y`` and gives src and expert_offsets) and the
-    buffers by name."""
-    world, schedule, s, ids, plan, _ = checked(x, topk_ids, w1, world, schedule)
-    routing = route(ids.tolist(), s["experts"])
-    W, E, H, N = world.size, s["experts"], s["hidden"], s["inter"]
-    rows = max(len(r) for r in routing.rows)
-    buffers = {
-        "x": x,
-        "topk_ids": ids,
-        "w1": w1.view(W, E * H, N),
-        "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16),  # poisoned
-        "expanded": torch.full((W, rows, H), float("nan"), dtype=torch.bfloat16),
-        # the device layout's outputs (the host's routing gives them here)
-        "src": torch.full((W, rows, 3), -1, dtype=torch.int32),
-        "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32),
-    }  # run_cpu adds the workspace (common.workspace)
-    return world, schedule, plan, routing, buffers
-
-
 def moe_dispatch_gemm(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -295,79 +251,150 @@ def moe_dispatch_gemm(
         like a timeout: by the next call, ``world.check()`` or the watchdog) if the kernel found
         an expert id outside [-1, E) or repeated within a token (it ignored that slot).
     """
-    if on_gpu_path(SPEC, world):
-        return dispatch_gpu(x, topk_ids, w1, world, schedule)
-    world, schedule, plan, routing, buffers = prepare(x, topk_ids, w1, world, schedule)
-    tw = twins_of(plan, routing)
-    common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "y")
-    y = [buffers["y"][d, : len(r)].clone() for d, r in enumerate(routing.rows)]
-    return dispatch_result(world, routing, buffers["topk_ids"].clone(), y, plan.sizes["hidden"])
+    inputs = {"x": x, "topk_ids": topk_ids, "w1": w1}
+    return common.run_op(sys.modules[__name__], inputs, world, schedule)
 
 
-def dispatch_gpu(
-    x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor, world: World, schedule: Any
-) -> MoeDispatch:
-    """The fused kernel (kernels/moe_dispatch_gemm.cu), one launch: every rank of an emulated
-    world, or this process's rank of a distributed one. The host learns the rows per rank once
-    (emulated: check_ids' one read of every rank's id check and counts; distributed: an
+def prepare(
+    x: Any, topk_ids: Any, w1: Any, world: Any, schedule: Any
+) -> tuple[World, Schedule, Plan, Routing, dict[str, torch.Tensor]]:
+    """The run path up to the run (common.prepare) in an emulated CPU world, for tests that run
+    the interpreter themselves: the world, the schedule, the cached plan, the host's routing and
+    the buffers by name."""
+    inputs = {"x": x, "topk_ids": topk_ids, "w1": w1}
+    call = common.prepare(sys.modules[__name__], inputs, world, schedule)
+    return call.world, call.schedule, call.plan, call.state["routing"], _operands(call)
+
+
+# -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
+
+
+def _check(call: common.Call) -> None:
+    """The routing ids, before anything runs (both paths): in an emulated world (not under
+    capture) check_ids' one host read, which also gives each source rank's used slots per
+    destination rank (``counts``); a distributed world's are checked by the counts exchange
+    (rows_per_rank, in ``_results``), so that every rank raises when one refuses its ids. Then
+    the ids as int32."""
+    world, ids, E = call.world, call.inputs["topk_ids"], call.sizes["experts"]
+    if world.emulated_world:
+        call.state["counts"] = check_ids(ids, world.size * E, E)
+    call.inputs["topk_ids"] = ids.to(torch.int32).contiguous()
+
+
+def _refused(call: common.Call) -> None:
+    """A check refused this rank's inputs: in a distributed world its peers are about to exchange
+    counts (rows_per_rank), so this rank takes part too (as refusing), making them raise, not
+    wait."""
+    ids = call.inputs["topk_ids"]
+    graph = isinstance(ids, torch.Tensor) and capturing(ids)
+    if call.world.emulated_world or graph:
+        return
+    try:
+        rows_per_rank(call.world, None, 0)
+    except ValueError:
+        pass
+
+
+def _results(call: common.Call) -> dict[str, torch.Tensor]:
+    """y, expanded, src and expert_offsets, one leading dimension of the ranks of this process.
+    On the CPU the host's routing (``route``) sizes them and gives src and expert_offsets; on a
+    GPU the host learns the rows per rank once (emulated: check_ids' counts; distributed: an
     all-gather of each rank's, rows_per_rank), the one synchronize of the call, to size y / src
     and return each rank's rows; the kernel's layout phase computes the same counts, the
     offsets, src and every task on the device."""
+    world, ids, z = call.world, call.inputs["topk_ids"], call.sizes
+    W, E, N, H = world.size, z["experts"], z["inter"], z["hidden"]
+    if not world.on_gpu:
+        call.state["routing"] = routing = route(ids.tolist(), E)
+        rows = max(len(r) for r in routing.rows)
+        return {
+            "y": torch.full((W, rows, N), float("nan"), dtype=torch.bfloat16),  # poisoned
+            "expanded": torch.full((W, rows, H), float("nan"), dtype=torch.bfloat16),
+            # the device layout's outputs (the host's routing gives them here)
+            "src": torch.full((W, rows, 3), -1, dtype=torch.int32),
+            "expert_offsets": torch.full((W, 1, E + 1), -1, dtype=torch.int32),
+        }  # run_cpu adds the workspace (common.workspace)
     emulated = world.emulated_world
-    check_capture(SPEC.name, world)
-    try:
-        world, schedule, s, ids, plan, counts = checked(x, topk_ids, w1, world, schedule)
-    except (TypeError, ValueError):
-        graph = isinstance(topk_ids, torch.Tensor) and capturing(topk_ids)
-        if not emulated and not graph:
-            try:  # the peers are about to exchange counts: make them raise too, not wait
-                rows_per_rank(world, None, 0)
-            except ValueError:
-                pass
-        raise
-    W, T, E, N, H = world.size, s["tokens"], s["experts"], s["inter"], s["hidden"]
-    if T == 0 and emulated:  # nothing routed anywhere: no launch, every rank's rows empty
-        dev, e_local = x.device, w1.shape[1]
-        return MoeDispatch(
-            [torch.empty((0, N), dtype=torch.bfloat16, device=dev) for _ in range(W)],
-            [torch.empty((0, 3), dtype=torch.int32, device=dev) for _ in range(W)],
-            [torch.zeros(e_local + 1, dtype=torch.int32, device=dev) for _ in range(W)],
-            world,
-            ids.clone(),
-            H,
-        )
     captured = capturing(ids)
     if captured:  # no host read: the results hold the worst case's rows (MoeDispatch.captured)
-        per_rank = [plan.sizes["max_rows"]] * W
+        per_rank = [call.plan.sizes["max_rows"]] * W
     elif emulated:  # check_ids' one host read: every source's slots to each rank
-        per_rank = [sum(col) for col in zip(*counts, strict=True)]
+        per_rank = [sum(col) for col in zip(*call.state["counts"], strict=True)]
     else:
         per_rank = rows_per_rank(world, ids, E)  # NOTE: the host synchronize (and a collective)
     ranks = list(range(W)) if emulated else [world.rank]  # this process's
+    call.state.update(per_rank=per_rank, ranks=ranks, captured=captured)
     n = len(ranks)  # one leading dimension in both worlds (a distributed rank's extent is its own)
     rows = max(1, *(per_rank[d] for d in ranks))
-    dev = x.device
-    out = {
+    dev = call.inputs["x"].device
+    return {
         "y": common.result_buffer((n, rows, N), torch.bfloat16, dev),
         # workspace, every row written before it is read: not poisoned (a write of every row)
         "expanded": torch.empty((n, rows, H), dtype=torch.bfloat16, device=dev),
         "src": torch.full((n, rows, 3), -1, dtype=torch.int32, device=dev),
         "expert_offsets": torch.full((n, 1, E + 1), -1, dtype=torch.int32, device=dev),
     }
-    if T > 0:  # (a distributed world of T = 0 everywhere launches nothing either)
-        common.run_gpu(world, plan, {"x": x, "topk_ids": ids, "w1": w1.view(n, -1, N), **out})
-    else:
-        out["expert_offsets"].zero_()
+
+
+def _operands(call: common.Call) -> dict[str, torch.Tensor]:
+    """x, the ids (int32), w1 as [n, E_local * H, I] (n: the ranks of this process), the results."""
+    w1, n = call.inputs["w1"], call.world.size if call.world.emulated_world else 1
+    return {**call.inputs, "w1": w1.view(n, -1, w1.shape[-1]), **call.results}
+
+
+def _empty(call: common.Call) -> MoeDispatch | None:
+    """No tokens on a GPU: nothing routed anywhere, no launch, every rank's rows empty (a
+    distributed world of T = 0 everywhere launches nothing either). The interpreter runs such a
+    call (its tables are empty)."""
+    world, z, ids = call.world, call.sizes, call.inputs["topk_ids"]
+    if z["tokens"] or not world.on_gpu:
+        return None
+    if not world.emulated_world:
+        call.results["expert_offsets"].zero_()
+        return _finish(call)
+    dev, W, E, N = call.inputs["x"].device, world.size, z["experts"], z["inter"]
     return MoeDispatch(
-        [out["y"][i, : per_rank[d]] for i, d in enumerate(ranks)],
-        [out["src"][i, : per_rank[d]] for i, d in enumerate(ranks)],
-        [out["expert_offsets"][i, 0] for i in range(n)],
+        [torch.empty((0, N), dtype=torch.bfloat16, device=dev) for _ in range(W)],
+        [torch.empty((0, 3), dtype=torch.int32, device=dev) for _ in range(W)],
+        [torch.zeros(E + 1, dtype=torch.int32, device=dev) for _ in range(W)],
+        world,
+        ids.clone(),
+        z["hidden"],
+    )
+
+
+def _finish(call: common.Call) -> MoeDispatch:
+    """Each rank's rows of the results (the interpreter's: copies of the routed rows)."""
+    world, r, ids, H = call.world, call.results, call.inputs["topk_ids"], call.sizes["hidden"]
+    if not world.on_gpu:
+        routing = call.state["routing"]
+        y = [r["y"][d, : len(rows)].clone() for d, rows in enumerate(routing.rows)]
+        return dispatch_result(world, routing, ids.clone(), y, H)
+    per_rank, ranks = call.state["per_rank"], call.state["ranks"]
+    return MoeDispatch(
+        [r["y"][i, : per_rank[d]] for i, d in enumerate(ranks)],
+        [r["src"][i, : per_rank[d]] for i, d in enumerate(ranks)],
+        [r["expert_offsets"][i, 0] for i in range(len(ranks))],
         world,
         ids.clone(),
         H,
-        captured,
+        call.state["captured"],
         max(per_rank),
     )
+
+
+OP = common.OpDef(
+    shapes=lambda *args: shapes(*args),
+    world_check=lambda world: check_capture(SPEC.name, world),
+    check=_check,
+    refused=_refused,
+    results=_results,
+    empty=_empty,
+    operands=_operands,
+    twins=lambda c: twins_of(c.plan, c.state["routing"]),
+    output="y",
+    finish=_finish,
+)
 
 
 # -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------
@@ -422,7 +449,7 @@ def layout_tasks(plan: Plan, routing: Routing, me: int) -> dict[str, list[Task]]
     return {"comm": comm, "compute": compute}
 
 
-def twins_of(plan: Plan, routing: Routing) -> Twins:
+def twins_of(plan: Plan, routing: Routing) -> common.Twins:
     """The interpreter side of one call. ``routing`` (the host's) gives the rows the kernel end
     reads; the layout twin makes the tasks from the ids it reads, as the device would."""
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
@@ -479,7 +506,7 @@ def twins_of(plan: Plan, routing: Routing) -> Twins:
         tasks = gemm_tasks(routing.offsets[rank], tr, N, bn)
         return {x: (r0, n, c0, c) for x, (_, _, r0, n, c0, c) in enumerate(tasks)}
 
-    return Twins({"comm": comm, "compute": compute}, layout, outputs)
+    return common.Twins({"comm": comm, "compute": compute}, layout, outputs)
 
 
 def reference(

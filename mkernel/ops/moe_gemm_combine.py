@@ -54,14 +54,12 @@ from ..world import World
 from . import common
 from .moe_common import (
     MoeDispatch,
-    Twins,
     check_capture,
     check_columns,
     gemm_tasks,
     gemm_tiles,
     grouped_tile,
     max_rows,
-    on_gpu_path,
     partial_rows,
     stacked,
     tile_rows,
@@ -236,46 +234,6 @@ def check_sizes(
     check_columns("I (columns of h)", inter)
 
 
-def prepare(
-    h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: Any, schedule: Any
-) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
-    """Every check, then the cached plan and the buffers by name of one call."""
-    world = common.check_world_for(SPEC, world)
-    common.check_nodes(sys.modules[__name__], world)  # no plan over several nodes yet
-    check_capture(SPEC.name, world)
-    schedule = common.check_schedule(schedule)
-    s = shapes(h, w2, dispatch, topk_weights, world)
-    common.check_faults(schedule, world)
-    plan = common.cached_plan(sys.modules[__name__], schedule, world, **s)
-    W, E, N, H, T = world.size, s["experts"], s["inter"], s["hidden"], s["tokens"]
-    dev = w2.device  # (the world's: checked)
-    if world.emulated_world:
-        rows = max(1, *dispatch.buffer_rows)
-        buffers = {
-            "h": stacked(list(h), rows),
-            "w2": w2.view(W, E * N, H),
-            "src": stacked(dispatch.src, rows),
-            "expert_offsets": torch.stack(dispatch.expert_offsets).view(W, 1, E + 1),
-            "out": common.result_buffer((W, T, H), torch.bfloat16, dev),
-            "partial": common.result_buffer((W, rows, H), torch.float32, dev),
-        }
-    else:  # this rank's tensors (at least one row: the engine's TMA maps need one)
-        hd = h if isinstance(h, torch.Tensor) else h[0]
-        rows = max(1, hd.shape[0])
-        buffers = {
-            "h": stacked([hd], rows)[0] if hd.shape[0] == 0 else hd.contiguous(),
-            "w2": w2.view(E * N, H),
-            "src": stacked([dispatch.src[0]], rows, -1)[0],
-            "expert_offsets": dispatch.expert_offsets[0].view(1, E + 1),
-            "out": common.result_buffer((T, H), torch.bfloat16, dev),
-            "partial": torch.empty((1, H), dtype=torch.float32, device=dev),  # partial_peers'
-        }
-    # out and partial: NaN where poisoned (result_buffer), so rows nobody writes show; run_cpu /
-    # run_gpu add the workspace (partial_peers among it in a distributed world)
-    buffers["topk_weights"] = topk_weights
-    return world, schedule, plan, buffers
-
-
 def moe_gemm_combine(
     h: list[torch.Tensor],
     w2: torch.Tensor,
@@ -309,16 +267,78 @@ def moe_gemm_combine(
         bf16, per rank [T, H] (emulated: [W, T, H]). Raises TypeError / ValueError naming the
         argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    on_gpu = on_gpu_path(SPEC, world)
-    world, schedule, plan, buffers = prepare(h, w2, dispatch, topk_weights, world, schedule)
-    if plan.sizes["tokens"] == 0:  # no tokens: nothing to launch
-        return buffers["out"]
-    if on_gpu:  # the fused kernel (kernels/moe_gemm_combine.cu), one launch
-        common.run_gpu(world, plan, buffers)
-        return buffers["out"]
-    tw = twins_of(plan, dispatch)
-    common.run_cpu(world, plan, buffers, tw.moves, tw.outputs, schedule.seed, tw.layout, "out")
-    return buffers["out"]
+    inputs = {"h": h, "w2": w2, "dispatch": dispatch, "topk_weights": topk_weights}
+    return common.run_op(sys.modules[__name__], inputs, world, schedule)
+
+
+def prepare(
+    h: Any, w2: Any, dispatch: Any, topk_weights: Any, world: Any, schedule: Any
+) -> tuple[World, Schedule, Plan, dict[str, torch.Tensor]]:
+    """The run path up to the run (common.prepare), for benchmarks and tests that launch or
+    interpret the plan themselves: the world, the schedule, the cached plan and the buffers by
+    name of one call."""
+    inputs = {"h": h, "w2": w2, "dispatch": dispatch, "topk_weights": topk_weights}
+    call = common.prepare(sys.modules[__name__], inputs, world, schedule)
+    return call.world, call.schedule, call.plan, _operands(call)
+
+
+# -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
+
+
+def _results(call: common.Call) -> dict[str, torch.Tensor]:
+    """out and the per-call fp32 partial: NaN where poisoned (result_buffer), so rows nobody
+    writes show. A distributed world's partial is a placeholder: its rows are the symmetric
+    partial_peers' (the workspace run_gpu adds)."""
+    world, z, dev = call.world, call.sizes, call.inputs["w2"].device  # (the world's: checked)
+    T, H = z["tokens"], z["hidden"]
+    if not world.emulated_world:
+        return {
+            "out": common.result_buffer((T, H), torch.bfloat16, dev),
+            "partial": torch.empty((1, H), dtype=torch.float32, device=dev),  # partial_peers'
+        }
+    rows = max(1, *call.inputs["dispatch"].buffer_rows)
+    return {
+        "out": common.result_buffer((world.size, T, H), torch.bfloat16, dev),
+        "partial": common.result_buffer((world.size, rows, H), torch.float32, dev),
+    }
+
+
+def _operands(call: common.Call) -> dict[str, torch.Tensor]:
+    """The kernel's tensors by name: h, src and expert_offsets from the dispatch (emulated: every
+    rank's, stacked to one row count; distributed: this rank's, at least one row: the engine's
+    TMA maps need one), w2 as [E_local * I, H] per rank, the results, topk_weights. run_cpu /
+    run_gpu add the workspace (partial_peers among it in a distributed world)."""
+    world, z, ins = call.world, call.sizes, call.inputs
+    h, w2, dispatch = ins["h"], ins["w2"], ins["dispatch"]
+    E, N, H = z["experts"], z["inter"], z["hidden"]
+    if world.emulated_world:
+        rows = max(1, *dispatch.buffer_rows)
+        ops = {
+            "h": stacked(list(h), rows),
+            "w2": w2.view(world.size, E * N, H),
+            "src": stacked(dispatch.src, rows),
+            "expert_offsets": torch.stack(dispatch.expert_offsets).view(world.size, 1, E + 1),
+        }
+    else:
+        hd = h if isinstance(h, torch.Tensor) else h[0]
+        rows = max(1, hd.shape[0])
+        ops = {
+            "h": stacked([hd], rows)[0] if hd.shape[0] == 0 else hd.contiguous(),
+            "w2": w2.view(E * N, H),
+            "src": stacked([dispatch.src[0]], rows, -1)[0],
+            "expert_offsets": dispatch.expert_offsets[0].view(1, E + 1),
+        }
+    return {**ops, **call.results, "topk_weights": ins["topk_weights"]}
+
+
+OP = common.OpDef(
+    shapes=lambda *args: shapes(*args),
+    world_check=lambda world: check_capture(SPEC.name, world),
+    results=_results,
+    empty=lambda c: None if c.sizes["tokens"] else c.results["out"],  # no tokens: no launch
+    operands=_operands,
+    twins=lambda c: twins_of(c.plan, c.inputs["dispatch"]),
+)
 
 
 # -- CPU interpreter: the layout twin and the data-movement twins ---------------------------------
@@ -372,7 +392,7 @@ def layout_tasks(
     return {"compute": compute, "comm": comm}
 
 
-def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
+def twins_of(plan: Plan, dispatch: MoeDispatch) -> common.Twins:
     """The interpreter side of one call; the layout twin reads every rank's ``expert_offsets`` and
     ``src`` (what the dispatch left in device memory), as the device's layout phase does."""
     T, H, N, k = (plan.sizes[n] for n in ("tokens", "hidden", "inter", "k"))
@@ -422,7 +442,7 @@ def twins_of(plan: Plan, dispatch: MoeDispatch) -> Twins:
     def outputs(rank: int) -> dict[int, tuple[int, int, int, int]]:
         return {t: (t, 1, 0, H) for t in range(T)}
 
-    return Twins({"compute": compute, "comm": comm}, layout, outputs)
+    return common.Twins({"compute": compute, "comm": comm}, layout, outputs)
 
 
 def reference(
