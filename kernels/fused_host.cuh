@@ -22,7 +22,7 @@ inline const T* rec_ptr(const long long* rec, int field) {
 // A role's tables and, for a device-filled role, its per-rank capacity (record fields cap_field..).
 inline RoleTables role_tables(const long long* rec, int first_field, int cap_field) {
   auto table = [&](int i) { return reinterpret_cast<int*>(rec[first_field + i]); };
-  return RoleTables{table(0), table(1), table(2), table(3), table(4), table(5),
+  return RoleTables{table(0), table(1), table(2), table(3), table(4), table(5), table(6),
                     {(int)rec[cap_field], (int)rec[cap_field + 1], (int)rec[cap_field + 2]}};
 }
 

@@ -32,7 +32,7 @@ namespace mk {
 
 // A compute task as the plan encodes its tile (mkernel/ops/ring_attention.py pack_tag / TAG_KEY).
 struct RingTask {
-  int m0, rows;          // first q row within the q chunk; q rows (0: an empty padding task)
+  int m0, rows;          // first q row within the q chunk; q rows
   int kv_outer, kv_len;  // K / V map batch coordinate; rows of the K / V chunk
   int step, key;         // ring step; (b * Hq + h) * C + q chunk
   bool diag, first, last;
@@ -61,12 +61,9 @@ struct TaskWork {
 
   __device__ bool next(attn::WorkTile& w) {
     const int n = hooks.num_tasks();
-    int i = i1;
-    RingTask t;
-    do {
-      if (++i >= n) return false;
-      t = hooks.task(i);
-    } while (t.rows == 0);  // empty tasks pad the unit's rows
+    int i = i1 + 1;
+    if (i >= n) return false;
+    RingTask t = hooks.task(i);
     i0 = i;
     const int C = p.chunks;
     const int bh = t.key / C, cq = t.key - bh * C;
@@ -81,7 +78,7 @@ struct TaskWork {
     const int key = t.key, m0 = t.m0;
     while (!t.last && i + 1 < n) {  // the tile's next task, if next on the unit, joins the item
       const RingTask u = hooks.task(i + 1);
-      if (u.key != key || u.m0 != m0 || u.rows == 0) break;
+      if (u.key != key || u.m0 != m0) break;
       t = u;
       ++i;
       w.n_tiles += tiles_of(t);

@@ -74,14 +74,13 @@ struct BwdTasks {
   int i = -1;
 
   // The next K / V tile task. Row tasks before it are run here by the consumer warpgroups
-  // (run_rows) and skipped by the producer; empty tasks pad the unit's rows.
+  // (run_rows) and skipped by the producer.
   __device__ bool next(attn::BwdWork& w) {
     const int n = hooks.num_tasks();
     RingBwdTask t;
     for (;;) {
       if (++i >= n) return false;
       t = hooks.task(i);
-      if (t.rows == 0) continue;
       if (!t.aux) break;
       if (threadIdx.x >= 128) run_rows(t);
     }

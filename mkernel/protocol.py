@@ -61,7 +61,7 @@ STATUS_ERRORS = ("none", "timeout", "bad_input")
 WAIT_FIELDS = ("pad", "rank", "index", "value", "consumers", "counter", "patience", "peer")
 RAISE_FIELDS = ("pad", "rank", "index", "value", "op")
 RAISE_OPS = ("set", "add")  # st.release.sys / red.release.sys.add
-TABLES = ("task_span", "args", "wait_span", "waits", "raise_span", "raises")
+TABLES = ("task_span", "args", "wait_span", "waits", "raise_span", "raises", "unit_span")
 CAPACITY_FIELDS = ("rows", "waits", "raises")
 BARRIER_PAD = "barrier"  # pad id 0 of every op: the template's entry barrier [slot, peer]
 
@@ -278,16 +278,72 @@ class Task:
 
 
 @dataclass
+class PerUnit:
+    """A role's tasks given unit by unit: ``lists[rank][unit]`` in that unit's execution order,
+    every rank with the same number of units. Its tables hold a rank's units back to back and
+    ``unit_span`` says where each one's rows are, so no unit is padded to the longest. A role
+    given as plain per-rank lists instead runs rows u, u + units, ... on unit u (the template's
+    default rule, which suits tasks that any unit may take in turn)."""
+
+    lists: list[list[list[Task]]]
+
+    def __post_init__(self) -> None:
+        counts = {len(units) for units in self.lists}
+        if len(counts) != 1 or 0 in counts:
+            raise ValueError(f"PerUnit: every rank needs the same number (>= 1) of units: {counts}")
+
+    @property
+    def units(self) -> int:
+        return len(self.lists[0])
+
+    def flat(self) -> list[list[Task]]:
+        """Per rank, its units' tasks back to back (the table order)."""
+        return [[t for unit in units for t in unit] for units in self.lists]
+
+    def counts(self) -> list[list[int]]:
+        return [[len(unit) for unit in units] for units in self.lists]
+
+
+@dataclass
 class RoleTables:
     """A role's tasks, per rank in execution order, and their int32 tables."""
 
     tasks: list[list[Task]]  # [W][i]; a device-filled role: empty (the kernel's layout fills it)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     capacity: Capacity | None = None  # set: filled on the device, rank r in region r
+    # [W][units]: each unit's task count when the role was given PerUnit (units back to back in
+    # a rank's rows); None: unit u runs rows u, u + units, ...
+    unit_counts: list[list[int]] | None = None
 
     def rows(self, rank: int) -> range:
         start = sum(len(t) for t in self.tasks[:rank])
         return range(start, start + len(self.tasks[rank]))
+
+    def unit_rows(self, rank: int, unit: int, units: int) -> list[int]:
+        """The table rows unit ``unit`` (of ``units``) runs on ``rank``, in order."""
+        rows = self.rows(rank)
+        if self.unit_counts is None:
+            return list(rows[unit::units])
+        counts = self.unit_counts[rank]
+        first = rows.start + sum(counts[:unit])
+        return list(range(first, first + counts[unit])) if unit < len(counts) else []
+
+    def unit_tasks(self, rank: int, unit: int, units: int) -> list[Task]:
+        base = self.rows(rank).start
+        return [self.tasks[rank][i - base] for i in self.unit_rows(rank, unit, units)]
+
+    def regroup(self, tasks: list[list[Task]]) -> list[list[Task]] | PerUnit:
+        """``tasks``, per rank as ``self.tasks`` (a copy edited row by row, say), in the form
+        ``encode`` took: unit by unit again, with the same counts, when the role was PerUnit."""
+        if self.unit_counts is None:
+            return tasks
+        lists = []
+        for rank_tasks, counts in zip(tasks, self.unit_counts, strict=True):
+            if len(rank_tasks) != sum(counts):
+                raise ValueError(f"regroup: {len(rank_tasks)} tasks for units of {counts}")
+            ends = [sum(counts[: u + 1]) for u in range(len(counts))]
+            lists.append([rank_tasks[e - n : e] for e, n in zip(ends, counts, strict=True)])
+        return PerUnit(lists)
 
 
 def _flat(spec: OpSpec, sizes: dict[str, int], pad: str, index: tuple[int, ...]) -> tuple[int, int]:
@@ -301,9 +357,13 @@ def _flat(spec: OpSpec, sizes: dict[str, int], pad: str, index: tuple[int, ...])
     return pid, flat
 
 
-def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]]) -> RoleTables:
-    """The int32 tables of one role (``tasks[rank]`` in execution order)."""
+def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]] | PerUnit) -> RoleTables:
+    """The int32 tables of one role (``tasks[rank]`` in execution order, or given PerUnit: then
+    ``unit_span`` [W * units, 2] holds each unit's rows; else it is empty)."""
+    unit_counts = tasks.counts() if isinstance(tasks, PerUnit) else None
+    tasks = tasks.flat() if isinstance(tasks, PerUnit) else tasks
     task_span, args, wait_span, waits, raise_span, raises = [], [], [], [], [], []
+    unit_span = []
     for rank_tasks in tasks:
         first = len(args)
         for t in rank_tasks:
@@ -321,6 +381,9 @@ def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]]) -> Role
             wait_span.append([w0, len(waits)])
             raise_span.append([r0, len(raises)])
         task_span.append([first, len(args)])
+        for n in unit_counts[len(task_span) - 1] if unit_counts else ():
+            unit_span.append([first, first + n])
+            first += n
 
     def t32(rows: list, width: int) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, width)
@@ -332,8 +395,9 @@ def encode(spec: OpSpec, sizes: dict[str, int], tasks: list[list[Task]]) -> Role
         "waits": t32(waits, len(WAIT_FIELDS)),
         "raise_span": t32(raise_span, 2),
         "raises": t32(raises, len(RAISE_FIELDS)),
+        "unit_span": t32(unit_span, 2),
     }
-    return RoleTables(tasks=tasks, tensors=tensors)
+    return RoleTables(tasks=tasks, tensors=tensors, unit_counts=unit_counts)
 
 
 @dataclass(frozen=True)
@@ -365,6 +429,7 @@ def empty_tables(world_size: int, cap: Capacity) -> RoleTables:
         "waits": torch.zeros(W * cap.waits, len(WAIT_FIELDS), dtype=torch.int32),
         "raise_span": torch.zeros(W * cap.rows, 2, dtype=torch.int32),
         "raises": torch.zeros(W * cap.raises, len(RAISE_FIELDS), dtype=torch.int32),
+        "unit_span": torch.zeros(0, 2, dtype=torch.int32),  # the device fills rows u, u + n, ...
     }
     return RoleTables(tasks=[[] for _ in range(W)], tensors=tensors, capacity=cap)
 

@@ -7,16 +7,17 @@ and comm tasks) plus the few compile-time choices (overlap mode, tile config). T
 the CPU interpreter run the same plan.
 
 Task assignment is static and shared by both backends: the c-th unit of a role on a rank (a CTA, or
-the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in plan order.
+the communicator warp of CTA c) takes that role's tasks c, c + n, c + 2n, ... in plan order, or the
+list the plan gave that unit (``PerUnit``; ``least_loaded`` places items on units by cost).
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +27,7 @@ from .protocol import (
     TILE_CONFIG_IDS,  # noqa: F401 (re-exported: names -> device config ids)
     Capacity,
     OpSpec,
+    PerUnit,
     RoleTables,
     Task,
     check_protocol,
@@ -44,6 +46,8 @@ from .tiles import (  # noqa: F401 (re-exported: mkernel.schedule's tile names)
     pick_tile,
 )
 from .world import check_world
+
+T = TypeVar("T")
 
 TRANSFERS = ("auto", "stores", "tma")
 
@@ -290,15 +294,15 @@ class Plan:
         return self._ids("comm")
 
     def task_rows(self, role: str, rank: int, unit: int) -> list[int]:
-        """The table rows unit ``unit`` of ``role`` on ``rank`` runs, in order (static round
-        robin: rows u, u + units, ... of the rank's tasks)."""
+        """The table rows unit ``unit`` of ``role`` on ``rank`` runs, in order: the unit's own
+        list when the plan gave the role PerUnit, else rows u, u + units, ... of the rank's."""
         n = self.compute_units if role == "compute" else self.comm_units
-        return list(self.roles[role].rows(rank))[unit::n]
+        return self.roles[role].unit_rows(rank, unit, n)
 
     def tasks_of(self, role: str, rank: int, unit: int) -> list[int]:
         """The task ids that unit ``unit`` of ``role`` on ``rank`` runs, in order."""
         n = self.compute_units if role == "compute" else self.comm_units
-        return [t.id for t in self.roles[role].tasks[rank][unit::n]]
+        return [t.id for t in self.roles[role].unit_tasks(rank, unit, n)]
 
     def task(self, role: str, row: int) -> Task:
         """The task at table row ``row`` of ``role``."""
@@ -425,6 +429,28 @@ def is_resolved(schedule: Schedule) -> bool:
     )
 
 
+def least_loaded(
+    items: Iterable[tuple[T, float]],
+    units: int,
+    load: list[float] | None = None,
+    longest_first: bool = True,
+) -> list[list[T]]:
+    """Each unit's items: every (item, cost) onto the unit least loaded so far (the lowest on a
+    tie), longest first (a stable sort: equal costs keep their order) or, ``longest_first=False``,
+    in the order given. ``load``: the units' costs before these (updated in place). The lists
+    suit ``PerUnit`` (a unit's own tasks, none padded to the longest)."""
+    load = [0.0] * units if load is None else load
+    if len(load) != units:
+        raise ValueError(f"least_loaded: {len(load)} loads for {units} units")
+    items = sorted(items, key=lambda x: -x[1]) if longest_first else items
+    lists: list[list[T]] = [[] for _ in range(units)]
+    for item, c in items:
+        u = min(range(units), key=load.__getitem__)
+        load[u] += c
+        lists[u].append(item)
+    return lists
+
+
 def split_units(schedule: Schedule, world: Any, n_compute_tasks: int) -> tuple[int, int]:
     """(compute units, comm units) per rank."""
     sms = rank_sms(schedule, world)
@@ -450,12 +476,14 @@ def build_plan(
     shapes: dict[str, int],
     sizes: dict[str, int],
     tiles: list[Tile],
-    compute: list[list[Task]] | Capacity,
-    comm: list[list[Task]] | Capacity,
+    compute: list[list[Task]] | PerUnit | Capacity,
+    comm: list[list[Task]] | PerUnit | Capacity,
     extra: dict[str, Any] | None = None,
 ) -> Plan:
     """An op's Plan from its tiles and per-rank task lists (``compute[r]``, ``comm[r]`` in execution
-    order), after the static protocol check (mkernel/protocol.py check_protocol).
+    order), after the static protocol check (mkernel/protocol.py check_protocol). A role given
+    ``PerUnit`` names each unit's tasks itself (its unit count is the role's units: at most what
+    the schedule gives, ``split_units``); a plain list is dealt out u, u + units, ...
 
     A role given as a ``Capacity`` is filled by the kernel's layout phase (the op's ``layout`` on
     the device, its twin in the interpreter) from data only the device has: the plan holds empty
@@ -465,8 +493,20 @@ def build_plan(
     if not is_resolved(schedule):  # a direct call; cached_plan resolves before make_plan
         # NOTE: ag_gemm's make_plan read transfer before: None / "auto" made it stores there.
         schedule, extra["choice"] = resolve(schedule, spec.name, world, shapes)
-    n_compute = compute.rows if isinstance(compute, Capacity) else len(compute[0])
+    n_compute = (
+        compute.rows
+        if isinstance(compute, Capacity)
+        else compute.units
+        if isinstance(compute, PerUnit)
+        else len(compute[0])
+    )
     compute_units, comm_units = split_units(schedule, world, n_compute)
+    for role, ts, n in (("compute", compute, compute_units), ("comm", comm, comm_units)):
+        if isinstance(ts, PerUnit) and ts.units != n:
+            raise ValueError(
+                f"{spec.name}: the plan gives its {role} role {ts.units} units, the schedule "
+                f"{n} (split_units)"
+            )
     nodes = getattr(world, "nodes", 1)
     sizes = {"W": world.size, "nodes": nodes, **sizes}  # the extents every pad may name
     device_filled = {
@@ -477,6 +517,8 @@ def build_plan(
     roles = {
         role: ts for role, ts in (("compute", compute), ("comm", comm)) if role not in device_filled
     }
+    per_unit = {role: ts for role, ts in roles.items() if isinstance(ts, PerUnit)}
+    roles = {role: ts.flat() if isinstance(ts, PerUnit) else ts for role, ts in roles.items()}
     raisers = {}
     for ts in roles.values():
         for r, rank_tasks in enumerate(ts):
@@ -490,7 +532,8 @@ def build_plan(
                     w if w.peer >= 0 else w._with_peer(raisers.get((w.pad, w.rank, w.index), -1))
                     for w in t.waits
                 )
-    tables = {role: encode(spec, sizes, ts) for role, ts in roles.items()}
+    # the PerUnit lists hold the same Task objects as the flat lists (their waits' peers set)
+    tables = {role: encode(spec, sizes, per_unit.get(role, ts)) for role, ts in roles.items()}
     if not device_filled:
         check_protocol(spec, sizes, tables)
     tables = {role: device_filled.get(role) or tables[role] for role in ("compute", "comm")}

@@ -29,7 +29,8 @@
 //   intra_sm  every CTA computes; the engine's spare warp (Engine::kSpareWarp) is the communicator
 //             (a team of 32 threads).
 // A CTA with no compute tasks skips the engine (its spare warp still communicates).
-// Unit u of a role takes rows u, u + units, ... of its rank's tasks (both backends).
+// Unit u of a role takes rows u, u + units, ... of its rank's tasks, or the rows the plan listed
+// for it (PerUnit, mkernel/protocol.py: unit_span), in both backends.
 // In an emulated world CTAs [r * ctas_per_rank, (r + 1) * ctas_per_rank) serve rank r; all ranks'
 // CTAs are co-resident (grid <= #SMs), so ranks can spin on each other.
 //
@@ -65,6 +66,7 @@ struct RoleTables {
   int* waits;       // [*, kWaitFields]
   int* raise_span;  // [rows, 2]
   int* raises;      // [*, kRaiseFields]
+  int* unit_span;   // [W * units, 2]: each unit's own rows (a plan given PerUnit), or nullptr
   int cap[3];       // per-rank capacity (rows, waits, raises) of a device-filled role, else 0
 };
 
@@ -139,6 +141,16 @@ struct TaskList {
   }
   __device__ int operator[](int i) const { return first + unit + i * units; }
 };
+
+// Unit `unit` of a role on `rank`: its own span when the plan listed each unit's tasks (no unit
+// padded to the longest), else rows unit, unit + units, ... of the rank's (the default rule).
+__device__ __forceinline__ TaskList unit_tasks(const RoleTables& t, int rank, int unit, int units) {
+  if (t.unit_span != nullptr) {
+    const int* s = t.unit_span + 2 * (rank * units + unit);
+    return TaskList{s[0], s[1], 0, 1};
+  }
+  return TaskList{t.task_span[2 * rank], t.task_span[2 * rank + 1], unit, units};
+}
 
 // A group of threads running one comm unit: a warp (intra_sm) or a whole CTA (inter_sm).
 struct Team {
@@ -629,11 +641,14 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
 
   if constexpr (has_layout<Op>::value) layout_phase<Op>(args, cta, smem);
 
-  const int* cspan = c.role[kRoleCompute].task_span + 2 * cta.rank;
-  const int* mspan = c.role[kRoleComm].task_span + 2 * cta.rank;
-  const TaskList compute{cspan[0], cspan[1], cta.slot, c.compute_units};
+  const RoleTables& ctab = c.role[kRoleCompute];
+  const RoleTables& mtab = c.role[kRoleComm];
+  // an inter_sm comm CTA has no compute unit (slot >= compute_units): an empty list
+  const TaskList compute = cta.slot < c.compute_units
+                               ? unit_tasks(ctab, cta.rank, cta.slot, c.compute_units)
+                               : TaskList{0, 0, 0, 1};
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
-    const TaskList comm{mspan[0], mspan[1], cta.slot - c.compute_units, c.comm_units};
+    const TaskList comm = unit_tasks(mtab, cta.rank, cta.slot - c.compute_units, c.comm_units);
     if constexpr (kAnyOrder) {
       claim_comm<Op>(args, cta, comm, next);
     } else {
@@ -644,7 +659,8 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     return;
   }
   // The intra_sm communicator, on the warp the engine leaves free.
-  const TaskList comm{mspan[0], mspan[1], cta.slot, c.comm_units};
+  const TaskList comm = cta.slot < c.comm_units ? unit_tasks(mtab, cta.rank, cta.slot, c.comm_units)
+                                                : TaskList{0, 0, 0, 1};
   auto spare = [&] {
     if (c.overlap != kIntraSM) return;
     if constexpr (kAnyOrder) {

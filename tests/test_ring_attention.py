@@ -253,11 +253,11 @@ def _check_plan(plan, what: str) -> None:
     """The forward plan's laws, each from the tables and the layout's positions (_positions):
 
     - the out tiles cut every (b, h) row range of each chunk into q tiles of ``q_tile`` rows;
-    - compute unit u of a rank runs rows u, u + units, ... (the template's rule, as the
-      interpreter's ``tasks_of``) in an order that keeps ``_check_turns``'s laws for the plan's
-      lag; all tasks of a q tile (its chain) run on one unit, which keeps the tile's state
-      between them, the first flag on the first task and the last flag on the last; empty tasks
-      only pad a unit's end;
+    - compute unit u of a rank runs its own list (PerUnit: the rank's rows, units back to back,
+      as unit_span says and the interpreter's ``tasks_of`` reads) in an order that keeps
+      ``_check_turns``'s laws for the plan's lag; all tasks of a q tile (its chain) run on one
+      unit, which keeps the tile's state between them, the first flag on the first task and the
+      last flag on the last; no task is an empty pad;
     - a chain has exactly the (step, K/V chunk) pairs with a key its rows may see (causal: no pair
       wholly in the future), each once, the diagonal (its own chunk) first, then by step; a tile
       addresses its chunk in k / v (step 0) or in the step's slot of k_ring / v_ring;
@@ -286,24 +286,26 @@ def _check_plan(plan, what: str) -> None:
     reads = [[0] * W for _ in range(W)]  # compute tasks of rank r, step s
     waits: dict[tuple[int, int], list] = {}  # (rank, step): the landed waits of its readers
     for r in range(W):
-        tasks = plan.roles["compute"].tasks[r]
-        assert len(tasks) % units == 0, f"{what}: rank {r} rows are not whole rounds of units"
+        role = plan.roles["compute"]
+        tasks = role.tasks[r]
+        per_unit = [role.unit_tasks(r, u, units) for u in range(units)]
+        assert [t for m in per_unit for t in m] == tasks, f"{what}: rank {r}: units not in order"
+        first = role.rows(r).start
+        spans = role.tensors["unit_span"][r * units : (r + 1) * units].tolist()
+        ends = [first + sum(len(m) for m in per_unit[: u + 1]) for u in range(units)]
+        assert spans == [[e - len(m), e] for e, m in zip(ends, per_unit, strict=True)], what
         chains = {}  # (b, h, row0) -> [(step, ck, diag)]
         home = {}  # (b, h, row0) -> the unit of its first task
         for u in range(units):
-            mine = tasks[u::units]
+            mine = per_unit[u]
             assert [t.id for t in mine] == plan.tasks_of("compute", r, u), what
             at = f"{what}: rank {r} unit {u}"
-            steps, going, padded = [], set(), False
+            steps, going = [], set()
             runs = []  # (chain, step, cost) of the unit's tasks in order, for _check_turns
             for t in mine:
                 tile = plan.tiles[t.args[0]]
                 assert t.raises == (), at
-                if tile.rows == 0:
-                    assert t.waits == (), f"{at}: an empty task waits"
-                    padded = True
-                    continue
-                assert not padded, f"{at}: a task after an empty pad"
+                assert tile.rows > 0, f"{at}: an empty task"
                 key, s, diag, first, last = ra.unpack_tag(tile.tag)
                 (b, h), cq, ck = divmod(key // C, H), key % C, tile.n0 % C
                 chain = (b, h, cq * Sc + tile.m0)
@@ -331,7 +333,7 @@ def _check_plan(plan, what: str) -> None:
             _check_turns(runs, plan.extra["lag"], at)
             assert not going, f"{at}: q tiles {sorted(going)} never end"
         if len(out_tiles) >= units:  # longest first onto the least loaded unit: none idles
-            assert all(plan.tiles[t.args[0]].rows for t in tasks[:units]), f"{what}: idle unit"
+            assert all(per_unit), f"{what}: idle unit"
         assert sorted(chains) == [x[:3] for x in out_tiles], f"{what}: rank {r} chains"
         for (b, h, row0), pairs in chains.items():
             at = f"{what}: rank {r} chain {(b, h, row0)}"
@@ -554,7 +556,10 @@ def _run(W, S, layout, causal, sched, *, edit=None, wrap=None, calls=1, seed=0):
     if edit is not None:
         tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
         edit(plan, tasks)
-        roles = {role: encode(plan.spec, plan.sizes, t) for role, t in tasks.items()}
+        roles = {
+            role: encode(plan.spec, plan.sizes, plan.roles[role].regroup(t))
+            for role, t in tasks.items()
+        }
         plan = dataclasses.replace(plan, roles=roles)
     out = torch.full((W, 1, S, 2, 64), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((W, 1, 2, S), float("nan"))
@@ -610,18 +615,17 @@ def test_a_forward_without_its_landed_wait_is_a_race_on_the_slot(seed):
         _run(3, 20, "contiguous", False, _sched(), edit=_drop("landed", "comm", 1, 1), seed=seed)
 
 
-def _tile(plan, task) -> tuple[int, int, bool, bool] | None:
-    """(key, m0, first, last) of a compute task's q tile; None for an empty task."""
+def _tile(plan, task) -> tuple[int, int, bool, bool]:
+    """(key, m0, first, last) of a compute task's q tile."""
     tile = plan.tiles[task.args[0]]
     key, _, _, first, last = ra.unpack_tag(tile.tag)
-    return (key, tile.m0, first, last) if tile.rows else None
+    return key, tile.m0, first, last
 
 
 def _later(plan, rows: list, unit: int) -> int:
-    """The row of the first task of ``unit`` that continues a q tile (not its first)."""
-    for i in range(unit, len(rows), plan.compute_units):
-        x = _tile(plan, rows[i])
-        if x is not None and not x[2]:
+    """The row (of rank 0) of the first task of ``unit`` that continues a q tile (not its first)."""
+    for i in plan.task_rows("compute", 0, unit):
+        if not _tile(plan, rows[i])[2]:
             return i
     raise AssertionError(f"unit {unit} continues no q tile")
 
@@ -641,9 +645,9 @@ def test_a_q_tile_split_across_units_loses_its_state(seed):
 
 def test_a_q_tile_out_of_order_on_its_unit_loses_its_state():
     def edit(plan, tasks):  # unit 0's first q tile runs its last task first
-        rows, units = tasks["compute"][0], plan.compute_units
+        rows = tasks["compute"][0]
         key_m0 = _tile(plan, rows[0])[:2]
-        same = [i for i in range(0, len(rows), units) if (_tile(plan, rows[i]) or ())[:2] == key_m0]
+        same = [i for i in plan.task_rows("compute", 0, 0) if _tile(plan, rows[i])[:2] == key_m0]
         assert len(same) == 3 and _tile(plan, rows[same[-1]])[3]  # W = 3 steps, the last
         rows[0], rows[same[-1]] = rows[same[-1]], rows[0]
 

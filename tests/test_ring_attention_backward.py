@@ -387,8 +387,7 @@ def _keys(plan, r: int) -> dict[int, tuple]:
     keys = {}
     for i, t in enumerate(plan.roles["compute"].tasks[r]):
         tile = plan.tiles[t.args[0]]
-        if not tile.rows:
-            continue
+        assert tile.rows, f"rank {r} row {i}: an empty task"
         kind, s = _kind(plan, t), ra.unpack_tag(tile.tag)[1]
         if kind is None:
             keys[i] = (s, _group(plan, t), 0)
@@ -439,8 +438,9 @@ def test_no_wait_is_for_a_later_key_and_units_run_keys_in_order(W, S, causal, la
                     for k in raisers[(w.pad, w.rank, w.index)]:
                         assert k < keys[r][at], f"rank {r} {role} {i}: {w.pad}{w.index}"
         for u in range(units):
-            mine = [keys[r][i] for i in range(u, len(plan.roles["compute"].tasks[r]), units)
-                    if i in keys[r]]  # fmt: skip
+            base = plan.roles["compute"].rows(r).start
+            rows = [i - base for i in plan.task_rows("compute", r, u)]
+            mine = [keys[r][i] for i in rows if i in keys[r]]
             assert mine == sorted(mine), f"rank {r} unit {u}"
 
 
@@ -471,13 +471,13 @@ def test_the_plan_is_the_forwards_ring_plus_the_way_back(W, S, causal, layout, s
     preps, G = back.extra["preps"], back.extra["groups"]
     Hkv, D, group = back.shapes["kv_heads"], back.shapes["head_dim"], 2
     for r in range(W):
-        rows = back.roles["compute"].tasks[r]
         seen, direct = [], back.extra["direct"][r]
         assert direct == (W == 1 or (layout == "contiguous" and causal and r == W - 1))
         homes = [s for s in range(1, W) if back.extra["holds"][r][s]
                  and s not in back.extra["sends"][r]]  # fmt: skip
         for u in range(units):
-            mine = [t for t in rows[u::units] if back.tiles[t.args[0]].rows]
+            mine = back.roles["compute"].unit_tasks(r, u, units)
+            assert all(back.tiles[t.args[0]].rows for t in mine), f"rank {r} unit {u}: a pad"
             kinds = [_kind(back, t) for t in mine]
             assert (kinds[:1] == [rb.PREP]) == (u < preps) and rb.PREP not in kinds[1:]
             sg = [(_step(back, t), _group(back, t)) for t in mine if _kind(back, t) is None]
@@ -614,7 +614,10 @@ def _run(W, S, layout, causal, *, edit=None, calls=1, seed=0):
     if edit is not None:
         tasks = {role: copy.deepcopy(t.tasks) for role, t in plan.roles.items()}
         edit(plan, tasks)
-        plan = dataclasses.replace(plan, roles={r: RoleTables(tasks=t) for r, t in tasks.items()})
+        roles = {
+            r: RoleTables(tasks=t, unit_counts=plan.roles[r].unit_counts) for r, t in tasks.items()
+        }
+        plan = dataclasses.replace(plan, roles=roles)
     grads = [torch.full(x.shape, float("nan"), dtype=torch.bfloat16) for x in (q, k, v)]
     ws = common.workspace(world, plan)
     views = rb.operands(plan, dout, q, k, v, out, lse, torch.zeros_like(lse), *grads)
@@ -674,7 +677,7 @@ def test_units_hosting_copies_get_less_compute(causal, layout, monkeypatch):
         work, biggest = [0.0] * units, 0.0
         tails = rb.tail_costs(plan.tiles, 1, D, tk)  # home, dq, finish parts (row tasks)
         for u in range(units):
-            for t in plan.roles["compute"].tasks[r][u::units]:
+            for t in plan.roles["compute"].unit_tasks(r, u, units):
                 tile = plan.tiles[t.args[0]]
                 if tile.rows and not tile.tag & rb.AUX:
                     c = (tile.cols - tile.m0 if tile.tag & 1 else tile.cols) + item

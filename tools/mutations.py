@@ -11,6 +11,7 @@ from dataclasses import dataclass
 # Fast, discriminating modules first: pytest -x stops at the first failure.
 DEFAULT_TESTS = (
     "tests/test_protocol.py",
+    "tests/test_per_unit.py",
     "tests/test_plans.py",
     "tests/test_interpreter_models.py",
     "tests/test_interpreter.py",
@@ -65,6 +66,7 @@ RA = "mkernel/ops/ring_attention.py"
 MD, MC = "mkernel/ops/moe_dispatch_gemm.py", "mkernel/ops/moe_gemm_combine.py"
 RB = "mkernel/ops/ring_attention_backward.py"
 COMMON, PROTO, SCHED = "mkernel/ops/common.py", "mkernel/protocol.py", "mkernel/schedule.py"
+RUN, TILES = "mkernel/runtime/run.py", "mkernel/tiles.py"
 PROG, MACH, TWINS, TRACE = (
     f"mkernel/interp/{f}.py" for f in ("program", "machine", "twins", "trace")
 )
@@ -290,21 +292,21 @@ MUTATIONS = [
     # -- common ------------------------------------------------------------------------------------
     Mutation(
         "common_cache_key",
-        COMMON,
+        SCHED,
         "        schedule.chunk_rows,\n",
         "",
         "plan cache key ignores chunk_rows: a call runs a plan of another chunking",
     ),
     Mutation(
         "common_no_reset_after_timeout",
-        COMMON,
+        RUN,
         "        world.reset()  # as on the GPU",
         "        pass  # as on the GPU",
         "a timed-out call leaves its flags set for the next call",
     ),
     Mutation(
         "common_faults_range",
-        COMMON,
+        RUN,
         "if v is not None and not 0 <= v < world.size:",
         "if v is not None and not 0 <= v <= world.size:",
         "a fault naming rank W (not a rank) is accepted",
@@ -584,14 +586,14 @@ MUTATIONS = [
     # -- schedule ----------------------------------------------------------------------------------
     Mutation(
         "sched_pick_tile_waves",
-        SCHED,
+        TILES,
         "return -(-tiles // sms) * c.bm * c.bn / _TILE_RATE[c.name]",
         "return tiles // sms * c.bm * c.bn / _TILE_RATE[c.name]",
         "pick_tile counts waves rounded down (a partial wave costs nothing)",
     ),
     Mutation(
         "sched_grouped_no_snake",
-        SCHED,
+        TILES,
         "cols = range(tiles_n - 1, -1, -1) if grp % 2 else range(tiles_n)",
         "cols = range(tiles_n)",
         "grouped_order does not snake: every group starts on column 0",
@@ -606,8 +608,8 @@ MUTATIONS = [
     Mutation(
         "sched_unit_reversed",
         SCHED,
-        "return [t.id for t in self.roles[role].tasks[rank][unit::n]]",
-        "return [t.id for t in self.roles[role].tasks[rank][unit::n][::-1]]",
+        "return [t.id for t in self.roles[role].unit_tasks(rank, unit, n)]",
+        "return [t.id for t in self.roles[role].unit_tasks(rank, unit, n)][::-1]",
         "a unit runs its share of the tasks in reverse plan order",
     ),
     Mutation(
@@ -647,12 +649,12 @@ MUTATIONS = [
         "ring attention: a unit starts a tile that must turn before one that would run out",
     ),
     Mutation(
-        "ra_rows_by_unit",
-        RA,
-        "        for i in range(depth):\n            for u in range(units):",
-        "        for u in range(units):\n            for i in range(depth):",
-        "ring attention: a unit's tasks laid out contiguously, not as rows u, u + units, ... (the "
-        "template's rule): a q tile's tasks land on several units",
+        "proto_unit_span_shift",
+        PROTO,
+        "first = rows.start + sum(counts[:unit])",
+        "first = rows.start + sum(counts[: max(0, unit - 1)])",
+        "a unit given its own list (PerUnit) runs the previous unit's rows: a q tile's tasks run "
+        "twice and another's never",
     ),
     Mutation(
         "ra_state_not_resumed",

@@ -58,7 +58,7 @@ import torch
 
 from ..cost import OpCost, register
 from ..interp import twins
-from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..protocol import Buffer, OpSpec, Pad, PerUnit, Raise, Task, Wait
 from ..runtime import registry
 from ..schedule import (
     TILE_CONFIGS,
@@ -68,6 +68,7 @@ from ..schedule import (
     Tile,
     build_plan,
     is_resolved,
+    least_loaded,
     resolve,
     split_units,
 )
@@ -105,7 +106,7 @@ KV_RING = (
 )
 # A compute task's tile (one per task; args[0] is its id), as the engine reads it
 # (kernels/ring_attention.cu task_of):
-#   m0    first q row within the q chunk       rows  q rows (0: an empty task that pads a unit)
+#   m0    first q row within the q chunk       rows  q rows
 #   n0    K/V map row: step 0, b * C + ck of   cols  rows of the K/V chunk
 #         k / v; step s >= 1, ((s - 1) * B + b) * C + ck of k_ring / v_ring ([*, S / C, Hkv, D])
 #   tag   diag | first << 1 | last << 2 | step << 3 | ((b * Hq + h) * C + cq) << TAG_KEY
@@ -206,12 +207,13 @@ def make_plan(
 
 @dataclass
 class RingTasks:
-    """The ring's plan before ``build_plan`` (``ring_tasks``): per rank its compute and comm tasks
-    in execution order, the tiles, the op's shapes and sizes, the resolved schedule, and for an op
-    that adds to it (the backward) ``readers[r][s]``, rank r's compute tasks of step s."""
+    """The ring's plan before ``build_plan`` (``ring_tasks``): per rank its compute tasks unit by
+    unit and its comm tasks in execution order, the tiles, the op's shapes and sizes, the resolved
+    schedule, and for an op that adds to it (the backward) ``readers[r][s]``, rank r's compute
+    tasks of step s."""
 
     schedule: Schedule
-    compute: list[list[Task]]
+    compute: PerUnit
     comm: list[list[Task]]
     tiles: list[Tile]
     shapes: dict[str, int]
@@ -331,7 +333,7 @@ def ring_tasks(
     C = num_chunks(zigzag, causal, W)
     Sc = S // C
     tq = schedule.chunk_rows or (ENGINE_Q_TILE if world.on_gpu else Q_TILE)
-    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
+    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit (some may idle)
     parts = max(1, min(MAX_PARTS, comm_units, B * S))
     lag = block_lag(world, B * S * kv_heads * D * 4, parts, tq, D, Sc)
 
@@ -368,9 +370,6 @@ def ring_tasks(
                         if r == 0:
                             out_tiles.append((b, h, cq * Sc + m0, n))
         qtiles.append(mine)
-    empty = len(tiles)
-    tiles.append(Tile(empty, 0, 0, 0, 0, 0))
-
     sends = ring_sends(readers)
 
     def landed(r: int, s: int) -> tuple[Wait, ...]:
@@ -393,22 +392,12 @@ def ring_tasks(
         )
         # q tiles to units, longest first onto the least loaded unit, so a q tile's tasks are
         # all on the unit that keeps its state between them; each unit's order is chain_order's
-        # (a tile's steps back to back once their blocks should have landed). Unit u's tasks
-        # are rows u, u + units, ... (the template's rule); empty tasks pad the shorter units.
-        load, chains = [0] * units, [[] for _ in range(units)]
-        for cost, chain in sorted(qtiles[r], key=lambda c: -c[0]):
-            u = min(range(units), key=load.__getitem__)
-            load[u] += cost
-            chains[u].append(chain)
-        lists = [chain_order(c, lag) for c in chains]
+        # (a tile's steps back to back once their blocks should have landed), its own list.
+        chains = least_loaded(((chain, cost) for cost, chain in qtiles[r]), units)
         step_of = lambda t: unpack_tag(tiles[t].tag)[1]  # noqa: E731
-        depth = max(len(x) for x in lists)
-        rows = []
-        for i in range(depth):
-            for u in range(units):
-                t = lists[u][i] if i < len(lists[u]) else empty
-                rows.append(Task(t, (t,), landed(r, step_of(t)) if t != empty else ()))
-        compute.append(rows)
+        compute.append(
+            [[Task(t, (t,), landed(r, step_of(t))) for t in chain_order(c, lag)] for c in chains]
+        )
 
     scalars = dict(batch=B, seq=S, heads=H, kv_heads=kv_heads, head_dim=D, causal=causal) | {
         "zigzag": zigzag,
@@ -427,7 +416,7 @@ def ring_tasks(
     } | shapes
     extra = {"chunks": C, "q_tile": tq, "parts": parts, "sends": sends, "out_tiles": out_tiles}
     extra["lag"] = lag
-    return RingTasks(schedule, compute, comm, tiles, shapes, sizes, extra, readers)
+    return RingTasks(schedule, PerUnit(compute), comm, tiles, shapes, sizes, extra, readers)
 
 
 # -- input checks and the API ---------------------------------------------------------------------
@@ -783,8 +772,6 @@ def twins_of(plan: Plan, scale: float | None = None):
 
     def compute(ctx, task):  # the engine: fold one K/V chunk into the q tile's state
         tile = plan.tiles[task.args[0]]
-        if tile.rows == 0:  # an empty task that pads the unit's rows
-            return
         v = task_view(plan, tile)
         n, q_rect = v.rows, (v.b * S + v.q0, v.rows, v.h * D, D)
         qv = yield from twins.tile_load_async(ctx, "q", ctx.rank, q_rect)

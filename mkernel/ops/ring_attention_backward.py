@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ..interp import twins
-from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
+from ..protocol import Buffer, OpSpec, Pad, PerUnit, Raise, Task, Wait
 from ..runtime import registry
 from ..schedule import (
     TILE_CONFIGS,
@@ -57,6 +57,7 @@ from ..schedule import (
     Tile,
     build_plan,
     is_resolved,
+    least_loaded,
     resolve,
     split_units,
 )
@@ -271,7 +272,7 @@ def make_plan(
     C = fwd.num_chunks(zigzag, causal, W)
     Sc, group = S // C, H // Hkv
     tk = schedule.chunk_rows or (ENGINE_KV_TILE if world.on_gpu else KV_TILE)
-    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit: padding fills them
+    units, comm_units = split_units(schedule, world, 1 << 30)  # every unit (some may idle)
     parts = max(1, min(KV_PARTS, comm_units, B * S))
     if parts > GRAD:  # the kernel reads args[1] >= GRAD as a grad send
         raise AssertionError(f"{parts} K/V pieces: their indices reach the grad sends' kind")
@@ -318,9 +319,6 @@ def make_plan(
                                 tiles.append(Tile(len(tiles), m0, outer, n, Sc, tag))
                                 readers[r][s] += 1
         per_rank.append(steps)
-    empty = len(tiles)
-    tiles.append(Tile(empty, 0, 0, 0, 0, 0))
-
     sends = fwd.ring_sends(readers)
     holds = [[s == 0 or (s - 1) in sends[(r - 1) % W] for s in range(W)] for r in range(W)]
     home = [0 in sends[r] for r in range(W)]  # my block comes back as a partial (dlanded[0, g])
@@ -429,10 +427,9 @@ def make_plan(
                 )
 
         # K/V tiles and tails to units: in that order, each onto the least loaded unit; a
-        # step's K/V tiles group by group, the longest first within a group. Unit u's tasks are
-        # rows u, u + units, ... (the template's rule); empty tasks pad the shorter units. Row 0
-        # holds the preps (unit p: part p).
-        load, lists = [0.0] * units, [[] for _ in range(units)]
+        # step's K/V tiles group by group, the longest first within a group. Each unit's list
+        # begins with its prep (unit p: part p), if any.
+        load = [0.0] * units
         if schedule.overlap == "intra_sm":  # comm unit u runs on compute unit u's SM
             # NOTE: its copies slow that unit's tiles (a unit hosting a grad part ended its tiles
             # ~340 us late, emulated W = 2; RingRates.spare_copy_gbps): start it with their cost.
@@ -442,31 +439,25 @@ def make_plan(
             for k, t in enumerate(tasks):
                 per_row = (24 if t.args[1] == GRAD else 8) * Hkv * D
                 load[k % comm_units] += spare_copy_rows(per_row * t.args[3], tk, D)
-
-        def place(task: Task | int, cost: float, load=load, lists=lists) -> None:
-            u = min(range(units), key=load.__getitem__)
-            load[u] += cost
-            lists[u].append(task)
-
+        order: list[tuple[Task | int, float]] = []
         for s in range(W + 1):
-            for _, cost, t in sorted(per_rank[r][s], key=lambda c: (c[0], -c[1])) if s < W else ():
-                place(t, cost)
-            for x in tails_at.get(s, []):
-                place(x, part_cost[x.id])
+            kv = sorted(per_rank[r][s], key=lambda c: (c[0], -c[1])) if s < W else ()
+            order += [(t, cost) for _, cost, t in kv]
+            order += [(x, part_cost[x.id]) for x in tails_at.get(s, [])]
+        lists = least_loaded(order, units, load, longest_first=False)
         # the units that run K/V tiles: each one's first waits for every prep
         busy = sum(1 for x in lists if any(not isinstance(y, Task) for y in x))
         prepped = Wait("landed", r, (0,), value=preps, consumers=busy)
-        depth = max(len(x) for x in lists)
-        rows = [Task(empty, (empty,)) for _ in range((depth + 1) * units)]
+        rows: list[list[Task]] = [[] for _ in range(units)]
         for p, t in enumerate(prep_tiles):
-            rows[p] = Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),))
+            rows[p].append(Task(t, (t,), (), (Raise("landed", r, (0,), op="add"),)))
         for u, entries in enumerate(lists):
             mine = [x for x in entries if not isinstance(x, Task)]
             n_of = Counter(sg_of[x] for x in mine)
             last_of = {sg_of[x]: x for x in mine}
-            for i, x in enumerate(entries):
+            for x in entries:
                 if isinstance(x, Task):  # a tail
-                    rows[(i + 1) * units + u] = x
+                    rows[u].append(x)
                     continue
                 s, g = sg_of[x]
                 waits = ((prepped,) if x == mine[0] else ()) + (landed(r, s) if s else ())
@@ -476,9 +467,7 @@ def make_plan(
                 raises = ()
                 if last_of[s, g] == x:
                     raises = (Raise("computed", r, (s, g), value=n_of[s, g], op="add"),)
-                rows[(i + 1) * units + u] = Task(x, (x,), waits, raises)
-        while rows[-1].id == empty:
-            rows.pop()  # trailing empties pad nothing (unit u's rows are u, u + units, ...)
+                rows[u].append(Task(x, (x,), waits, raises))
         compute.append(rows)
 
         comm.append(tasks)
@@ -503,7 +492,8 @@ def make_plan(
     extra |= {"group_of": group_of, "tail_cuts": cuts}
     extra |= {"holds": holds, "readers": readers, "row_tiles": qt}
     tile = TILE_CONFIGS["64x128x64"]  # unused: the backward engine has one tile shape
-    return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, compute, comm, extra)
+    per_unit = PerUnit(compute)  # each unit its own list: none padded to the longest
+    return build_plan(SPEC, schedule, world, tile, shapes, sizes, tiles, per_unit, comm, extra)
 
 
 def tail_parts(
@@ -742,8 +732,6 @@ def twins_of(plan: Plan, scale: float | None = None):
 
     def compute(ctx, task):  # one K/V tile: every q row of one q chunk, all its q heads
         tile = plan.tiles[task.args[0]]
-        if tile.rows == 0:  # an empty task that pads the unit's rows
-            return
         key, s, _, _, _ = fwd.unpack_tag(tile.tag)
         if tile.tag & AUX:  # a row task: the prep, dq, home or the finish (the consumers' rows)
             yield from rows_task(ctx, key, s, tile)

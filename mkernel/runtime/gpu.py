@@ -222,7 +222,7 @@ def _plan_record(world: World, plan: Plan) -> array:
         rec[RECORD[name]] = int(value)
 
     for name, t in plan.device_tables(world.device).items():
-        put(name, t.data_ptr())
+        put(name, t.data_ptr() if t.numel() else 0)  # an empty unit_span: the default rule
     for role in ("compute", "comm"):
         for field, value in zip(CAPACITY_FIELDS, plan.capacity(role), strict=True):
             put(f"{role}_cap_{field}", value)
