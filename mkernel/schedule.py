@@ -210,7 +210,7 @@ class Schedule:
             check_sizes(op, shapes)
             if hasattr(module, "check_sizes"):  # what the op adds (divisibility, ranges)
                 module.check_sizes(world, **shapes)
-        return cached_plan(module, self, world, **shapes)
+        return cached_plan(module.OP, self, world, **shapes)
 
 
 # Sizes by name (Schedule.plan): each is an extent or count >= 1 (m, n, k, rows, cols, experts,
@@ -555,12 +555,13 @@ def build_plan(
     )
 
 
-def cached_plan(op_module: Any, schedule: Schedule, world: Any, **shapes: int) -> Plan:
-    """The op's plan for these shapes, built once per (schedule settings, shapes) and kept on the
-    world: its device tables are copied once, so calls (and CUDA-graph captures) copy nothing."""
+def cached_plan(op: Any, schedule: Schedule, world: Any, **shapes: int) -> Plan:
+    """The plan of ``op`` (its OpDef: ``spec``, ``make_plan``) for these shapes, built once per
+    (schedule settings, shapes) and kept on the world: its device tables are copied once, so
+    calls (and CUDA-graph captures) copy nothing."""
     hook = schedule.tile_order
     key = (
-        op_module.__name__,
+        op.spec.name,
         schedule.overlap,
         schedule.sms,
         schedule.comm_sms,
@@ -577,8 +578,8 @@ def cached_plan(op_module: Any, schedule: Schedule, world: Any, **shapes: int) -
     plan = plans.get(key)
     if plan is None:
         # The fields left None are the cost model's (mkernel/cost.py), picked once per key.
-        schedule, choice = resolve(schedule, op_module.SPEC.name, world, shapes)
-        plan = op_module.make_plan(schedule, world, **shapes)
+        schedule, choice = resolve(schedule, op.spec.name, world, shapes)
+        plan = op.make_plan(schedule, world, **shapes)
         plan.extra["choice"] = choice
         if hook is not None:
             plan.extra["_hook"] = hook  # keeps id(hook) from being reused while cached

@@ -79,7 +79,7 @@ def _case(W: int, T: int, E: int, k: int) -> list[dict]:
         shapes = s if op == "dispatch" else mgc.shapes(h, w2, d, weights, world)
         out = {}
         for name, v in VARIANTS.items():
-            plan = common.cached_plan(mod, Schedule(**v), world, **shapes)
+            plan = common.cached_plan(mod.OP, Schedule(**v), world, **shapes)
             out[name] = lambda p=plan: common.run_gpu(world, p, ops)
         return out
 

@@ -73,7 +73,7 @@ SPEC = OpSpec(
     pads=(Pad("chunk_ready", ("chunk",), ("chunks_total",), counted=True, doc="chunk g landed"),),
     scalars=("m", "n", "k", "ms", "chunks", "chunk_rows", "transfer_tma"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (ag_gemm_nodes.cu)
+# over several nodes: SPEC_NODES and _make_plan_nodes (ag_gemm_nodes.cu)
 SPEC_NODES = OpSpec(
     name="ag_gemm",
     doc="AllGather + GEMM over nodes (rdma puts of chunks across them)",
@@ -252,7 +252,7 @@ def ag_gemm(
     Requires M/W >= 1, and K and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out=out)
+    return common.run_op(OP, {"a": a, "b": b}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------

@@ -108,7 +108,7 @@ def all_gather(
         ``reference.all_gather(x, world=world)``. Raises TypeError / ValueError naming the argument
         before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    return common.run_op(sys.modules[__name__], {"x": x}, world, schedule, out=out)
+    return common.run_op(OP, {"x": x}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------

@@ -146,9 +146,13 @@ def single_output_op(
     after_gpu: Callable[[Call], None] | None = None,
 ) -> OpDef:
     """The OpDef of an op with one bf16 result ``out`` of per-rank shape ``out_shape(sizes, W)``
-    (the caller's, checked, or new) whose module gives ``shapes``, ``twins_of(plan)`` and
-    ``outputs(plan, rank)``: the GEMM family and all_gather."""
+    (the caller's, checked, or new) whose module gives ``SPEC``, ``make_plan``, ``shapes``,
+    ``twins_of(plan)`` and ``outputs(plan, rank)``, and ``SPEC_NODES`` if it spans nodes: the
+    GEMM family and all_gather."""
     return OpDef(
+        spec=module.SPEC,
+        make_plan=lambda *args, **sizes: module.make_plan(*args, **sizes),
+        spec_nodes=getattr(module, "SPEC_NODES", None),
         shapes=lambda *args: module.shapes(*args),
         results=lambda c: {
             "out": check_out(c.options["out"], c.world, out_shape(c.sizes, c.world.size))

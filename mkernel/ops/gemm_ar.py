@@ -92,7 +92,7 @@ SPEC = OpSpec(
     ),
     scalars=("m", "n", "k_local", "tiles"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (gemm_ar_nodes.cu)
+# over several nodes: SPEC_NODES and _make_plan_nodes (gemm_ar_nodes.cu)
 SPEC_NODES = OpSpec(
     name="gemm_ar",
     doc="GEMM + AllReduce over nodes (rdma puts of node sums and results across them)",
@@ -244,7 +244,7 @@ def gemm_ar(
     Requires M >= 1, and K/W and N multiples of 8 (16-byte rows). Raises TypeError / ValueError
     naming the argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
-    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out=out)
+    return common.run_op(OP, {"a": a, "b": b}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------

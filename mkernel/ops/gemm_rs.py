@@ -88,7 +88,7 @@ SPEC = OpSpec(
     pads=(Pad("partial", ("tile", "src"), ("per_owner", "W"), doc="src's partial of tile landed"),),
     scalars=("n", "k_local", "rows_per_rank"),
 )
-HIERARCHICAL = True  # over several nodes: SPEC_NODES and _make_plan_nodes (gemm_rs_nodes.cu)
+# over several nodes: SPEC_NODES and _make_plan_nodes (gemm_rs_nodes.cu)
 SPEC_NODES = OpSpec(
     name="gemm_rs",
     doc="GEMM + ReduceScatter over nodes (rdma puts of node sums across them)",
@@ -290,7 +290,7 @@ def gemm_rs(
     ValueError naming the argument before anything runs, CommTimeout if a wait passes the world's
     deadline.
     """
-    return common.run_op(sys.modules[__name__], {"a": a, "b": b}, world, schedule, out=out)
+    return common.run_op(OP, {"a": a, "b": b}, world, schedule, out=out)
 
 
 # -- cost model (mkernel/cost.py): one rank's work per call ----------------------------------------

@@ -252,7 +252,7 @@ def moe_dispatch_gemm(
         an expert id outside [-1, E) or repeated within a token (it ignored that slot).
     """
     inputs = {"x": x, "topk_ids": topk_ids, "w1": w1}
-    return common.run_op(sys.modules[__name__], inputs, world, schedule)
+    return common.run_op(OP, inputs, world, schedule)
 
 
 def prepare(
@@ -262,7 +262,7 @@ def prepare(
     the interpreter themselves: the world, the schedule, the cached plan, the host's routing and
     the buffers by name."""
     inputs = {"x": x, "topk_ids": topk_ids, "w1": w1}
-    call = common.prepare(sys.modules[__name__], inputs, world, schedule)
+    call = common.prepare(OP, inputs, world, schedule)
     return call.world, call.schedule, call.plan, call.state["routing"], _operands(call)
 
 
@@ -384,6 +384,8 @@ def _finish(call: common.Call) -> MoeDispatch:
 
 
 OP = common.OpDef(
+    spec=SPEC,
+    make_plan=make_plan,
     shapes=lambda *args: shapes(*args),
     world_check=lambda world: check_capture(SPEC.name, world),
     check=_check,

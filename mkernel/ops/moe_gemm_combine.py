@@ -268,7 +268,7 @@ def moe_gemm_combine(
         argument before anything runs, CommTimeout if a wait passes the world's deadline.
     """
     inputs = {"h": h, "w2": w2, "dispatch": dispatch, "topk_weights": topk_weights}
-    return common.run_op(sys.modules[__name__], inputs, world, schedule)
+    return common.run_op(OP, inputs, world, schedule)
 
 
 def prepare(
@@ -278,7 +278,7 @@ def prepare(
     interpret the plan themselves: the world, the schedule, the cached plan and the buffers by
     name of one call."""
     inputs = {"h": h, "w2": w2, "dispatch": dispatch, "topk_weights": topk_weights}
-    call = common.prepare(sys.modules[__name__], inputs, world, schedule)
+    call = common.prepare(OP, inputs, world, schedule)
     return call.world, call.schedule, call.plan, _operands(call)
 
 
@@ -332,6 +332,8 @@ def _operands(call: common.Call) -> dict[str, torch.Tensor]:
 
 
 OP = common.OpDef(
+    spec=SPEC,
+    make_plan=make_plan,
     shapes=lambda *args: shapes(*args),
     world_check=lambda world: check_capture(SPEC.name, world),
     results=_results,

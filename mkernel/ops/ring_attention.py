@@ -509,7 +509,7 @@ def ring_attention(
         return _differentiable(q, k, v, world, causal, scale, layout, schedule)
     inputs = {"q": q, "k": k, "v": v}
     options = dict(causal=causal, scale=scale, layout=layout)
-    return common.run_op(sys.modules[__name__], inputs, world, schedule, **options)
+    return common.run_op(OP, inputs, world, schedule, **options)
 
 
 # -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
@@ -549,6 +549,8 @@ def _results(call: common.Call) -> dict[str, torch.Tensor]:
 
 
 OP = common.OpDef(
+    spec=SPEC,
+    make_plan=make_plan,
     shapes=shapes,
     shape_args=("causal", "layout"),
     check=_check,

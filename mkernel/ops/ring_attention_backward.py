@@ -635,7 +635,7 @@ def run(
     d lse / d scores is the softmax, so it enters as delta - dlse (the autograd Function's path)."""
     inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     options = dict(causal=causal, scale=scale, layout=layout, dlse=dlse)
-    return common.run_op(sys.modules[__name__], inputs, world, schedule, **options)
+    return common.run_op(OP, inputs, world, schedule, **options)
 
 
 # -- the run path's hooks (mkernel/runtime/run.py OpDef) ---------------------------------------
@@ -692,6 +692,8 @@ def _views(call: common.Call) -> dict[str, torch.Tensor]:
 
 
 OP = common.OpDef(
+    spec=SPEC,
+    make_plan=make_plan,
     shapes=shapes,
     shape_args=("causal", "layout"),
     check=_check,

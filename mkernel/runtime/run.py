@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +26,7 @@ from .memory import workspace
 class Call:
     """One call as it goes down the run path; the op's hooks read it and fill in their part."""
 
-    module: ModuleType  # the op's module (SPEC, make_plan, its OpDef as ``OP``)
+    op: OpDef  # what the op declared
     world: World
     schedule: Schedule
     inputs: dict[str, Any]  # the operands by their SPEC buffer names, in the API's order
@@ -51,29 +50,38 @@ class Twins(NamedTuple):
 
 @dataclass(frozen=True)
 class OpDef:
-    """What an op declares to ``run_op`` (its module's ``OP``). Every hook takes the Call.
+    """What an op declares to ``run_op`` (its module's ``OP``), all the run path knows of it.
 
-    - ``shapes(*inputs, world, **shape_options)``: the plan's sizes, after checking the operands
-      (``shape_options``: the options named in ``shape_args``, e.g. causal and layout);
-    - ``results``: the output tensors by SPEC buffer name (the caller's ``out``, checked, or new);
-    - ``twins``: the interpreter's data-movement twins per role, or a ``Twins`` (with the layout
-      twin and the kernel-end reads); ``outputs(plan, rank)``: the output tiles of buffer
-      ``output`` (default ``out``) its kernel end reads (unused when twins gives a Twins);
-    - ``check`` (optional): the op's checks beyond its operands', before anything runs; it may
-      set sizes (a scale's bits), options (defaults) and inputs (as the kernel takes them);
-    - ``world_check(world)`` (optional): the op's checks of the world, before the nodes' (the
-      MoE pair's CUDA-graph capture in a distributed world);
-    - ``refused`` (optional): called when a check (nodes to plan) raises TypeError / ValueError,
-      before it propagates (the MoE dispatch's peers, about to exchange counts, raise too);
-    - ``solo`` (optional): the result of a path without the fused plan (the ring ops' one-rank
-      engines), or None to take the plan;
-    - ``empty`` (optional): the result of a call with nothing to run (the MoE ops' T == 0),
-      after the results, or None to run;
-    - ``operands`` (optional): the kernel's tensors by SPEC name on both paths (default: the
-      inputs, then the results); ``views`` (optional): the interpreter's, if they differ;
-    - ``after_gpu`` (optional): host work after the launch (gemm_ar's copy into ``out``);
-    - ``finish``: what the API returns (default: the result ``out``)."""
+        - ``spec``: its OpSpec; ``make_plan(schedule, world, **sizes)``: its plan (cached_plan);
+          ``spec_nodes`` (optional): the SPEC of its plan over several nodes (docs/rdma.md
+          "Hierarchical ops"), which ``make_plan`` builds when ``world.nodes > 1``; an op without
+          one refuses such a world.
 
+    Every hook below takes the Call.
+
+        - ``shapes(*inputs, world, **shape_options)``: the plan's sizes, after checking the operands
+          (``shape_options``: the options named in ``shape_args``, e.g. causal and layout);
+        - ``results``: the output tensors by SPEC buffer name (the caller's ``out``, checked, or new);
+        - ``twins``: the interpreter's data-movement twins per role, or a ``Twins`` (with the layout
+          twin and the kernel-end reads); ``outputs(plan, rank)``: the output tiles of buffer
+          ``output`` (default ``out``) its kernel end reads (unused when twins gives a Twins);
+        - ``check`` (optional): the op's checks beyond its operands', before anything runs; it may
+          set sizes (a scale's bits), options (defaults) and inputs (as the kernel takes them);
+        - ``world_check(world)`` (optional): the op's checks of the world, before the nodes' (the
+          MoE pair's CUDA-graph capture in a distributed world);
+        - ``refused`` (optional): called when a check (nodes to plan) raises TypeError / ValueError,
+          before it propagates (the MoE dispatch's peers, about to exchange counts, raise too);
+        - ``solo`` (optional): the result of a path without the fused plan (the ring ops' one-rank
+          engines), or None to take the plan;
+        - ``empty`` (optional): the result of a call with nothing to run (the MoE ops' T == 0),
+          after the results, or None to run;
+        - ``operands`` (optional): the kernel's tensors by SPEC name on both paths (default: the
+          inputs, then the results); ``views`` (optional): the interpreter's, if they differ;
+        - ``after_gpu`` (optional): host work after the launch (gemm_ar's copy into ``out``);
+        - ``finish``: what the API returns (default: the result ``out``)."""
+
+    spec: OpSpec
+    make_plan: Callable[..., Plan]
     shapes: Callable[..., dict[str, int]]
     results: Callable[[Call], dict[str, torch.Tensor]]
     twins: Callable[[Call], dict[str, Callable] | Twins]
@@ -89,17 +97,19 @@ class OpDef:
     views: Callable[[Call], dict[str, torch.Tensor]] | None = None
     after_gpu: Callable[[Call], None] | None = None
     finish: Callable[[Call], Any] = lambda call: call.results["out"]
+    spec_nodes: OpSpec | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
-def run_op(
-    module: ModuleType, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any
-) -> Any:
+def run_op(op: OpDef, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any) -> Any:
     """The path every fused op's API takes: ``prepare`` (every check, then the op's ``solo`` path
     or the cached plan and the results), the op's ``empty`` result if it has nothing to run,
     else the plan on the GPU (``run_gpu``, then ``after_gpu``) or in the interpreter with the
     op's twins and kernel-end reads. Returns the op's ``finish``."""
-    op: OpDef = module.OP
-    call = prepare(module, inputs, world, schedule, **options)
+    call = prepare(op, inputs, world, schedule, **options)
     if call.result is None and op.empty is not None:
         call.result = op.empty(call)
     if call.result is not None:
@@ -119,21 +129,18 @@ def run_op(
     return op.finish(call)
 
 
-def prepare(
-    module: ModuleType, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any
-) -> Call:
+def prepare(op: OpDef, inputs: dict[str, Any], world: Any, schedule: Any, **options: Any) -> Call:
     """run_op before the run: the world (its kind, the op's ``world_check``, its nodes:
     check_nodes), the schedule, the operands (the op's ``shapes``), the op's own checks and the
     faults, all before anything runs (a TypeError / ValueError among them calls ``refused``
     first); then the op's ``solo`` result (``call.result``) or the cached plan and the results.
     Also for tests and benchmarks that run a call's plan themselves."""
-    op: OpDef = module.OP
-    world = check_world_for(module.SPEC, world)
+    world = check_world_for(op.spec, world)
     if op.world_check is not None:
         op.world_check(world)
-    call = Call(module, world, _DEFAULT_SCHEDULE, dict(inputs), dict(options))
+    call = Call(op, world, _DEFAULT_SCHEDULE, dict(inputs), dict(options))
     try:
-        check_nodes(module, world)
+        check_nodes(op, world)
         call.schedule = check_schedule(schedule)
         shape_options = {k: call.options[k] for k in op.shape_args}
         call.sizes = op.shapes(*call.inputs.values(), world, **shape_options)
@@ -142,7 +149,7 @@ def prepare(
         check_faults(call.schedule, world)
         call.result = op.solo(call) if op.solo is not None else None
         if call.result is None:
-            call.plan = cached_plan(module, call.schedule, world, **call.sizes)
+            call.plan = cached_plan(op, call.schedule, world, **call.sizes)
     except (TypeError, ValueError):
         if op.refused is not None:
             op.refused(call)
@@ -180,23 +187,22 @@ class UnsupportedWorld(NotImplementedError, ValueError):
     anything runs."""
 
 
-def check_nodes(module: Any, world: World) -> None:
-    """A world of several nodes needs the op's hierarchical plan (``module.HIERARCHICAL``: the
-    plan moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the
-    plan's kernel (``SPEC_NODES.device``: kernels/<op>_nodes.cu), and a distributed world needs
-    NVSHMEM (its puts cross the nodes; an emulated world's proxy transport serves one GPU)."""
+def check_nodes(op: OpDef, world: World) -> None:
+    """A world of several nodes needs the op's hierarchical plan (``op.spec_nodes``: the plan
+    moves data across nodes only by rdma puts, docs/rdma.md). On a GPU it also needs the plan's
+    kernel (``spec_nodes.device``: kernels/<op>_nodes.cu), and a distributed world needs NVSHMEM
+    (its puts cross the nodes; an emulated world's proxy transport serves one GPU)."""
     if world.nodes == 1:
         return
-    name = module.SPEC.name
-    if not getattr(module, "HIERARCHICAL", False):
+    name = op.spec.name
+    if op.spec_nodes is None:
         raise UnsupportedWorld(
             f"{name} has no plan for a world of {world.nodes} nodes yet (world.nodes > 1): only "
             "gemm_rs, ag_gemm and gemm_ar span nodes; pass a world of nodes=1"
         )
     if not world.on_gpu:
         return
-    spec = getattr(module, "SPEC_NODES", None)
-    if spec is None or not spec.device:
+    if not op.spec_nodes.device:
         raise NotImplementedError(f"{name} has no GPU kernel over {world.nodes} nodes")
     if not world.emulated_world:
         from .. import nvshmem_ext  # NOTE: on first use (no cycle): it finds the library

@@ -208,7 +208,7 @@ def _prepared(W, T, E, k, H, N, seed):
     x, w1 = _operands(W, T, E, H, N, seed)
     xc, w1c = x.cuda(), w1.cuda()
     ids = routing(W, T, E, k, "uniform", seed).to(torch.int32).cuda()
-    plan = common.cached_plan(mdg, mkernel.Schedule(), world, **mdg.shapes(xc, ids, w1c, world))
+    plan = common.cached_plan(mdg.OP, mkernel.Schedule(), world, **mdg.shapes(xc, ids, w1c, world))
     R = plan.sizes["max_rows"]
     ops = {
         "x": xc,
