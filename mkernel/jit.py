@@ -128,7 +128,12 @@ def __getattr__(name: str) -> ExtensionSpec:  # ``jit.EXTENSION``, resolved on f
 
 # Extensions built apart from EXTENSION, by the module that declares their SPEC: `--check` compiles
 # their sources too. NOTE: module names, imported on use (those modules import this one).
-SEPARATE_EXTENSIONS = ("mkernel.attention_ext", "mkernel.rdma_ext", "mkernel.nvshmem_ext")
+SEPARATE_EXTENSIONS = (
+    "mkernel.attention_ext",
+    "mkernel.rdma_ext",
+    "mkernel.nvshmem_ext",
+    "mkernel.taskgraph.kernel_ext",  # the TaskGraph kernel (_mkernel_taskgraph)
+)
 # Headers that need a library found at run time (NVSHMEM): never checked alone with the main
 # extension's flags; checked with their extension's when it has a SPEC (the library was found).
 # (header -> the extension whose flags find the library)

@@ -1,7 +1,8 @@
-"""A compiled TaskGraph: its call checks the inputs, then runs the lowered tasks, in the CPU
-interpreter (the protocol tables through the template's twin, with the tasks' data-movement twins)
-or, on a GPU, with torch ops one task after another in plan order (the fallback until the
-persistent kernel exists: a correct result, not one launch)."""
+"""A compiled TaskGraph: its call checks the inputs, then runs the lowered tasks: in the CPU
+interpreter (the protocol tables through the template's twin, with the tasks' data-movement
+twins), on a GPU as one persistent launch of the TaskGraph kernel (mkernel/taskgraph/device.py,
+the same tables with tiles sized for a GPU), or with torch ops one task after another in plan
+order ("eager": a reference fallback, many launches)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,32 @@ import torch
 
 from ..interp import twins
 from ..runtime.run import check_faults, check_schedule, result_buffer, run_cpu
+from ..schedule import rank_sms
 from ..world import World
+from . import device as gpu_kernel
 from . import ops, reference
 from .lower import DropHook, Lowered, lower
-from .ops import DEFAULT_BLOCKS, Blocks, const_2d, const_buf, value_buf
+from .ops import DEFAULT_BLOCKS, BlocksOf, const_2d, const_buf, value_buf
 
 if TYPE_CHECKING:
     from .graph import TaskGraph
 
-BACKENDS = ("interp", "eager")
+BACKENDS = ("interp", "kernel", "eager")
 
 
 def compile_graph(
     graph: TaskGraph,
     schedule: Any = None,
     *,
-    blocks: Blocks = DEFAULT_BLOCKS,
+    blocks: BlocksOf | None = None,
     drop: DropHook | None = None,
     backend: str | None = None,
 ) -> CompiledGraph:
-    """``TaskGraph.compile``; ``blocks`` (the tile shape), ``drop`` (a debug hook that removes
-    waits, lower.py) and ``backend`` ("interp": the CPU interpreter, the default on the CPU;
-    "eager": torch ops per task, the default on a GPU) are for tests."""
+    """``TaskGraph.compile``; ``blocks`` (the tile shape, or a function of the node; None: the
+    interpreter's 4 x 32, or the kernel's ``device.gpu_blocks``), ``drop`` (a debug hook that
+    removes waits, lower.py) and ``backend`` ("interp": the CPU interpreter, the default on the
+    CPU; "kernel": one persistent launch, the default on a GPU; "eager": torch ops per task) are
+    for tests and benchmarks."""
     if not graph.outputs:
         raise ValueError(
             "TaskGraph.compile: the graph has no output (g.output(name, value)): nothing would "
@@ -45,14 +50,23 @@ def compile_graph(
     world = graph.world or World.emulated(1, device=device)
     check_faults(schedule, world)
     if backend is None:
-        backend = "eager" if device.type == "cuda" else "interp"
+        backend = "kernel" if device.type == "cuda" else "interp"
     if backend not in BACKENDS:
         raise ValueError(f"TaskGraph.compile: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "interp" and device.type != "cpu":
         raise ValueError("TaskGraph.compile: the interpreter runs graphs on the CPU only")
-    return CompiledGraph(
-        graph, world, schedule, lower(graph, world, schedule, blocks, drop), backend
-    )
+    if backend == "kernel" and device.type != "cuda":
+        raise ValueError("TaskGraph.compile: the kernel backend runs graphs on a CUDA device only")
+    device_buffers = None
+    if backend == "kernel":
+        gpu_kernel.check_graph(graph)
+        device_buffers = gpu_kernel.device_buffers(graph)
+        if blocks is None:
+            blocks = gpu_kernel.gpu_blocks(rank_sms(schedule, world))
+    if blocks is None:
+        blocks = DEFAULT_BLOCKS
+    low = lower(graph, world, schedule, blocks, drop, device_buffers)
+    return CompiledGraph(graph, world, schedule, low, backend)
 
 
 class CompiledGraph:
@@ -71,6 +85,12 @@ class CompiledGraph:
                 t = torch.stack([const_2d(x) for x in ts]).to(self.device).contiguous()
                 self.consts[const_buf(i, name)] = t
         self._eager_bufs: dict[str, torch.Tensor] = {}
+        self.kernel = None  # the GPU kernel's tables and launch (backend "kernel")
+        if backend == "kernel":
+            # NOTE: the build machinery, imported at the first GPU compile (not by `import mkernel`)
+            from . import kernel_ext
+
+            self.kernel = gpu_kernel.DeviceGraph(lowered, world, self.consts, kernel_ext.load())
 
     @property
     def plan(self):
@@ -127,6 +147,8 @@ class CompiledGraph:
         operands.update(results)
         if self.backend == "interp":
             self._run_interp(operands)
+        elif self.backend == "kernel":
+            self.kernel.launch(operands)
         else:
             self._run_eager(operands)
         out = {}

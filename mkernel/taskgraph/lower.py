@@ -31,7 +31,7 @@ from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..tiles import Tile
 from ..world import World
-from .ops import DEFAULT_BLOCKS, Blocks, TileTask, const_2d, const_buf, tiles, value_buf
+from .ops import DEFAULT_BLOCKS, BlocksOf, TileTask, const_2d, const_buf, tiles, value_buf
 
 if TYPE_CHECKING:
     from .graph import Node, TaskGraph
@@ -92,9 +92,14 @@ def lower(
     graph: TaskGraph,
     world: World,
     schedule: Schedule,
-    blocks: Blocks = DEFAULT_BLOCKS,
+    blocks: BlocksOf = DEFAULT_BLOCKS,
     drop: DropHook | None = None,
+    device_buffers: tuple[Buffer, ...] | None = None,
 ) -> Lowered:
+    """The graph's tasks and Plan. ``device_buffers``: the buffers of the GPU kernel's spec (its
+    task and pointer tables, then the call's inputs and outputs: mkernel/taskgraph/device.py)
+    instead of one buffer per value, which the interpreter's twins address by name; the tasks,
+    waits and raises are the same either way."""
     W = world.size
     live = live_nodes(graph)
     outs: dict[int, list[str]] = {}
@@ -131,22 +136,26 @@ def lower(
     sizes = {"tasks": T}
     for name, (_, (rows, cols)) in bufs.items():
         sizes[f"{name}_rows"], sizes[f"{name}_cols"] = rows, cols
+    named = tuple(
+        Buffer(name, kind, torch.bfloat16, (f"{name}_rows", f"{name}_cols"))
+        for name, (kind, _) in bufs.items()
+    )
     spec = OpSpec(
         name=f"taskgraph{next(_IDS)}",
         doc="a TaskGraph: tiles of its ops as tasks, per-tile ready events",
-        buffers=tuple(
-            Buffer(name, kind, torch.bfloat16, (f"{name}_rows", f"{name}_cols"))
-            for name, (kind, _) in bufs.items()
-        ),
+        buffers=named if device_buffers is None else device_buffers,
         pads=(Pad(READY, ("task",), ("tasks",), counted=True, doc="the task's tile has landed"),),
         scalars=(),
-        device=False,  # NOTE: no persistent kernel for TaskGraph yet (docs/megakernel.md)
+        # NOTE: the interpreter's spec names every value (past MAX_SLOTS for a real model); the
+        # kernel's reaches them through its pointer table (kernels/taskgraph.cuh)
+        device=device_buffers is not None,
+        kernel="taskgraph",
     )
+    # the tile's tag is its task id: the kernel's task descriptor row (kernels/taskgraph.cuh)
     tile_table = [
-        Tile(i, t.rect[0], t.rect[2], t.rect[1], t.rect[3], t.node)
-        for i, t in enumerate(per_rank[0])
+        Tile(i, t.rect[0], t.rect[2], t.rect[1], t.rect[3], i) for i, t in enumerate(per_rank[0])
     ]
-    cfg = TILE_CONFIGS["64x128x64"]  # NOTE: a placeholder: no device kernel reads it yet
+    cfg = TILE_CONFIGS["64x128x64"]  # NOTE: unused: the TaskGraph engine sizes its own tiles
     comm: list[list[Task]] = [[] for _ in range(W)]
     plan = build_plan(spec, schedule, world, cfg, {"tasks": T}, sizes, tile_table, compute, comm)
     return Lowered(list(graph.nodes), live, per_rank, outs, bufs, plan)

@@ -38,6 +38,9 @@ class Blocks(NamedTuple):
 
 
 DEFAULT_BLOCKS = Blocks()
+# The tile shape per node: one Blocks for every op (the interpreter's default), or a function of
+# the node (the GPU kernel's, mkernel/taskgraph/device.py gpu_blocks: sized per op and shape).
+BlocksOf = Blocks | Callable[["Node"], Blocks]
 
 
 class Read(NamedTuple):
@@ -82,9 +85,11 @@ def _read(v, rank: int, rect: Rect) -> Read:
     return Read(value_buf(v.id), rank, rect, v.id)
 
 
-def tiles(node: Node, idx: int, rank: int, W: int, blocks: Blocks) -> list[TileTask]:
+def tiles(node: Node, idx: int, rank: int, W: int, blocks: BlocksOf) -> list[TileTask]:
     """The tasks of ``node`` (the graph's node ``idx``) on ``rank``, in order; the same number and
     output rectangles on every rank."""
+    if not isinstance(blocks, Blocks):
+        blocks = blocks(node)
     M, N = node.out.shape
     me = lambda v, rect: _read(v, rank, rect)  # noqa: E731
     out: list[TileTask] = []

@@ -1,0 +1,415 @@
+// The TaskGraph engine: a compute engine of the persistent template (templates/engine_contract.cuh)
+// whose task is one task of a TaskGraph (mkernel/taskgraph/lower.py): one tile of one op, named by
+// the tile's tag, decoded from the task table and run by the whole CTA. The template runs the
+// plan's waits before it (before_load) and its raises after it (after_store), as for every op.
+//
+//   CTA loop, per task of the unit (rows u, u + units, ... of the rank's tasks):
+//     thread 0: waits (ready[j] of the tiles it reads)  -> every thread: the op's tile
+//     -> every thread's stores fenced, CTA barrier -> thread 0: system fence, raises (ready[i])
+//
+// Buffers are reached through the pointer table (mkernel/taskgraph/device.py): a graph's values,
+// weights and caches vary per graph, so they are data, not a generated Layout. All math is fp32
+// on bf16 loads; every access is 16 bytes (8 bf16: column counts and offsets are multiples of 8).
+#pragma once
+#include <cuda_bf16.h>
+
+#include "kernels/taskgraph_args.h"
+#include "primitives/protocol_gen.h"
+
+namespace mk::tg {
+
+constexpr int kVec = 8;  // bf16 per 16-byte access
+constexpr int kWarps = kThreads / 32;
+
+// Per served rank (in the launch's __grid_constant__ argument).
+struct Params {
+  const int* tasks;                // [T, kTaskFields]
+  const long long* ptrs;           // [buffers, kPtrHead + W]
+  long long io_base[kMaxSlots];    // the record's slots: a call's inputs and outputs (bytes)
+  long long io_stride[kMaxSlots];  // elements between ranks' tensors (emulated world)
+  int rank, world_size;
+};
+
+// A rectangle of a buffer on one rank: p at its (r0, c0), ld elements per row.
+struct View {
+  __nv_bfloat16* p;
+  long long ld;
+  int rows, cols;
+  __device__ __nv_bfloat16* at(int r, int c) const { return p + r * ld + c; }
+};
+
+__device__ inline View buffer_view(const Params& p, int buf, int rank, int r0, int c0, int rows,
+                                   int cols) {
+  const long long* e = p.ptrs + (long long)buf * (kPtrHead + p.world_size);
+  const long long ld = e[kPtrLd];
+  const int slot = (int)e[kPtrSlot];
+  const long long base =
+      slot >= 0 ? p.io_base[slot] + 2LL * rank * p.io_stride[slot] : e[kPtrHead + rank];
+  return View{reinterpret_cast<__nv_bfloat16*>(base) + r0 * ld + c0, ld, rows, cols};
+}
+
+// Read `i` of task row `d` on rank `q` (its first row moved by rank_rows per running rank).
+__device__ inline View read_view(const Params& p, const int* d, int i, int q) {
+  const int* r = d + kFRead0Buf + i * kReadFields;
+  const int r0 = r[kFRead0R0 - kFRead0Buf] + p.rank * r[kFRead0RankRows - kFRead0Buf];
+  return buffer_view(p, r[0], q, r0, r[kFRead0C0 - kFRead0Buf], r[kFRead0Rows - kFRead0Buf],
+                     r[kFRead0Cols - kFRead0Buf]);
+}
+
+__device__ inline int read_rank(const Params& p, const int* d, int i) {
+  const int q = d[kFRead0Rank + i * kReadFields];
+  return q == kRankOwn ? p.rank : q;
+}
+
+__device__ inline View out_view(const Params& p, const int* d) {
+  return buffer_view(p, d[kFOut], p.rank, d[kFOutR0], d[kFOutC0], d[kFOutRows], d[kFOutCols]);
+}
+
+// -- 16-byte accesses --------------------------------------------------------------------------
+
+// Data written earlier in this launch (values): a plain load, after the task's acquire.
+__device__ __forceinline__ uint4 ld_vec(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+// Build-time tensors (weights, caches), never written by the kernel: streamed past L1.
+__device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void to_f32(const uint4& v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void st_vec(__nv_bfloat16* p, const float* f) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// -- the ops' tiles (every thread of the CTA) ---------------------------------------------------
+
+// Elementwise over the output tile, 8 columns per thread step: f(row, col, out[8]).
+template <class F>
+__device__ inline void for_each_vec(const View& out, F&& f) {
+  const int per_row = out.cols / kVec, n = out.rows * per_row;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const int r = i / per_row, c = (i - r * per_row) * kVec;
+    float y[kVec];
+    f(r, c, y);
+    st_vec(out.at(r, c), y);
+  }
+}
+
+// rmsnorm: a warp per row: the mean square over all N columns, then x * rsqrt(ms + eps) * w.
+__device__ inline void rmsnorm(const View& x, const View& w, const View& out, float eps) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, N = out.cols;
+  for (int r = warp; r < out.rows; r += kWarps) {
+    float ss = 0.f;
+    for (int c = lane * kVec; c < N; c += 32 * kVec) {
+      float f[kVec];
+      to_f32(ld_vec(x.at(r, c)), f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / N + eps);
+    for (int c = lane * kVec; c < N; c += 32 * kVec) {
+      float f[kVec], g[kVec];
+      to_f32(ld_vec(x.at(r, c)), f);
+      to_f32(ld_stream(w.at(0, c)), g);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f[j] = f[j] * inv * g[j];
+      st_vec(out.at(r, c), f);
+    }
+  }
+}
+
+// linear as a GEMV: out[b, n] = sum_k x[b, k] w[n, k] (+ res[b, n]), B <= kGemvRows rows of x.
+// Each warp takes R weight rows at a time; a lane streams 16-byte pieces of them along K, U steps
+// of 32 pieces in flight (R * U loads per lane before the first use), and reuses each x piece
+// (L1) for the R rows. The lanes' partial sums meet by shuffles; lane j stores value j.
+template <int B, int R, int U>
+__device__ inline void gemv(const View& x, const View& w, const View* res, const View& out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = x.cols, nb = out.rows;
+  constexpr int kStep = 32 * kVec;
+  for (int n0 = warp * R; n0 < out.cols; n0 += kWarps * R) {
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+    const __nv_bfloat16* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w.at(min(n0 + r, out.cols - 1), 0);
+    for (int k0 = lane * kVec; k0 < K; k0 += U * kStep) {
+      uint4 wv[U][R];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          wv[u][r] =
+              k0 + u * kStep < K ? ld_stream(wr[r] + k0 + u * kStep) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + u * kStep;
+        if (k >= K) break;
+        float wf[R][kVec];
+#pragma unroll
+        for (int r = 0; r < R; ++r) to_f32(wv[u][r], wf[r]);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          if (b >= nb) break;
+          float xf[kVec];
+          to_f32(ld_vec(x.at(b, k)), xf);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) acc[r][b] = fmaf(xf[j], wf[r][j], acc[r][b]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const float s = warp_sum(acc[r][b]);
+        const int n = n0 + r;
+        if (lane == (r * B + b) % 32 && b < nb && n < out.cols) {
+          const float y = res != nullptr ? s + __bfloat162float(*res->at(b, n)) : s;
+          *out.at(b, n) = __float2bfloat16_rn(y);
+        }
+      }
+  }
+}
+
+__device__ inline void linear(const View& x, const View& w, const View* res, const View& out) {
+  constexpr int R = 4, U = 2;
+  const int nb = out.rows;
+  if (nb <= 1) {
+    gemv<1, R, U>(x, w, res, out);
+  } else if (nb <= 2) {
+    gemv<2, R, U>(x, w, res, out);
+  } else if (nb <= 4) {
+    gemv<4, R, U>(x, w, res, out);
+  } else if (nb <= 8) {
+    gemv<8, R, U>(x, w, res, out);
+  } else {
+    gemv<16, R, 1>(x, w, res, out);
+  }
+}
+
+// A block-wide reduction of one value per thread (scratch: kWarps floats), every thread gets it.
+template <bool kMax>
+__device__ inline float block_reduce(float v, float* scratch) {
+  v = kMax ? warp_max(v) : warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch is free (an earlier reduction's readers are done)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = scratch[0];
+  for (int i = 1; i < kWarps; ++i) t = kMax ? fmaxf(t, scratch[i]) : t + scratch[i];
+  return t;
+}
+
+// attention_decode of one (sequence, kv head): G query heads of D over L cached positions.
+// Scores by position (a thread per position), softmax per head, then P @ V with threads split
+// into position groups x 8-column pieces, the groups' partial sums added in shared memory.
+// Shared memory (mkernel/taskgraph/device.py attention_smem): q [G, D], scores [G, L], partials
+// [groups, G, D], 1 / sum [G], reduction scratch.
+__device__ inline void attention(const View& q, const View& k, const View& v, const View& out,
+                                 int G, int D, int L, float scale, float* smem) {
+  const int pieces = D / kVec, groups = kThreads / pieces;
+  float* qs = smem;
+  float* s = qs + G * D;
+  float* part = s + G * L;
+  float* inv = part + groups * G * D;
+  float* scratch = inv + 2 * G;
+  for (int i = threadIdx.x * kVec; i < G * D; i += kThreads * kVec) {
+    float f[kVec];
+    to_f32(ld_vec(q.at(0, i)), f);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) qs[i + j] = f[j];
+  }
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += kThreads) {
+    float acc[kMaxGroup] = {};
+    for (int c = 0; c < D; c += kVec) {
+      float f[kVec];
+      to_f32(ld_stream(k.at(l, c)), f);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[g] = fmaf(qs[g * D + c + j], f[j], acc[g]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g)
+      if (g < G) s[g * L + l] = acc[g] * scale;
+  }
+  for (int g = 0; g < G; ++g) {  // softmax of head g: exp(s - max), 1 / sum kept for the end
+    float m = -INFINITY;
+    for (int l = threadIdx.x; l < L; l += kThreads) m = fmaxf(m, s[g * L + l]);
+    m = block_reduce<true>(m, scratch);
+    float sum = 0.f;
+    for (int l = threadIdx.x; l < L; l += kThreads) {
+      const float e = __expf(s[g * L + l] - m);
+      s[g * L + l] = e;
+      sum += e;
+    }
+    sum = block_reduce<false>(sum, scratch);
+    if (threadIdx.x == 0) inv[g] = 1.f / sum;
+  }
+  __syncthreads();
+  const int grp = threadIdx.x / pieces, c = (threadIdx.x % pieces) * kVec;
+  if (grp < groups) {
+    float acc[kMaxGroup][kVec] = {};
+    for (int l = grp; l < L; l += groups) {
+      float f[kVec];
+      to_f32(ld_stream(v.at(l, c)), f);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+        const float p = s[g * L + l];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[g][j] = fmaf(p, f[j], acc[g][j]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g)
+      if (g < G)
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) part[(grp * G + g) * D + c + j] = acc[g][j];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x * kVec; i < G * D; i += kThreads * kVec) {
+    float y[kVec] = {};
+    for (int gr = 0; gr < groups; ++gr)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] += part[gr * G * D + i + j];
+    const float sc = inv[i / D];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] *= sc;
+    st_vec(out.at(0, i), y);
+  }
+}
+
+// One task: decode its row of the task table, run its op's tile.
+__device__ inline void run_task(const Params& p, int id, char* smem) {
+  const int* d = p.tasks + id * kTaskFields;
+  const View out = out_view(p, d);
+  const int op = d[kFOp];
+  auto rd = [&](int i) { return read_view(p, d, i, read_rank(p, d, i)); };
+  switch (op) {
+    case kOpRmsnorm: rmsnorm(rd(0), rd(1), out, __int_as_float(d[kFAttr0])); break;
+    case kOpLinear: {
+      const View res = d[kFReads] > 2 ? rd(2) : View{};
+      linear(rd(0), rd(1), d[kFReads] > 2 ? &res : nullptr, out);
+      break;
+    }
+    case kOpSiluMul: {
+      const View g = rd(0), u = rd(1);
+      for_each_vec(out, [&](int r, int c, float* y) {
+        float a[kVec], b[kVec];
+        to_f32(ld_vec(g.at(r, c)), a);
+        to_f32(ld_vec(u.at(r, c)), b);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) y[j] = a[j] / (1.f + __expf(-a[j])) * b[j];
+      });
+      break;
+    }
+    case kOpAdd: {
+      const View a = rd(0), b = rd(1);
+      for_each_vec(out, [&](int r, int c, float* y) {
+        float f[kVec];
+        to_f32(ld_vec(a.at(r, c)), y);
+        to_f32(ld_vec(b.at(r, c)), f);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) y[j] += f[j];
+      });
+      break;
+    }
+    case kOpAttentionDecode:
+      attention(rd(0), rd(1), rd(2), out, d[kFAttr0], d[kFAttr1], d[kFAttr2],
+                __int_as_float(d[kFAttr3]), reinterpret_cast<float*>(smem));
+      break;
+    case kOpAllGather: {
+      const View x = rd(0);
+      for_each_vec(out, [&](int r, int c, float* y) { to_f32(ld_vec(x.at(r, c)), y); });
+      break;
+    }
+    case kOpAllReduce:
+    case kOpReduceScatter:  // pull-reduce: every rank's tile, added in rank order (same bits)
+      for_each_vec(out, [&](int r, int c, float* y) {
+        to_f32(ld_vec(read_view(p, d, 0, 0).at(r, c)), y);
+        for (int q = 1; q < p.world_size; ++q) {
+          float f[kVec];
+          to_f32(ld_vec(read_view(p, d, 0, q).at(r, c)), f);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) y[j] += f[j];
+        }
+      });
+      break;
+    default: __trap();  // a table this engine does not know: the host and device encodings differ
+  }
+}
+
+// The engine contract (templates/engine_contract.cuh).
+struct Engine {
+  using Params = tg::Params;
+  struct Task {
+    int id;
+  };
+  struct Dest {};  // a task's output is in its table row
+  static constexpr int kThreads = tg::kThreads;
+  static constexpr int kSmemBytes = tg::kSmemBytes;
+  static constexpr int kSpareWarp = kWarps - 1;
+  template <class T>
+  __device__ static Task task_of(const T& tile) {
+    return Task{tile.tag};  // the tag is the task id (mkernel/taskgraph/lower.py)
+  }
+  template <class Hooks, class Spare>
+  __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
+    const bool signals = hooks.signals();
+    for (int i = 0; i < hooks.num_tasks(); ++i) {
+      const Task t = hooks.task(i);
+      if (threadIdx.x == 0) hooks.before_load(i);
+      __syncwarp();
+      __syncthreads();
+      run_task(p, t.id, smem);
+      if (signals) {
+        __threadfence();  // this thread's stores, before thread 0 publishes the tile
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          if (hooks.raises(i)) __threadfence_system();
+          hooks.after_store(i);
+        }
+      }
+      __syncthreads();  // shared memory and thread 0's waits belong to the next task
+    }
+    // NOTE: a TaskGraph plan has no comm role; the spare warp's comm loop finds no task
+    if ((int)threadIdx.x / 32 == kSpareWarp) spare();
+  }
+};
+
+}  // namespace mk::tg

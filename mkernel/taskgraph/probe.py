@@ -1,0 +1,122 @@
+"""A short timing probe of TaskGraph's GPU kernel (not the benchmark: mkernel.bench.decode is):
+``python -m mkernel.taskgraph.probe`` prints, interleaved in rounds on one GPU, the device copy
+rate, the GEMV of a bf16 weight through a one-linear graph against torch.matmul (GB/s of weight
+streamed), and a Qwen3-shaped decode graph's one launch against the eager fallback (torch ops
+per task) and against its HBM bound (bytes read / copy rate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..models import DecoderConfig, Layer, decode_graph
+from .compiled import compile_graph
+from .graph import TaskGraph
+
+bf16 = torch.bfloat16
+
+
+def _time(fn, iters: int) -> float:
+    """Median of 5 timings of ``iters`` back-to-back calls (seconds per call)."""
+    fn()
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / iters)
+    return sorted(out)[2]
+
+
+def _rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * scale).to(bf16)
+
+
+def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], torch.Tensor]:
+    """models.random_decoder's shapes, made on the GPU (a real model's weights are slow on CPU)."""
+    H, D, F = cfg.hidden, cfg.head_dim, cfg.intermediate
+    layers = []
+    for _ in range(cfg.layers):
+        layers.append(
+            Layer(
+                attn_norm=1 + 0.1 * _rand(H),
+                wq=_rand(cfg.heads * D, H, scale=H**-0.5),
+                wo=_rand(H, cfg.heads * D, scale=(cfg.heads * D) ** -0.5),
+                mlp_norm=1 + 0.1 * _rand(H),
+                wg=_rand(F, H, scale=H**-0.5),
+                wu=_rand(F, H, scale=H**-0.5),
+                wd=_rand(H, F, scale=F**-0.5),
+                k_cache=_rand(batch, cfg.kv_heads, seq, D),
+                v_cache=_rand(batch, cfg.kv_heads, seq, D),
+            )
+        )
+    return layers, 1 + 0.1 * _rand(H)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m mkernel.taskgraph.probe")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--kv", type=int, default=1024)
+    args = p.parse_args(argv)
+    res: dict = {"device": torch.cuda.get_device_name()}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    gemvs = {}
+    for N, K in ((12288, 4096), (4096, 12288)):
+        w = _rand(N, K, scale=K**-0.5)
+        for B in (1, 8, 16):
+            g = TaskGraph()
+            g.output("y", g.linear(g.input("x", (B, K)), w))
+            k = g.compile()
+            x = _rand(B, K)
+            gemvs[(N, K, B)] = (lambda k=k, x=x: k(x=x), lambda w=w, x=x: x @ w.T, N * K * 2)
+    cfg = DecoderConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=args.layers
+    )
+    layers, final = gpu_decoder(cfg, 1, args.kv)
+    g = decode_graph(cfg, layers, final, 1, args.kv)
+    kern, eager = g.compile(), compile_graph(g, backend="eager")
+    x = _rand(1, cfg.hidden)
+    wbytes = sum(
+        t.numel() * 2
+        for ly in layers
+        for t in (ly.wq, ly.wo, ly.wg, ly.wu, ly.wd, ly.k_cache, ly.v_cache)
+    )
+    rows = {"copy": [], "decode_kernel": [], "decode_eager": []}
+    for _ in range(args.rounds):
+        rows["copy"].append(2 * src.numel() / _time(copy, 5) / 1e9)
+        for key, (ours, theirs, nbytes) in gemvs.items():
+            rows.setdefault(f"gemv {key} kernel", []).append(nbytes / _time(ours, 50) / 1e9)
+            rows.setdefault(f"gemv {key} torch", []).append(nbytes / _time(theirs, 50) / 1e9)
+        rows["decode_kernel"].append(_time(lambda: kern(x=x), 20) * 1e6)
+        rows["decode_eager"].append(_time(lambda: eager(x=x), 3) * 1e6)
+    best = {k: (max(v) if "decode" not in k else min(v)) for k, v in rows.items()}
+    rate = best["copy"]
+    print(f"{res['device']}: device copy {rate:.0f} GB/s (read + write)")
+    print(f"{'GEMV [N, K] x batch':32} {'kernel GB/s':>12} {'torch GB/s':>12} {'kernel/copy':>12}")
+    for N, K, B in gemvs:
+        ours, theirs = best[f"gemv {(N, K, B)} kernel"], best[f"gemv {(N, K, B)} torch"]
+        print(f"{f'[{N}, {K}] x {B}':32} {ours:12.0f} {theirs:12.0f} {ours / rate:12.2f}")
+    bound = wbytes / (rate * 1e9) * 1e6
+    print(
+        f"decode {args.layers} layers B=1 KV={args.kv}: kernel {best['decode_kernel']:.0f} us, "
+        f"eager fallback {best['decode_eager']:.0f} us, HBM bound {bound:.0f} us "
+        f"(kernel {best['decode_kernel'] / bound:.2f}x bound)"
+    )
+    y, ye = kern(x=x)["y"].float(), eager(x=x)["y"].float()
+    err = ((y - ye).abs().max() / ye.abs().max()).item()
+    print(f"decode kernel vs eager: max rel err {err:.2g}")
+    res.update({"best": {str(k): v for k, v in best.items()}, "bound_us": bound, "rel_err": err})
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""TaskGraph's GPU kernel (issue 36): one persistent launch per call running the lowered plan's
+tables, against the fp32 references (CompiledGraph.reference, mkernel.models.torch_decode), with
+fresh random inputs and NaN-poisoned outputs (MKERNEL_POISON=1, tests/conftest.py); every op, the
+GEMV at batch 1-17, the decode step for 1, 2 and 8 layers at batch 1 and 8 with TP over emulated
+worlds of 2 and 4 ranks, the TP MLP, repeated calls (pads back to zero), a silent rank timing out
+with the peer and the flag named, bad input before launch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mkernel
+from mkernel import models
+from mkernel.taskgraph import TaskGraph
+from mkernel.taskgraph.compiled import compile_graph
+from tests.helpers import assert_pads_zero
+from tests.test_taskgraph import assert_close
+
+pytestmark = pytest.mark.gpu
+bf16 = torch.bfloat16
+
+
+def randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(bf16)
+
+
+def on_gpu(layers, final):
+    fields = [f.name for f in dataclasses.fields(models.Layer)]
+    moved = [dataclasses.replace(ly, **{n: getattr(ly, n).cuda() for n in fields}) for ly in layers]
+    return moved, final.cuda()
+
+
+def test_one_launch_per_call():
+    g = TaskGraph()
+    x = g.input("x", (2, 64))
+    g.output("y", g.linear(g.rmsnorm(x, randn(64, seed=1) + 1), randn(128, 64, seed=2)))
+    k = g.compile()
+    assert k.backend == "kernel"
+    xin = randn(2, 64, seed=3)
+    k(x=xin)  # built and warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        k(x=xin)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    fused = [n for n in names if "persistent_kernel" in n]
+    assert len(fused) == 1, names
+
+
+@pytest.mark.parametrize("B", [1, 3, 8, 16, 17])
+def test_linear_gemv_with_residual(B):
+    K, N = 1024, 520
+    g = TaskGraph()
+    x = g.input("x", (B, K))
+    r = g.input("r", (B, N))
+    g.output("y", g.linear(x, randn(N, K, seed=B, scale=K**-0.5), residual=r))
+    k = g.compile()
+    xin, rin = randn(B, K, seed=100 + B), randn(B, N, seed=200 + B)
+    y = k(x=xin, r=rin)["y"]
+    assert_close(y, k.reference(x=xin, r=rin)["y"], 2.0**-7, f"B={B}")
+
+
+def test_every_op_matches_the_reference():
+    B, H, Hq, Hkv, S, D = 3, 256, 8, 2, 300, 128
+    g = TaskGraph()
+    x = g.input("x", (B, H))
+    n = g.rmsnorm(x, randn(H, seed=1) + 1, eps=1e-5)
+    q = g.linear(n, randn(Hq * D, H, seed=2, scale=H**-0.5))
+    kc, vc = randn(B, Hkv, S, D, seed=3), randn(B, Hkv, S, D, seed=4)
+    att = g.attention_decode(q, kc, vc, 257)
+    h = g.linear(att, randn(H, Hq * D, seed=5, scale=0.05), residual=x)
+    s = g.silu_mul(g.linear(h, randn(1024, H, seed=6, scale=H**-0.5)))
+    g.output("y", g.add(s, g.input("z", (B, 512))))
+    g.output("h", h)
+    k = g.compile()
+    ins = {"x": randn(B, H, seed=7), "z": randn(B, 512, seed=8)}
+    out, ref = k(**ins), k.reference(**ins)
+    for name in ("y", "h"):
+        assert_close(out[name], ref[name], 2.0**-6, name)
+
+
+@pytest.mark.parametrize(
+    "layers, batch, W",
+    [(1, 1, None), (2, 8, None), (8, 1, None), (1, 8, 2), (2, 1, 2), (1, 1, 4), (2, 8, 4)],
+)
+def test_decode_step_matches_torch(layers, batch, W):
+    cfg = models.DecoderConfig(
+        hidden=256, heads=8, kv_heads=4, head_dim=32, intermediate=512, layers=layers
+    )
+    weights, final = models.random_decoder(cfg, batch, seq=64, seed=layers + batch)
+    ref_in = torch.randn(batch, cfg.hidden, generator=torch.Generator().manual_seed(7)).to(bf16)
+    ref = models.torch_decode(cfg, weights, final, ref_in, length=50)
+    weights, final = on_gpu(weights, final)
+    world = mkernel.World.emulated(W, device="cuda") if W else None
+    g = models.decode_graph(cfg, weights, final, batch, length=50, world=world)
+    k = g.compile()
+    assert k.backend == "kernel"
+    y = k(x=ref_in.cuda())["y"]
+    ranks = [y] if W is None else list(y)
+    for r, yr in enumerate(ranks):
+        assert_close(yr.cpu(), ref, 2.0**-6 * (1 + layers / 4), f"L={layers} B={batch} rank {r}")
+    if world is not None:
+        torch.cuda.synchronize()
+        assert_pads_zero(world)
+        assert all(torch.equal(y[0], y[r]) for r in range(W)), "the ranks agree bit for bit"
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_tp_mlp_in_one_launch(W):
+    world = mkernel.World.emulated(W, device="cuda")
+    H, F, rows = 128, 256, 8
+    wg, wu = randn(F, H, seed=1, scale=H**-0.5), randn(F, H, seed=2, scale=H**-0.5)
+    wd = randn(H, F, seed=3, scale=F**-0.5)
+    k = models.tp_mlp_graph(world, rows, wg, wu, wd).compile()
+    x = randn(W, rows, H, seed=4)
+    y = k(x=x)["y"]
+    ref = models.torch_mlp(x.reshape(W * rows, H), wg, wu, wd).reshape(W, rows, H)
+    assert_close(y, ref, 2.0**-6, f"W={W}")
+    torch.cuda.synchronize()
+    assert_pads_zero(world)
+
+
+def test_repeated_calls_are_stable_and_reset_their_pads():
+    world = mkernel.World.emulated(2, device="cuda")
+    cfg = models.DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256)
+    weights, final = on_gpu(*models.random_decoder(cfg, 4, seq=32, seed=1))
+    k = models.decode_graph(cfg, weights, final, 4, 20, world).compile()
+    xs = [randn(4, cfg.hidden, seed=s) for s in range(3)]
+    first = [k(x=x)["y"].clone() for x in xs]
+    for _ in range(50):
+        for x, y0 in zip(xs, first, strict=True):
+            assert torch.equal(k(x=x)["y"], y0)
+    torch.cuda.synchronize()
+    assert_pads_zero(world)
+
+
+def test_kernel_and_eager_fallback_agree():
+    cfg = models.DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256)
+    weights, final = on_gpu(*models.random_decoder(cfg, 2, seq=32, seed=2))
+    g = models.decode_graph(cfg, weights, final, 2, 17)
+    x = randn(2, cfg.hidden, seed=5)
+    y = g.compile()(x=x)["y"]
+    e = compile_graph(g, backend="eager")(x=x)["y"]
+    assert_close(y, e.float(), 2.0**-6, "kernel vs eager")
+
+
+def test_a_silent_rank_times_out_naming_the_peer_and_the_flag():
+    world = mkernel.World.emulated(2, device="cuda", timeout_s=0.2)
+    world.sync_checks = True
+    g = TaskGraph(world)
+    x = g.input("x", (4, 64))
+    g.output("y", g.all_reduce(g.linear(x, [randn(64, 64, seed=r) for r in range(2)])))
+    k = g.compile(mkernel.Schedule(faults=mkernel.Faults(silent_rank=1)))
+    with pytest.raises(mkernel.CommTimeout) as e:
+        k(x=randn(4, 64, seed=1))
+    assert e.value.peer == 1 and e.value.signal.startswith("ready[task=")
+
+
+def test_bad_input_raises_before_launch():
+    g = TaskGraph()
+    x = g.input("x", (2, 64))
+    g.output("y", g.linear(x, randn(64, 64)))
+    k = g.compile()
+    with pytest.raises(TypeError, match="bfloat16"):
+        k(x=randn(2, 64).float())
+    with pytest.raises(ValueError, match="shape"):
+        k(x=randn(3, 64))
+    with pytest.raises(ValueError, match="must be on"):
+        k(x=randn(2, 64).cpu())
+
+
+def test_a_shape_the_kernel_cannot_serve_is_refused_at_compile():
+    g = TaskGraph()
+    x = g.input("x", (2, 60))
+    g.output("y", g.linear(x, randn(64, 60)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        g.compile()

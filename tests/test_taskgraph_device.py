@@ -1,0 +1,173 @@
+"""TaskGraph's GPU kernel tables on the CPU (mkernel/taskgraph/device.py): the generated header is
+current; a Python run of the task table alone (decoded as kernels/taskgraph.cuh decodes it: op,
+buffer ids, rank codes, rectangles, attributes) reproduces the graph's reference, so the encoding
+says everything a task needs; the GPU-sized tiles (gpu_blocks) run clean in the interpreter (the
+tables the kernel runs have no race or deadlock); what the kernel cannot serve is refused."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import mkernel
+from mkernel import models
+from mkernel.runtime.run import check_schedule
+from mkernel.taskgraph import TaskGraph, ops
+from mkernel.taskgraph import device as dv
+from mkernel.taskgraph.compiled import compile_graph
+from mkernel.taskgraph.lower import lower
+from tests.test_taskgraph import assert_close, mlp_graph, randn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_generated_header_is_current():
+    assert (ROOT / dv.HEADER).read_text() == dv.header_text(), (
+        "run python -m mkernel.taskgraph.kernel_ext"
+    )
+
+
+def _lowered(g, W, units=8):
+    world = g.world or mkernel.World.emulated(W)
+    low = lower(g, world, check_schedule(None), dv.gpu_blocks(units), None, dv.device_buffers(g))
+    return world, low
+
+
+def _run_tables(g, W, inputs):
+    """The graph run from its task table alone, task after task (a topological order), each rank
+    reading its buffers as the kernel would: own, a fixed rank, or every rank summed in order."""
+    world, low = _lowered(g, W)
+    io = dv.io_buffers(low)
+    bufs = {}
+    for name, (_kind, shape) in low.buffers.items():
+        bufs[name] = torch.full((W, *shape), float("nan"), dtype=torch.bfloat16)
+    for i in low.live:
+        for name, ts in low.nodes[i].consts.items():
+            bufs[ops.const_buf(i, name)] = torch.stack([ops.const_2d(t) for t in ts])
+    for name, v in g.inputs.items():
+        t = inputs[name]
+        bufs[ops.value_buf(v.id)] = t.expand(W, *v.shape) if t.dim() == 2 else t
+    fixed = {n: t.contiguous() for n, t in bufs.items() if n not in io}
+    _, ids = dv.pointer_table(low, W, fixed, io)
+    names = {i: n for n, i in ids.items()}
+    table = dv.encode_tasks(low, W, ids)
+    F = dv.FIELD
+    for row in table.tolist():
+        node = next(
+            low.nodes[t.node]
+            for t in low.tasks[0]
+            if ops.value_buf(low.nodes[t.node].out.id) == names[row[F["out"]]]
+        )
+        assert dv.OPS[row[F["op"]]] == node.op
+        if node.op == "rmsnorm":
+            assert struct.unpack("<f", struct.pack("<i", row[F["attr0"]]))[0] == pytest.approx(
+                node.attrs["eps"]
+            )
+        for r in range(W):
+            loaded = []
+            for k in range(row[F["reads"]]):
+                f = [row[F[f"read{k}_{x}"]] for x in dv.READ_FIELDS]
+                buf, code, r0, nr, c0, nc, step = f
+                r0 += r * step
+                ranks = list(range(W)) if code == dv.RANK_ALL else [r if code < 0 else code]
+                for q in ranks:
+                    loaded.append(bufs[names[buf]][q, r0 : r0 + nr, c0 : c0 + nc])
+            y = ops.compute(node, loaded).to(torch.bfloat16)
+            o = [row[F[x]] for x in ("out_r0", "out_rows", "out_c0", "out_cols")]
+            dst = bufs[names[row[F["out"]]]][r, o[0] : o[0] + o[1], o[2] : o[2] + o[3]]
+            assert torch.isnan(dst.float()).all(), "a tile written twice"
+            dst.copy_(y)
+    return {name: bufs[ops.value_buf(v.id)] for name, v in g.outputs.items()}
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+def test_the_task_table_alone_computes_the_decode_step(W):
+    cfg = models.DecoderConfig(layers=2, heads=8, kv_heads=4)
+    weights, final = models.random_decoder(cfg, 3, seq=16, seed=W)
+    world = mkernel.World.emulated(W) if W > 1 else None
+    g = models.decode_graph(cfg, weights, final, 3, 11, world)
+    x = randn(3, cfg.hidden, seed=9)
+    y = _run_tables(g, W, {"x": x})["y"]
+    ref = models.torch_decode(cfg, weights, final, x, 11)
+    for r in range(W):
+        assert_close(y[r], ref, 2.0**-6 * 1.5, f"rank {r}")
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_the_task_table_alone_computes_the_tp_mlp(W):
+    world = mkernel.World.emulated(W)
+    H, F, rows = 64, 96, 8
+    wg, wu = randn(F, H, seed=1, scale=H**-0.5), randn(F, H, seed=2, scale=H**-0.5)
+    wd = randn(H, F, seed=3, scale=F**-0.5)
+    g = models.tp_mlp_graph(world, rows, wg, wu, wd)
+    x = randn(W, rows, H, seed=4)
+    y = _run_tables(g, W, {"x": x})["y"]
+    ref = models.torch_mlp(x.reshape(W * rows, H), wg, wu, wd).reshape(W, rows, H)
+    assert_close(y, ref, 2.0**-6, f"W={W}")
+
+
+def test_collectives_encode_rank_codes():
+    world = mkernel.World.emulated(2)
+    g = models.tp_mlp_graph(world, 8, randn(96, 64), randn(96, 64), randn(64, 96))
+    _, low = _lowered(g, 2)
+    ids = {n: i for i, n in enumerate(low.buffers)}
+    table = dv.encode_tasks(low, 2, ids)
+    F = dv.FIELD
+    by_op = {}
+    for row in table.tolist():
+        by_op.setdefault(dv.OPS[row[F["op"]]], []).append(row)
+    gathers = {row[F["read0_rank"]] for row in by_op["all_gather"]}
+    assert gathers == {0, 1}, "all_gather reads a fixed rank"
+    for row in by_op["reduce_scatter"]:
+        assert (
+            row[F["read0_rank"]] == dv.RANK_ALL and row[F["read0_rank_rows"]] == 8
+        )  # rows r * M/W + ..
+    assert {row[F["read0_rank"]] for row in by_op["linear"]} == {dv.RANK_OWN}
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_gpu_sized_tiles_run_clean_in_the_interpreter(W):
+    cfg = models.DecoderConfig(layers=2, heads=8, kv_heads=4)
+    weights, final = models.random_decoder(cfg, 2, seq=16, seed=3)
+    world = mkernel.World.emulated(W) if W > 1 else None
+    g = models.decode_graph(cfg, weights, final, 2, 9, world)
+    k = compile_graph(g, mkernel.Schedule(seed=W), blocks=dv.gpu_blocks(8), backend="interp")
+    x = randn(2, cfg.hidden, seed=1)
+    y = k(x=x)["y"]
+    ref = k.reference(x=x)["y"]
+    assert_close(y, ref, 2.0**-7, "interpreter on the kernel's tiles")
+
+
+def test_gpu_blocks_cut_a_linear_into_about_one_task_per_unit():
+    g = TaskGraph()
+    x = g.input("x", (1, 4096))
+    g.output("y", g.linear(x, torch.zeros(12288, 4096, dtype=torch.bfloat16)))
+    blocks = dv.gpu_blocks(132)(g.nodes[-1])
+    assert blocks.cols % dv.VEC == 0 and -(-12288 // blocks.cols) <= 132
+
+
+def test_shapes_the_kernel_cannot_serve_are_refused():
+    g = TaskGraph()
+    x = g.input("x", (2, 60))
+    g.output("y", g.linear(x, randn(64, 60)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        dv.check_graph(g)
+    g = TaskGraph()
+    q = g.input("q", (1, 16 * 16))
+    g.output("y", g.attention_decode(q, randn(1, 1, 8, 16), randn(1, 1, 8, 16), 8))
+    with pytest.raises(ValueError, match="at most 8"):
+        dv.check_graph(g)
+    g = TaskGraph()
+    q = g.input("q", (1, 8 * 128))
+    kv = torch.zeros(1, 1, 8192, 128, dtype=torch.bfloat16)
+    g.output("y", g.attention_decode(q, kv, kv, 8192))
+    with pytest.raises(ValueError, match="shared memory"):
+        dv.check_graph(g)
+
+
+def test_the_kernel_backend_needs_a_gpu():
+    with pytest.raises(ValueError, match="CUDA device only"):
+        compile_graph(mlp_graph(), backend="kernel")
