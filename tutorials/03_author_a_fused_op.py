@@ -11,9 +11,10 @@
 #    catches while it runs.
 #
 # Adding an op touched three places: `mkernel/ops/all_gather.py` (spec, plan, data-movement twin,
-# reference, API), `kernels/all_gather.cu` (data movement + a one-line launcher) and one export
-# line in `mkernel/__init__.py`. The op registry, `mkernel.reference`, the Python binding, the JIT's
-# source list and the generated headers (`python -m mkernel.codegen`) pick it up by themselves.
+# reference, its `OpDef` and API, one `registry.register` line), `kernels/all_gather.cu` (data
+# movement + a one-line launcher) and one export line in `mkernel/__init__.py`. The op registry,
+# `mkernel.reference`, the Python binding, the JIT's source list and the generated headers
+# (`python -m mkernel.codegen`) pick it up by themselves.
 
 # %%
 import subprocess
@@ -30,6 +31,7 @@ from mkernel.interp.program import run_plan
 from mkernel.ops import all_gather as ag
 from mkernel.ops import common
 from mkernel.protocol import Task
+from mkernel.runtime import registry
 
 ROOT = Path(mkernel.__file__).resolve().parents[1]
 
@@ -61,6 +63,28 @@ plan = sched.plan("all_gather", world, rows=10, cols=16)
 for t in plan.roles["comm"].tasks[0][:4] + plan.roles["comm"].tasks[0][-2:]:
     print(f"rank 0 comm task {t.id}: args {t.args} waits {t.waits} raises {t.raises}")
 print("compute tasks:", [len(ts) for ts in plan.roles["compute"].tasks], "(no GEMM here)")
+
+# %% [markdown]
+# ## 2b. What the run path knows of the op: its `OpDef`, and its registration
+# Every fused op's API is one line, `common.run_op(OP, inputs, world, schedule, ...)`: the run
+# path (mkernel/runtime/run.py) checks the world, the nodes, the schedule, the operands (`shapes`)
+# and the faults, takes the cached plan (`make_plan`), makes the results and runs the plan on the
+# GPU or in the interpreter (`twins`, `outputs`). `OP` declares exactly those pieces; an op with
+# more to say gives the optional hooks (`check`, `solo`, `empty`, `after_gpu`, `finish`, ...).
+# all_gather, with one bf16 `out`, builds its `OP` with `common.single_output_op`. The module then
+# registers itself: codegen, the JIT's source list and `Schedule.plan` find it in the registry.
+
+# %%
+api = Path(ag.__file__).read_text()
+print(api[api.index("OP = common.single_output_op") : api.index("registry.register")].strip())
+last = api[api.index("    return common.run_op(OP") :].splitlines()[0]
+print("the API's last line:", last.strip())
+print("OP.spec is SPEC:", ag.OP.spec is ag.SPEC, "| registered:", registry.get("all_gather") is ag)
+hooks = [h for h in ("check", "solo", "empty", "after_gpu") if getattr(ag.OP, h) is not None]
+print("optional hooks all_gather declares:", hooks)
+call = common.prepare(ag.OP, {"x": torch.randn(W, 10, 16).bfloat16()}, world, sched, out=None)
+print("prepare (run_op up to the run): plan", call.plan.spec.name, "sizes", call.sizes)
+print("results:", {k: list(v.shape) for k, v in call.results.items()})
 
 # %% [markdown]
 # ## 3. The device data movement
