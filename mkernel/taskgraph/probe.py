@@ -13,17 +13,21 @@ import torch
 
 from ..models import DecoderConfig, Layer, decode_graph
 from .compiled import compile_graph
+from .device import gpu_blocks
 from .graph import TaskGraph
 
 bf16 = torch.bfloat16
 
 
 def _time(fn, iters: int) -> float:
-    """Median of 5 timings of ``iters`` back-to-back calls (seconds per call)."""
+    """Median of 5 timings of ``iters`` back-to-back calls (seconds per call). The calls are
+    queued behind a sleeping kernel, so the device runs them back to back (device time, not the
+    host's enqueue time, unless the host is slower than the calls)."""
     fn()
     out = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # ~10 ms: longer than enqueueing the calls
         a.record()
         for _ in range(iters):
             fn()
@@ -82,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     layers, final = gpu_decoder(cfg, 1, args.kv)
     g = decode_graph(cfg, layers, final, 1, args.kv)
-    kern, eager = g.compile(), compile_graph(g, backend="eager")
+    # the fallback on the kernel's tiles (its own 4 x 32 default would be thousands of tasks)
+    kern = g.compile()
+    eager = compile_graph(g, backend="eager", blocks=gpu_blocks(kern.plan.compute_units))
     x = _rand(1, cfg.hidden)
     wbytes = sum(
         t.numel() * 2
