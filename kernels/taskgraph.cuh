@@ -13,6 +13,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <cstdint>
+
 #include "kernels/taskgraph_args.h"
 #include "primitives/protocol_gen.h"
 
@@ -202,19 +204,43 @@ __device__ inline void gemv(const View& x, const View& w, const View* res, const
   }
 }
 
+// NOTE: R * U loads of 16 bytes in flight per lane: 16 at small batches (the latency of HBM at
+// 3 TB/s needs ~16 KB in flight per SM), fewer where the accumulators take the registers.
 __device__ inline void linear(const View& x, const View& w, const View* res, const View& out) {
-  constexpr int R = 4, U = 2;
+  constexpr int R = 4;
   const int nb = out.rows;
   if (nb <= 1) {
-    gemv<1, R, U>(x, w, res, out);
+    gemv<1, R, 4>(x, w, res, out);
   } else if (nb <= 2) {
-    gemv<2, R, U>(x, w, res, out);
+    gemv<2, R, 4>(x, w, res, out);
   } else if (nb <= 4) {
-    gemv<4, R, U>(x, w, res, out);
+    gemv<4, R, 2>(x, w, res, out);
   } else if (nb <= 8) {
-    gemv<8, R, U>(x, w, res, out);
+    gemv<8, R, 2>(x, w, res, out);
   } else {
     gemv<16, R, 1>(x, w, res, out);
+  }
+}
+
+// Before a task's waits (thread 0): the first kPrefetchBytes of the build-time tensor it streams
+// (a linear's weight rows, an attention's K and V rows: contiguous, never written by the kernel)
+// into L2, so a CTA waiting for its input already fetches what it will read most of.
+// NOTE: capped per task so that every CTA's prefetch together stays well inside L2 (50 MB).
+constexpr long long kPrefetchBytes = 256 * 1024;
+
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+  bytes = min(bytes, kPrefetchBytes) & ~15LL;
+  if (bytes <= 0 || (reinterpret_cast<uintptr_t>(p) & 15) != 0) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((int)bytes) : "memory");
+}
+
+__device__ inline void prefetch_task(const Params& p, int id) {
+  const int* d = p.tasks + id * kTaskFields;
+  const int op = d[kFOp];
+  if (op != kOpLinear && op != kOpAttentionDecode) return;
+  for (int i = 1; i < (op == kOpLinear ? 2 : 3); ++i) {
+    const View t = read_view(p, d, i, read_rank(p, d, i));
+    if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (op == kOpLinear ? 1 : 2));
   }
 }
 
@@ -393,7 +419,10 @@ struct Engine {
     const bool signals = hooks.signals();
     for (int i = 0; i < hooks.num_tasks(); ++i) {
       const Task t = hooks.task(i);
-      if (threadIdx.x == 0) hooks.before_load(i);
+      if (threadIdx.x == 0) {
+        prefetch_task(p, t.id);
+        hooks.before_load(i);
+      }
       __syncwarp();
       __syncthreads();
       run_task(p, t.id, smem);

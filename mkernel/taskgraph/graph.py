@@ -272,10 +272,10 @@ class TaskGraph:
 
         CPU (world None with CPU tensors, or a CPU emulated world): each call runs the graph's
         tasks in the CPU interpreter, which reports races, deadlocks and tiles written twice or
-        never, as for the fused ops. GPU: the one-launch persistent kernel is NOT built yet; each
-        call runs the same tasks with torch ops, one task after another in dependency order (a
-        correct fallback, not a fused launch). ``schedule``: an ``mkernel.Schedule`` (seed, sms,
-        faults) or None.
+        never, as for the fused ops. GPU: each call is one persistent launch of the TaskGraph
+        kernel running the same kind of tables with GPU-sized tiles (docs/megakernel.md); it
+        needs column counts that are multiples of 8 (ValueError otherwise). ``schedule``: an
+        ``mkernel.Schedule`` (seed, sms, faults) or None.
 
         Inputs: a tensor of the input's shape (the same on every rank) or, in a World, [W, *shape]
         (rank r's at [r]); bf16, on the graph's device. Outputs: [*shape] (world None) or
