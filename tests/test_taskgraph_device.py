@@ -171,3 +171,21 @@ def test_shapes_the_kernel_cannot_serve_are_refused():
 def test_the_kernel_backend_needs_a_gpu():
     with pytest.raises(ValueError, match="CUDA device only"):
         compile_graph(mlp_graph(), backend="kernel")
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_the_kernel_plan_has_the_interpreters_tables(W):
+    """The kernel's spec differs in its buffers only: the same tasks, waits, raises and tiles."""
+    cfg = models.DecoderConfig(layers=2, heads=8, kv_heads=4)
+    weights, final = models.random_decoder(cfg, 2, seq=16, seed=3)
+    world = mkernel.World.emulated(W)
+    g = models.decode_graph(cfg, weights, final, 2, 9, world if W > 1 else None)
+    sched, blocks = check_schedule(None), dv.gpu_blocks(8)
+    interp = lower(g, world, sched, blocks).plan
+    kernel = lower(g, world, sched, blocks, None, dv.device_buffers(g)).plan
+    assert kernel.spec.device and not interp.spec.device
+    assert [p.name for p in kernel.spec.all_pads()] == [p.name for p in interp.spec.all_pads()]
+    for role in ("compute", "comm"):
+        a, b = interp.roles[role].tensors, kernel.roles[role].tensors
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), role
+    assert torch.equal(interp.tile_table(), kernel.tile_table())

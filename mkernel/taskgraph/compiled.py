@@ -66,6 +66,7 @@ def compile_graph(
     if blocks is None:
         blocks = DEFAULT_BLOCKS
     low = lower(graph, world, schedule, blocks, drop, device_buffers)
+    low.plan.extra["trace"] = schedule.trace  # the kernel records each task's span (GPU)
     return CompiledGraph(graph, world, schedule, low, backend)
 
 

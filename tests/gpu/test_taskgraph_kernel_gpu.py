@@ -178,3 +178,45 @@ def test_a_shape_the_kernel_cannot_serve_is_refused_at_compile():
     g.output("y", g.linear(x, randn(64, 60)))
     with pytest.raises(ValueError, match="multiples of 8"):
         g.compile()
+
+
+def _small_decode(world=None, batch=2):
+    cfg = models.DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256)
+    weights, final = on_gpu(*models.random_decoder(cfg, batch, seq=32, seed=3))
+    return cfg, models.decode_graph(cfg, weights, final, batch, 21, world)
+
+
+def test_trace_records_every_task():
+    world = mkernel.World.emulated(2, device="cuda")
+    _, g = _small_decode(world)
+    k = g.compile(mkernel.Schedule(trace=True))
+    k(x=randn(2, 128, seed=1))
+    spans = world.last_timeline.spans
+    assert sorted((s.rank, s.task) for s in spans) == [
+        (r, t) for r in range(2) for t in range(len(k.lowered.tasks[0]))
+    ]
+    assert all(s.end >= s.start for s in spans)
+
+
+def test_a_late_rank_changes_nothing():
+    world = mkernel.World.emulated(2, device="cuda")
+    _, g = _small_decode(world)
+    x = randn(2, 128, seed=2)
+    y = g.compile()(x=x)["y"]
+    late = g.compile(mkernel.Schedule(faults=mkernel.Faults(delay_rank=1, delay_us=20)))
+    assert torch.equal(late(x=x)["y"], y)
+
+
+def test_cuda_graph_replay_with_new_inputs():
+    _, g = _small_decode()
+    k = g.compile()
+    static = randn(2, 128, seed=3)
+    k(x=static)  # warm: built, attributes set, poison kernel loaded
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k(x=static)["y"]
+    for seed in (4, 5):
+        x = randn(2, 128, seed=seed)
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(out, k(x=x)["y"]), f"seed {seed}"
