@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy = lambda: dst.copy_(src)  # noqa: E731
-    gemvs = {}
+    gemvs, extra = {}, {}
     for N, K in ((12288, 4096), (4096, 12288)):
         w = _rand(N, K, scale=K**-0.5)
         for B in (1, 8, 16):
@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
             k = g.compile()
             x = _rand(B, K)
             gemvs[(N, K, B)] = (lambda k=k, x=x: k(x=x), lambda w=w, x=x: x @ w.T, N * K * 2)
+            if B != 16:  # the same with 2 and 4 tasks per CTA (smaller column blocks)
+                sms = k.plan.compute_units
+                for m in (2, 4):
+                    km = compile_graph(g, blocks=gpu_blocks(m * sms))
+                    extra[(N, K, B, m)] = (lambda k=km, x=x: k(x=x), N * K * 2)
     cfg = DecoderConfig(
         hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=args.layers
     )
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         for key, (ours, theirs, nbytes) in gemvs.items():
             rows.setdefault(f"gemv {key} kernel", []).append(nbytes / _time(ours, 50) / 1e9)
             rows.setdefault(f"gemv {key} torch", []).append(nbytes / _time(theirs, 50) / 1e9)
+        for key, (ours, nbytes) in extra.items():
+            rows.setdefault(f"gemv {key} kernel", []).append(nbytes / _time(ours, 50) / 1e9)
         rows["decode_kernel"].append(_time(lambda: kern(x=x), 20) * 1e6)
         rows["decode_eager"].append(_time(lambda: eager(x=x), 3) * 1e6)
     best = {k: (max(v) if "decode" not in k else min(v)) for k, v in rows.items()}
@@ -110,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     for N, K, B in gemvs:
         ours, theirs = best[f"gemv {(N, K, B)} kernel"], best[f"gemv {(N, K, B)} torch"]
         print(f"{f'[{N}, {K}] x {B}':32} {ours:12.0f} {theirs:12.0f} {ours / rate:12.2f}")
+    for N, K, B, m in extra:
+        ours = best[f"gemv {(N, K, B, m)} kernel"]
+        print(f"{f'[{N}, {K}] x {B}, {m} tasks/CTA':32} {ours:12.0f} {'':12} {ours / rate:12.2f}")
     bound = wbytes / (rate * 1e9) * 1e6
     print(
         f"decode {args.layers} layers B=1 KV={args.kv}: kernel {best['decode_kernel']:.0f} us, "
