@@ -52,33 +52,33 @@ class Twins(NamedTuple):
 class OpDef:
     """What an op declares to ``run_op`` (its module's ``OP``), all the run path knows of it.
 
-        - ``spec``: its OpSpec; ``make_plan(schedule, world, **sizes)``: its plan (cached_plan);
-          ``spec_nodes`` (optional): the SPEC of its plan over several nodes (docs/rdma.md
-          "Hierarchical ops"), which ``make_plan`` builds when ``world.nodes > 1``; an op without
-          one refuses such a world.
+    - ``spec``: its OpSpec; ``make_plan(schedule, world, **sizes)``: its plan (cached_plan);
+      ``spec_nodes`` (optional): the SPEC of its plan over several nodes (docs/rdma.md
+      "Hierarchical ops"), which ``make_plan`` builds when ``world.nodes > 1``; an op without
+      one refuses such a world.
 
     Every hook below takes the Call.
 
-        - ``shapes(*inputs, world, **shape_options)``: the plan's sizes, after checking the operands
-          (``shape_options``: the options named in ``shape_args``, e.g. causal and layout);
-        - ``results``: the output tensors by SPEC buffer name (the caller's ``out``, checked, or new);
-        - ``twins``: the interpreter's data-movement twins per role, or a ``Twins`` (with the layout
-          twin and the kernel-end reads); ``outputs(plan, rank)``: the output tiles of buffer
-          ``output`` (default ``out``) its kernel end reads (unused when twins gives a Twins);
-        - ``check`` (optional): the op's checks beyond its operands', before anything runs; it may
-          set sizes (a scale's bits), options (defaults) and inputs (as the kernel takes them);
-        - ``world_check(world)`` (optional): the op's checks of the world, before the nodes' (the
-          MoE pair's CUDA-graph capture in a distributed world);
-        - ``refused`` (optional): called when a check (nodes to plan) raises TypeError / ValueError,
-          before it propagates (the MoE dispatch's peers, about to exchange counts, raise too);
-        - ``solo`` (optional): the result of a path without the fused plan (the ring ops' one-rank
-          engines), or None to take the plan;
-        - ``empty`` (optional): the result of a call with nothing to run (the MoE ops' T == 0),
-          after the results, or None to run;
-        - ``operands`` (optional): the kernel's tensors by SPEC name on both paths (default: the
-          inputs, then the results); ``views`` (optional): the interpreter's, if they differ;
-        - ``after_gpu`` (optional): host work after the launch (gemm_ar's copy into ``out``);
-        - ``finish``: what the API returns (default: the result ``out``)."""
+    - ``shapes(*inputs, world, **shape_options)``: the plan's sizes, after checking the operands
+      (``shape_options``: the options named in ``shape_args``, e.g. causal and layout);
+    - ``results``: the output tensors by SPEC buffer name (the caller's ``out``, checked, or new);
+    - ``twins``: the interpreter's data-movement twins per role, or a ``Twins`` (with the layout
+      twin and the kernel-end reads); ``outputs(plan, rank)``: the output tiles of buffer
+      ``output`` (default ``out``) its kernel end reads (unused when twins gives a Twins);
+    - ``check`` (optional): the op's checks beyond its operands', before anything runs; it may
+      set sizes (a scale's bits), options (defaults) and inputs (as the kernel takes them);
+    - ``world_check(world)`` (optional): the op's checks of the world, before the nodes' (the
+      MoE pair's CUDA-graph capture in a distributed world);
+    - ``refused`` (optional): called when a check (nodes to plan) raises TypeError / ValueError,
+      before it propagates (the MoE dispatch's peers, about to exchange counts, raise too);
+    - ``solo`` (optional): the result of a path without the fused plan (the ring ops' one-rank
+      engines), or None to take the plan;
+    - ``empty`` (optional): the result of a call with nothing to run (the MoE ops' T == 0),
+      after the results, or None to run;
+    - ``operands`` (optional): the kernel's tensors by SPEC name on both paths (default: the
+      inputs, then the results); ``views`` (optional): the interpreter's, if they differ;
+    - ``after_gpu`` (optional): host work after the launch (gemm_ar's copy into ``out``);
+    - ``finish``: what the API returns (default: the result ``out``)."""
 
     spec: OpSpec
     make_plan: Callable[..., Plan]
