@@ -21,11 +21,13 @@ pytestmark = [
 ]
 
 # (script, its arguments, PASS lines it prints at least): the GEMM ops with the ring attention
-# forward and backward checks (check_ops.py), the MoE pair (check_moe.py); 60 SMs per rank so
-# both ranks' persistent kernels fit on the GPU at once
+# forward and backward checks (check_ops.py), the MoE pair (check_moe.py), mkernel.torch_compat's
+# drop-in functions against torch.ops.symm_mem's own (check_torch_compat.py, issue 37); 60 SMs per
+# rank so both ranks' persistent kernels fit on the GPU at once
 CHECKS = [
     ("check_ops.py", ["--ops", "gemm_rs,ag_gemm,gemm_ar", "--loop", "3", "--sms", "60"], 71),
     ("check_moe.py", ["--loop", "1", "--sms", "60"], 10),
+    ("check_torch_compat.py", ["--sms", "60"], 12),
 ]
 
 

@@ -3,12 +3,12 @@ torch.library.opcheck of every op (schema, fake tensor, autograd registration,
 aot_dispatch_dynamic), torch.compile(fullgraph=True, inductor) of a tensor-parallel MLP block
 without graph breaks and equal to eager, CUDA-graph capture of the compiled block (by
 torch.compile's mode="reduce-overhead", and by torch.cuda.graph around the compiled function),
-replayed with new inputs; the drop-in functions of mkernel/torch_compat.py against
-torch.ops.symm_mem with two processes on this GPU (tests/distributed/check_torch_compat.py)."""
+replayed with new inputs. The drop-in functions of mkernel/torch_compat.py are checked against
+torch.ops.symm_mem with two processes on this GPU in tests/gpu/test_distributed_gpu.py (with the
+other two-process checks: a subprocess run from this module, after its compiled graphs, did not
+finish within 150 s on an H100, where the same check alone passes in 40 s)."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ import torch._dynamo.utils
 
 import mkernel
 from mkernel import torch_ops
-from tests.helpers import ROOT, assert_close_bf16, run_script
+from tests.helpers import assert_close_bf16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,17 +172,3 @@ def test_cuda_graph_capture_of_the_compiled_block(world):
         graph.replay()
         assert_close_bf16(static_out, tp_mlp(x, w_up, w_down, world), f"replay {step}")
     world.check()
-
-
-# -- torch_compat against torch.ops.symm_mem, two processes on this GPU -------------------------
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_torch_compat_against_symm_mem_with_two_processes():
-    run_sh = str(ROOT / "tests/distributed/run.sh")
-    rc, out = run_script(
-        ["bash", run_sh, "2", "--sms", "60"], timeout=900, CHECK="check_torch_compat.py"
-    )
-    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert rc == 0 and not fails, "\n".join(fails) or out[-4000:]
-    assert out.count("PASS ") >= 12, out[-3000:]
