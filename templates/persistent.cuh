@@ -146,6 +146,7 @@ struct TaskList {
 // padded to the longest), else rows unit, unit + units, ... of the rank's (the default rule).
 __device__ __forceinline__ TaskList unit_tasks(const RoleTables& t, int rank, int unit, int units) {
   if (t.unit_span != nullptr) {
+    if (unit >= units) return TaskList{0, 0, 0, 1};
     const int* s = t.unit_span + 2 * (rank * units + unit);
     return TaskList{s[0], s[1], 0, 1};
   }
@@ -643,10 +644,10 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
 
   const RoleTables& ctab = c.role[kRoleCompute];
   const RoleTables& mtab = c.role[kRoleComm];
-  // an inter_sm comm CTA has no compute unit (slot >= compute_units): an empty list
-  const TaskList compute = cta.slot < c.compute_units
-                               ? unit_tasks(ctab, cta.rank, cta.slot, c.compute_units)
-                               : TaskList{0, 0, 0, 1};
+  // An inter_sm comm CTA has no compute unit (slot >= compute_units; unit_tasks gives a PerUnit
+  // role's an empty list). NOTE: selects written here instead of inside unit_tasks cost the ring
+  // kernel 2-4% (W = 2 full, one H100, benchmarks/results/ring_local_2026-12-07_ab_*.json).
+  const TaskList compute = unit_tasks(ctab, cta.rank, cta.slot, c.compute_units);
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
     const TaskList comm = unit_tasks(mtab, cta.rank, cta.slot - c.compute_units, c.comm_units);
     if constexpr (kAnyOrder) {
@@ -659,8 +660,7 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
     return;
   }
   // The intra_sm communicator, on the warp the engine leaves free.
-  const TaskList comm = cta.slot < c.comm_units ? unit_tasks(mtab, cta.rank, cta.slot, c.comm_units)
-                                                : TaskList{0, 0, 0, 1};
+  const TaskList comm = unit_tasks(mtab, cta.rank, cta.slot, c.comm_units);
   auto spare = [&] {
     if (c.overlap != kIntraSM) return;
     if constexpr (kAnyOrder) {
