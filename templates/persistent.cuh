@@ -143,7 +143,8 @@ struct TaskList {
 };
 
 // Unit `unit` of a role on `rank`: its own span when the plan listed each unit's tasks (no unit
-// padded to the longest), else rows unit, unit + units, ... of the rank's (the default rule).
+// padded to the longest; a unit past `units` has none), else rows unit, unit + units, ... of the
+// rank's (the default rule).
 __device__ __forceinline__ TaskList unit_tasks(const RoleTables& t, int rank, int unit, int units) {
   if (t.unit_span != nullptr) {
     if (unit >= units) return TaskList{0, 0, 0, 1};
@@ -644,9 +645,10 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
 
   const RoleTables& ctab = c.role[kRoleCompute];
   const RoleTables& mtab = c.role[kRoleComm];
-  // An inter_sm comm CTA has no compute unit (slot >= compute_units; unit_tasks gives a PerUnit
-  // role's an empty list). NOTE: selects written here instead of inside unit_tasks cost the ring
-  // kernel 2-4% (W = 2 full, one H100, benchmarks/results/ring_local_2026-12-07_ab_*.json).
+  // An inter_sm comm CTA has no compute unit (slot >= compute_units: unit_tasks gives a PerUnit
+  // role an empty list there; under the stride rule the list is never read, the CTA returns
+  // below). NOTE: selects around these calls instead of inside unit_tasks cost the ring kernel ~3%
+  // (W = 2 full, one H100, benchmarks/results/ring_local_2026-12-07_ab2_*.json).
   const TaskList compute = unit_tasks(ctab, cta.rank, cta.slot, c.compute_units);
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
     const TaskList comm = unit_tasks(mtab, cta.rank, cta.slot - c.compute_units, c.comm_units);
