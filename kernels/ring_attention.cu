@@ -173,6 +173,7 @@ struct RingAttnEngine {
 
 template <int D>
 struct RingAttention : CommRings<UnitRing<8, 4, 16384>, UnitRing<4, 2, 8192>> {
+  static constexpr bool kComputePerUnit = true;  // its plans give each unit its q tiles' chains
   using Engine = RingAttnEngine<D>;
   using Layout = spec::ring_attention::Layout;
   using Args = FusedArgs<RingAttention>;

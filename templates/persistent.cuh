@@ -500,6 +500,18 @@ template <class Op>
 struct comm_any_order<Op, std::void_t<decltype(Op::kCommAnyOrder)>>
     : std::bool_constant<Op::kCommAnyOrder> {};
 
+// Optional: `static constexpr bool kComputePerUnit = true`: every plan of the op gives its compute
+// role unit by unit (PerUnit: unit_span), so the kernel is compiled for that rule alone; a plan
+// without the span would run no compute task (tests/test_per_unit.py holds the ring ops' plans to
+// it). NOTE: the runtime choice between the two rules (unit_tasks) cost the causal ring kernels 3-5%
+// against the tree before per-unit lists (one H100, ring_local_2026-12-07_ab3_*.json: within noise
+// with the trait).
+template <class Op, class = void>
+struct compute_per_unit : std::false_type {};
+template <class Op>
+struct compute_per_unit<Op, std::void_t<decltype(Op::kComputePerUnit)>>
+    : std::bool_constant<Op::kComputePerUnit> {};
+
 template <class Op>
 __device__ void claim_comm(const FusedArgs<Op>& a, const CtaInfo& cta, const TaskList& tasks,
                            int* next) {
@@ -649,7 +661,14 @@ __global__ void __launch_bounds__(Op::Engine::kThreads, 1)
   // role an empty list there; under the stride rule the list is never read, the CTA returns
   // below). NOTE: selects around these calls instead of inside unit_tasks cost the ring kernel ~3%
   // (W = 2 full, one H100, benchmarks/results/ring_local_2026-12-07_ab2_*.json).
-  const TaskList compute = unit_tasks(ctab, cta.rank, cta.slot, c.compute_units);
+  TaskList compute;
+  if constexpr (compute_per_unit<Op>::value) {
+    const int* span = ctab.unit_span + 2 * (cta.rank * c.compute_units + cta.slot);
+    const bool mine = ctab.unit_span != nullptr && cta.slot < c.compute_units;
+    compute = mine ? TaskList{span[0], span[1], 0, 1} : TaskList{0, 0, 0, 1};
+  } else {
+    compute = unit_tasks(ctab, cta.rank, cta.slot, c.compute_units);
+  }
   if (c.overlap == kInterSM && cta.slot >= c.compute_units) {
     const TaskList comm = unit_tasks(mtab, cta.rank, cta.slot - c.compute_units, c.comm_units);
     if constexpr (kAnyOrder) {

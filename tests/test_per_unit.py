@@ -6,6 +6,9 @@ least loaded unit, longest first."""
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -130,3 +133,37 @@ def test_least_loaded_places_every_item_once_and_evens_the_load(costs, units, lo
     if longest:
         for x in lists:
             assert [costs[i] for i in x] == sorted((costs[i] for i in x), reverse=True)
+
+
+# The ops whose kernels declare kComputePerUnit (templates/persistent.cuh): the template compiles
+# their compute list for unit_span alone, so each of their plans must give the role PerUnit.
+PER_UNIT_KERNELS = {
+    "kernels/ring_attention.cu": "ring_attention",
+    "kernels/ring_attention_backward.cu": "ring_attention_backward",
+}
+
+
+def test_the_kernels_compiled_per_unit_are_the_ones_listed():
+    root = Path(__file__).resolve().parents[1]
+    declared = {
+        str(p.relative_to(root))
+        for p in sorted((root / "kernels").glob("*.cu"))
+        if "kComputePerUnit = true" in p.read_text()
+    }
+    assert declared == set(PER_UNIT_KERNELS)
+
+
+@pytest.mark.parametrize("module", sorted(set(PER_UNIT_KERNELS.values())))
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("overlap", ["intra_sm", "inter_sm"])
+def test_every_plan_of_a_kernel_compiled_per_unit_gives_each_unit_its_list(
+    module, W, causal, overlap
+):
+    op = importlib.import_module(f"mkernel.ops.{module}")
+    world = mkernel.World.emulated(W)
+    sched = mkernel.Schedule(overlap=overlap, sms=4)
+    plan = op.make_plan(sched, world, 1, 192, 2, 1, 64, causal, causal)
+    counts = plan.roles["compute"].unit_counts
+    assert counts is not None, f"{module}: a plan without unit_span runs no compute task"
+    assert len(counts) == W and all(len(c) == plan.compute_units for c in counts)
