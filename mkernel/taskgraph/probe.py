@@ -2,16 +2,20 @@
 ``python -m mkernel.taskgraph.probe`` prints, interleaved in rounds on one GPU, the device copy
 rate, the GEMV of a bf16 weight through a one-linear graph against torch.matmul (GB/s of weight
 streamed), and a Qwen3-shaped decode graph's one launch against the eager fallback (torch ops
-per task) and against its HBM bound (bytes read / copy rate)."""
+per task) and against its HBM bound (bytes read / copy rate). ``--trace`` prints instead, per
+node of the decode graph, how long its tasks ran once their inputs were ready (one
+Schedule(trace=True) launch: ``node_times``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
 from ..models import DecoderConfig, Layer, decode_graph
+from ..schedule import Schedule
 from .compiled import compile_graph
 from .device import gpu_blocks
 from .graph import TaskGraph
@@ -62,12 +66,44 @@ def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], 
     return layers, 1 + 0.1 * _rand(H)
 
 
+def node_times(graph: TaskGraph, inputs: dict, schedule: Schedule | None = None) -> list[dict]:
+    """One traced launch of ``graph`` (``Schedule(trace=True)``, rank 0): per live node, its tasks'
+    run times from the moment their inputs were ready (the last end of the tasks each waits for,
+    or its own start if later) to their end, ns: the node's id, op, task count, median and max
+    run time and its last end."""
+    sched = Schedule(trace=True) if schedule is None else schedule
+    k = graph.compile(sched)
+    k(**inputs)
+    torch.cuda.synchronize()
+    span = {s.task: (s.start, s.end) for s in k.world.last_timeline.spans if s.rank == 0}
+    deps = {t.id: [w.index[0] for w in t.waits] for t in k.plan.roles["compute"].tasks[0]}
+    per: dict[int, list[tuple[int, int]]] = {}
+    for i, t in enumerate(k.lowered.tasks[0]):
+        start, end = span[i]
+        ready = max((span[j][1] for j in deps[i]), default=0)
+        per.setdefault(t.node, []).append((end - max(start, ready), end))
+    return [
+        {
+            "node": n,
+            "op": k.lowered.nodes[n].op,
+            "tasks": len(v),
+            "run_median_ns": statistics.median(r for r, _ in v),
+            "run_max_ns": max(r for r, _ in v),
+            "last_end_ns": max(e for _, e in v),
+        }
+        for n, v in per.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m mkernel.taskgraph.probe")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--kv", type=int, default=1024)
+    p.add_argument("--trace", action="store_true", help="per node of the decode graph: run times")
     args = p.parse_args(argv)
+    if args.trace:
+        return _trace(args)
     res: dict = {"device": torch.cuda.get_device_name()}
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -130,6 +166,25 @@ def main(argv: list[str] | None = None) -> dict:
     err = ((y - ye).abs().max() / ye.abs().max()).item()
     print(f"decode kernel vs eager: max rel err {err:.2g}")
     res.update({"best": {str(k): v for k, v in best.items()}, "bound_us": bound, "rel_err": err})
+    print(json.dumps(res))
+    return res
+
+
+def _trace(args) -> dict:
+    cfg = DecoderConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=args.layers
+    )
+    layers, final = gpu_decoder(cfg, 1, args.kv)
+    g = decode_graph(cfg, layers, final, 1, args.kv)
+    rows = node_times(g, {"x": _rand(1, cfg.hidden)})
+    print(f"decode {args.layers} layers B=1 KV={args.kv}, one traced launch (us):")
+    print(f"{'node':>5} {'op':18} {'tasks':>6} {'run median':>11} {'run max':>9} {'last end':>9}")
+    for r in rows:
+        print(
+            f"{r['node']:5} {r['op']:18} {r['tasks']:6} {r['run_median_ns'] / 1e3:11.1f} "
+            f"{r['run_max_ns'] / 1e3:9.1f} {r['last_end_ns'] / 1e3:9.1f}"
+        )
+    res = {"device": torch.cuda.get_device_name(), "nodes": rows}
     print(json.dumps(res))
     return res
 
