@@ -132,9 +132,7 @@ def lower(
     for r in range(W):
         rank_tasks = []
         for i, t in enumerate(per_rank[r]):
-            waits = tuple(
-                Wait(READY, q, (j, 0), consumers=readers[(q, j)]) for q, j in deps[r][i]
-            )
+            waits = tuple(Wait(READY, q, (j, 0), consumers=readers[(q, j)]) for q, j in deps[r][i])
             raises = (Raise(READY, r, (i, 0)),) if readers[(r, i)] else ()
             rank_tasks.append(Task(i, (i, t.node), waits=waits, raises=raises))
         compute.append(rank_tasks)
