@@ -186,7 +186,7 @@ struct RingBwdEngine {
 
 template <int D>
 struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>> {
-  static constexpr bool kComputePerUnit = true;  // its plans give each unit its q tiles' chains
+  static constexpr bool kComputePerUnit = true;  // its plans give each unit its K/V tiles (PerUnit)
   using Engine = RingBwdEngine<D>;
   using Layout = rab::Layout;
   using Args = FusedArgs<RingAttentionBwd>;

@@ -45,6 +45,13 @@ def _rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * scale).to(bf16)
 
 
+def qwen3_shaped(layers: int) -> DecoderConfig:
+    """Qwen3-8B's layer shapes (hidden 4096, 32 / 8 heads of 128, MLP 12288), ``layers`` deep."""
+    return DecoderConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=layers
+    )
+
+
 def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], torch.Tensor]:
     """models.random_decoder's shapes, made on the GPU (a real model's weights are slow on CPU)."""
     H, D, F = cfg.hidden, cfg.head_dim, cfg.intermediate
@@ -122,9 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for m in (2, 4):
                     km = compile_graph(g, blocks=gpu_blocks(m * sms))
                     extra[(N, K, B, m)] = (lambda k=km, x=x: k(x=x), N * K * 2)
-    cfg = DecoderConfig(
-        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=args.layers
-    )
+    cfg = qwen3_shaped(args.layers)
     layers, final = gpu_decoder(cfg, 1, args.kv)
     g = decode_graph(cfg, layers, final, 1, args.kv)
     # the fallback on the kernel's tiles (its own 4 x 32 default would be thousands of tasks)
@@ -171,9 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _trace(args) -> dict:
-    cfg = DecoderConfig(
-        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=args.layers
-    )
+    cfg = qwen3_shaped(args.layers)
     layers, final = gpu_decoder(cfg, 1, args.kv)
     g = decode_graph(cfg, layers, final, 1, args.kv)
     rows = node_times(g, {"x": _rand(1, cfg.hidden)})
