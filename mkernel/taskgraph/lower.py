@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 # ``rank`` for tile ``producer`` of ``peer`` from the plan, as a lowering bug would.
 DropHook = Callable[[int, int, int, int], bool]
 READY = "ready"
-# ints between two tasks' flags (and counters) in the ready pad; 1: packed. NOTE: a module knob
-# for the issue-36 experiment on the flags' cache lines (many CTAs poll one flag while its
-# neighbours are waited on, reset and raised); the kernel reads it through the plan's tables.
-FLAG_SPACING = 1
 _IDS = itertools.count()  # each compiled graph's own spec name, so workspaces never mix
 
 
@@ -132,12 +128,12 @@ def lower(
     for r in range(W):
         rank_tasks = []
         for i, t in enumerate(per_rank[r]):
-            waits = tuple(Wait(READY, q, (j, 0), consumers=readers[(q, j)]) for q, j in deps[r][i])
-            raises = (Raise(READY, r, (i, 0)),) if readers[(r, i)] else ()
+            waits = tuple(Wait(READY, q, (j,), consumers=readers[(q, j)]) for q, j in deps[r][i])
+            raises = (Raise(READY, r, (i,)),) if readers[(r, i)] else ()
             rank_tasks.append(Task(i, (i, t.node), waits=waits, raises=raises))
         compute.append(rank_tasks)
     bufs = _buffers(graph, live, outs)
-    sizes = {"tasks": T, "flag_spacing": FLAG_SPACING}
+    sizes = {"tasks": T}
     for name, (_, (rows, cols)) in bufs.items():
         sizes[f"{name}_rows"], sizes[f"{name}_cols"] = rows, cols
     named = tuple(
@@ -148,15 +144,7 @@ def lower(
         name=f"taskgraph{next(_IDS)}",
         doc="a TaskGraph: tiles of its ops as tasks, per-tile ready events",
         buffers=named if device_buffers is None else device_buffers,
-        pads=(
-            Pad(
-                READY,
-                ("task", "lane"),
-                ("tasks", "flag_spacing"),
-                counted=True,
-                doc="the task's tile has landed (lane 0; the rest spaces the flags)",
-            ),
-        ),
+        pads=(Pad(READY, ("task",), ("tasks",), counted=True, doc="the task's tile has landed"),),
         scalars=(),
         # NOTE: the interpreter's spec names every value (past MAX_SLOTS for a real model); the
         # kernel's reaches them through its pointer table (kernels/taskgraph.cuh)
