@@ -38,6 +38,8 @@ struct TaskGraphOp {
   using Layout = TaskGraphLayout;
   using Args = FusedArgs<TaskGraphOp>;
   static constexpr int kCommSmemBytes = 0;
+  // Its worlds are one GPU (mkernel/taskgraph refuses distributed ones): gpu-scope flags.
+  static constexpr bool kOneGpu = true;
   static __device__ Engine::Dest dest(const Args&, const CtaInfo&, const Tile&) { return {}; }
   // NOTE: a TaskGraph plan has no comm tasks; the template's comm loop never calls this.
   static __device__ void comm_move(const Args&, const CtaInfo&, const int*, const Team&, char*) {}

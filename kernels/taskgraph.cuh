@@ -430,7 +430,9 @@ struct Engine {
         __threadfence();  // this thread's stores, before thread 0 publishes the tile
         __syncthreads();
         if (threadIdx.x == 0) {
-          if (hooks.raises(i)) __threadfence_system();
+          // NOTE: gpu scope: every reader of the tile is a CTA of this GPU (Op::kOneGpu); a
+          // system-scope fence here cost the decode launch 30x (docs/megakernel.md)
+          if (hooks.raises(i)) __threadfence();
           hooks.after_store(i);
         }
       }

@@ -73,6 +73,28 @@ __device__ __forceinline__ int cas_acq_rel_sys(int* p, int expected, int desired
   return old;
 }
 
+// One GPU (every rank of the launch on this device, an emulated world): gpu-scope twins. NOTE:
+// sys-scope fences and polls cost a TaskGraph launch 30x (one H100: one decode layer 24 ms against
+// 0.7 ms, docs/megakernel.md) while ~128 CTAs poll; gpu scope is enough where no peer GPU or host
+// reads the flags.
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_gpu(int* p, int v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 // Named after what they do, so kernels read as the protocol above.
 __device__ __forceinline__ void signal_set_release(int* flag, int v = 1) {
   st_release_sys(flag, v);
@@ -148,6 +170,16 @@ __device__ inline bool wait_acquire(const int* flag, int value, const WaitPolicy
                                     const WaitSite& site) {
   const bool ok = spin_until(w, site, [&] { return ld_relaxed_sys(flag) == value; });
   fence_acq_rel_sys();
+  return ok;
+}
+
+// wait_acquire at gpu scope (kGpu: every reader and writer of the flag on this GPU) or sys scope.
+template <bool kGpu>
+__device__ inline bool wait_acquire_at(const int* flag, int value, const WaitPolicy& w,
+                                       const WaitSite& site) {
+  if constexpr (!kGpu) return wait_acquire(flag, value, w, site);
+  const bool ok = spin_until(w, site, [&] { return ld_relaxed_gpu(flag) == value; });
+  fence_acq_rel_gpu();
   return ok;
 }
 

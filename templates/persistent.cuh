@@ -178,6 +178,7 @@ __device__ __forceinline__ int task_id(const FusedCommon& c, int role, int row) 
 
 // Every wait of task `row`, then the resets it owns: the single consumer sets the flag back to 0,
 // counted consumers add themselves to the pad's counter and the last one resets flag and counter.
+template <bool kGpu = false>  // kGpu: gpu-scope flags (an op of one GPU, `kOneGpu`)
 __device__ inline void run_waits(const FusedCommon& c, int role, int row, int rank) {
   const RoleTables& t = c.role[role];
   const int first = t.wait_span[2 * row], end = t.wait_span[2 * row + 1];
@@ -187,19 +188,26 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
     const WaitSite site{rank, w[kWPeer], task_id(c, role, row), role, w[kWPad], w[kWIndex]};
     const WaitPolicy policy{c.wait.status, c.wait.timeout_ns * w[kWPatience], c.wait.backoff_ns,
                             c.wait.launch};
-    wait_acquire(c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex], w[kWValue], policy, site);
+    wait_acquire_at<kGpu>(c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex], w[kWValue], policy, site);
   }
   for (int i = first; i < end; ++i) {
     const int* w = t.waits + i * kWaitFields;
     int* flag = c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex];
+    auto reset = [](int* p) {
+      if constexpr (kGpu) {
+        st_relaxed_gpu(p, 0);
+      } else {
+        st_relaxed_sys(p, 0);
+      }
+    };
     if (w[kWConsumers] == 1) {
-      st_relaxed_sys(flag, 0);
+      reset(flag);
     } else if (w[kWConsumers] > 1) {
       // NOTE: every consumer has passed its wait before its add, so the last one may reset.
       int* count = c.pads[w[kWCounter]].map(w[kWRank]) + w[kWIndex];
       if (atomicAdd(count, 1) + 1 == w[kWConsumers]) {
-        st_relaxed_sys(flag, 0);
-        st_relaxed_sys(count, 0);
+        reset(flag);
+        reset(count);
       }
     }
   }
@@ -208,7 +216,7 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
 
 // The raises of task `row`, once its writes are complete and fenced at system scope. `across(r,
 // flag)` may take a raise over (an op over several nodes: a put), returning true.
-template <class Across>
+template <bool kGpu = false, class Across>
 __device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank,
                                   Across&& across) {
   const RoleTables& t = c.role[role];
@@ -219,7 +227,13 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
     const int* r = t.raises + i * kRaiseFields;
     int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
     if (across(r, flag)) continue;
-    if (r[kROp] == kRaiseAdd) {
+    if constexpr (kGpu) {
+      if (r[kROp] == kRaiseAdd) {
+        red_add_release_gpu(flag, r[kRValue]);
+      } else {
+        st_release_gpu(flag, r[kRValue]);
+      }
+    } else if (r[kROp] == kRaiseAdd) {
       signal_add_release(flag, r[kRValue]);
     } else {
       signal_set_release(flag, r[kRValue]);
@@ -227,8 +241,9 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
   }
 }
 
+template <bool kGpu = false>
 __device__ inline void run_raises(const FusedCommon& c, int role, int row, int rank) {
-  run_raises(c, role, row, rank, [](const int*, int*) { return false; });
+  run_raises<kGpu>(c, role, row, rank, [](const int*, int*) { return false; });
 }
 
 // -- over several nodes: raises across nodes travel as rdma puts ----------------------------------
@@ -288,6 +303,13 @@ __device__ inline void run_raises_nodes(const FusedArgs<Op>& a, const CtaInfo& c
   });
 }
 
+// Optional: `static constexpr bool kOneGpu = true`: every rank of the op's launches is a CTA group
+// of this GPU (TaskGraph), so its compute role's waits and raises use gpu-scope flags.
+template <class Op, class = void>
+struct one_gpu : std::false_type {};
+template <class Op>
+struct one_gpu<Op, std::void_t<decltype(Op::kOneGpu)>> : std::bool_constant<Op::kOneGpu> {};
+
 // The raises of task `row` of an op: as puts across nodes for an op over several nodes.
 template <class Op>
 __device__ __forceinline__ void run_raises_of(const FusedArgs<Op>& a, const CtaInfo& cta, int role,
@@ -295,7 +317,7 @@ __device__ __forceinline__ void run_raises_of(const FusedArgs<Op>& a, const CtaI
   if constexpr (op_nodes<Op>::value) {
     run_raises_nodes<Op>(a, cta, role, row);
   } else {
-    run_raises(a.common, role, row, cta.rank);
+    run_raises<one_gpu<Op>::value>(a.common, role, row, cta.rank);
   }
 }
 
@@ -358,7 +380,7 @@ struct PlanHooks {
   }
   __device__ void before_load(int i) const {  // producer lane
     stamp(i, 0);
-    run_waits(c(), kRoleCompute, tasks[i], cta.rank);
+    run_waits<one_gpu<Op>::value>(c(), kRoleCompute, tasks[i], cta.rank);
   }
   __device__ typename Op::Engine::Dest dest(int i) const { return Op::dest(a, cta, tile(i)); }
   __device__ void after_store(int i) const {  // one consumer thread, the tile's writes landed
