@@ -95,16 +95,22 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// Whether another wait of the launch gave up. NOTE: the status block is mapped host memory: a
+// sys-scope poll of it crosses PCIe, and ~128 CTAs polling so (every 64th poll of each) made a
+// one-GPU TaskGraph decode layer 22 ms instead of 0.7 ms (one H100, docs/megakernel.md). Its only
+// writers are CTAs of the launch, so one GPU's launches (kGpu) read it at gpu scope.
+template <bool kGpu = false>
+__device__ __forceinline__ bool aborting(const WaitPolicy& w) {
+  if (w.status == nullptr) return false;
+  return (kGpu ? ld_relaxed_gpu(&w.status->abort) : ld_relaxed_sys(&w.status->abort)) != 0;
+}
+
 // Named after what they do, so kernels read as the protocol above.
 __device__ __forceinline__ void signal_set_release(int* flag, int v = 1) {
   st_release_sys(flag, v);
 }
 __device__ __forceinline__ void signal_add_release(int* flag, int v = 1) {
   red_add_release_sys(flag, v);
-}
-
-__device__ __forceinline__ bool aborting(const WaitPolicy& w) {
-  return w.status != nullptr && ld_relaxed_sys(&w.status->abort) != 0;
 }
 
 // Records the first timeout of the launch; later ones only see `abort`.
@@ -144,7 +150,8 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
 }
 
 // Spin until poll() holds, bounded by the deadline, sleeping backoff_ns between polls.
-template <class Poll>
+// kGpu: every writer of the flags and the status block is on this GPU (aborting<kGpu>).
+template <bool kGpu = false, class Poll>
 __device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Poll poll) {
   if (poll()) return true;
   const uint64_t start = globaltimer_ns();
@@ -154,7 +161,7 @@ __device__ inline bool spin_until(const WaitPolicy& w, const WaitSite& site, Pol
     if (w.backoff_ns > 0) __nanosleep(min(w.backoff_ns, 32 << min(i, 12u)));
     if (poll()) return true;
     if ((i & 63) == 0) {
-      if (aborting(w)) return false;
+      if (aborting<kGpu>(w)) return false;
       if (w.timeout_ns > 0 && (long long)(globaltimer_ns() - start) > w.timeout_ns) {
         record_timeout(w, site);
         return false;
@@ -178,7 +185,7 @@ template <bool kGpu>
 __device__ inline bool wait_acquire_at(const int* flag, int value, const WaitPolicy& w,
                                        const WaitSite& site) {
   if constexpr (!kGpu) return wait_acquire(flag, value, w, site);
-  const bool ok = spin_until(w, site, [&] { return ld_relaxed_gpu(flag) == value; });
+  const bool ok = spin_until<true>(w, site, [&] { return ld_relaxed_gpu(flag) == value; });
   fence_acq_rel_gpu();
   return ok;
 }
