@@ -110,7 +110,7 @@ def test_dependencies_are_per_tile_not_per_op():
     k = mlp_graph().compile()  # blocks of 4 rows x 32 cols: B = 8 is two row blocks
     low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]
     of = lambda op: [i for i, t in enumerate(low.tasks[0]) if low.nodes[t.node].op == op]  # noqa: E731
-    waits = {t.id: {w.index[0] for w in t.waits} for t in tasks}
+    waits = {i: {j for _, j in d} for i, d in enumerate(low.deps[0])}
     linear = of("linear")
     gate_up, down = linear[:12], linear[12:]
     for i in of("silu_mul"):  # a SiLU tile reads one gate tile and one up tile
@@ -124,6 +124,37 @@ def test_dependencies_are_per_tile_not_per_op():
         assert waits[i] == {j for j, r in silu_rows.items() if r == r0}
     assert not any(t.raises for t in tasks if t.id in down), "outputs: read by the kernel end"
     assert "silu_mul" in k.describe(of("silu_mul")[0])
+    for i in down:  # ... as one wait: the count of its rows' SiLU band
+        assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_rows", 3)]
+
+
+def test_a_whole_band_is_one_counted_wait_and_a_part_waits_per_tile():
+    g = TaskGraph()
+    x = g.input("x", (8, 64))
+    h = g.linear(x, randn(96, 64, seed=1, scale=0.125))  # 2 row blocks x 3 column blocks
+    g.output("n", g.rmsnorm(h, randn(96, seed=2)))  # reads whole rows: the band
+    g.output("s", g.add(h, h))  # reads one tile: that tile
+    k = g.compile()
+    low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]
+    lin = [i for i, t in enumerate(low.tasks[0]) if low.nodes[t.node].op == "linear"]
+    for i, t in enumerate(low.tasks[0]):
+        op, rows = low.nodes[t.node].op, t.rect[:2]
+        same = {j for j in lin if low.tasks[0][j].rect[:2] == rows}
+        if op == "rmsnorm":
+            assert {j for _, j in low.deps[0][i]} == same and len(same) == 3
+            (w,) = tasks[i].waits
+            assert (w.pad, w.value, w.consumers) == ("ready_rows", 3, 1)
+        elif op == "add":
+            (w,) = tasks[i].waits
+            assert w.pad == "ready" and {w.index[0]} == {j for _, j in low.deps[0][i]}
+        else:  # a linear tile: its tile's flag for the add, its band's count for the norm
+            assert sorted(r.pad for r in tasks[i].raises) == ["ready", "ready_rows"]
+            assert [r.op for r in tasks[i].raises if r.pad == "ready_rows"] == ["add"]
+    x_ = randn(8, 64, seed=3)
+    out = k(x=x_)
+    h_ = x_.float() @ randn(96, 64, seed=1, scale=0.125).float().T
+    assert_close(out["s"], 2 * h_, 2.0**-6, "add")
+    assert_pads_zero(k.world)
 
 
 def test_a_dropped_wait_is_caught_as_a_race():
@@ -140,8 +171,9 @@ def test_a_dropped_wait_is_caught_as_a_race():
         return task == consumer and j == producer
 
     broken = compile_graph(g, drop=drop)
+    assert (0, producer) not in broken.lowered.deps[0][consumer]
     waits = broken.plan.roles["compute"].tasks[0][consumer].waits
-    assert producer not in {w.index[0] for w in waits}
+    assert "ready_rows" not in {w.pad for w in waits}, "a band with a tile missing is not whole"
     with pytest.raises(mkernel.RaceError) as e:
         broken(x=randn(8, 64, seed=5))
     assert e.value.rank == 0 and {e.value.task, e.value.other[3]} == {consumer, producer}

@@ -83,7 +83,7 @@ def node_times(graph: TaskGraph, inputs: dict, schedule: Schedule | None = None)
     k(**inputs)
     torch.cuda.synchronize()
     span = {s.task: (s.start, s.end) for s in k.world.last_timeline.spans if s.rank == 0}
-    deps = {t.id: [w.index[0] for w in t.waits] for t in k.plan.roles["compute"].tasks[0]}
+    deps = {i: [j for q, j in d if q == 0] for i, d in enumerate(k.lowered.deps[0])}
     per: dict[int, list[tuple[int, int]]] = {}
     for i, t in enumerate(k.lowered.tasks[0]):
         start, end = span[i]
