@@ -257,6 +257,8 @@ __device__ inline float block_reduce(float v, float* scratch) {
   return t;
 }
 
+constexpr int kAttnBatch = 8;  // loads in flight per thread in attention's two streaming loops
+
 // attention_decode of one (sequence, kv head): G query heads of D over L cached positions.
 // Scores by position (a thread per position), softmax per head, then P @ V with threads split
 // into position groups x 8-column pieces, the groups' partial sums added in shared memory.
@@ -277,16 +279,28 @@ __device__ inline void attention(const View& q, const View& k, const View& v, co
     for (int j = 0; j < kVec; ++j) qs[i + j] = f[j];
   }
   __syncthreads();
+  // NOTE: kAttnBatch 16-byte loads in flight per thread before the first use: one at a time
+  // (the loads are volatile asm, which the compiler does not hoist) left one (sequence, head)
+  // task ~90 us over 512 KB of cache (one H100).
   for (int l = threadIdx.x; l < L; l += kThreads) {
     float acc[kMaxGroup] = {};
-    for (int c = 0; c < D; c += kVec) {
-      float f[kVec];
-      to_f32(ld_stream(k.at(l, c)), f);
+    for (int c0 = 0; c0 < D; c0 += kAttnBatch * kVec) {
+      uint4 kv[kAttnBatch];
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g >= G) break;
+      for (int u = 0; u < kAttnBatch; ++u)
+        kv[u] = c0 + u * kVec < D ? ld_stream(k.at(l, c0 + u * kVec)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[g] = fmaf(qs[g * D + c + j], f[j], acc[g]);
+      for (int u = 0; u < kAttnBatch; ++u) {
+        const int c = c0 + u * kVec;
+        if (c >= D) break;
+        float f[kVec];
+        to_f32(kv[u], f);
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= G) break;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[g] = fmaf(qs[g * D + c + j], f[j], acc[g]);
+        }
       }
     }
 #pragma unroll
@@ -310,15 +324,26 @@ __device__ inline void attention(const View& q, const View& k, const View& v, co
   const int grp = threadIdx.x / pieces, c = (threadIdx.x % pieces) * kVec;
   if (grp < groups) {
     float acc[kMaxGroup][kVec] = {};
-    for (int l = grp; l < L; l += groups) {
-      float f[kVec];
-      to_f32(ld_stream(v.at(l, c)), f);
+    for (int l0 = grp; l0 < L; l0 += kAttnBatch * groups) {
+      uint4 vv[kAttnBatch];  // kAttnBatch positions' pieces in flight (as for the scores)
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g >= G) break;
-        const float p = s[g * L + l];
+      for (int u = 0; u < kAttnBatch; ++u) {
+        const int l = l0 + u * groups;
+        vv[u] = l < L ? ld_stream(v.at(l, c)) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[g][j] = fmaf(p, f[j], acc[g][j]);
+      for (int u = 0; u < kAttnBatch; ++u) {
+        const int l = l0 + u * groups;
+        if (l >= L) break;
+        float f[kVec];
+        to_f32(vv[u], f);
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g >= G) break;
+          const float p = s[g * L + l];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) acc[g][j] = fmaf(p, f[j], acc[g][j]);
+        }
       }
     }
 #pragma unroll
