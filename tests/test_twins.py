@@ -26,6 +26,11 @@ IMPLICIT = {
     "st_relaxed_sys",
     "red_add_release_sys",
     "cas_acq_rel_sys",
+    "ld_relaxed_gpu",  # the gpu-scope twins of the above (a one-GPU op's flags, kOneGpu)
+    "st_release_gpu",
+    "st_relaxed_gpu",
+    "red_add_release_gpu",
+    "fence_acq_rel_gpu",
     "aborting",
     "record_timeout",
     "record_bad_input",  # status-block writers: the interpreter raises its errors directly

@@ -188,6 +188,12 @@ def wait_acquire(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
     yield Wait(sig, value, reset=False, peer=peer)
 
 
+def wait_acquire_at(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
+    """wait_acquire at gpu or system scope (the device's ``kGpu``): the same step here, where
+    every rank shares one memory and scopes do not differ."""
+    yield from wait_acquire(ctx, sig, value, peer)
+
+
 def wait_acquire_reset(ctx: Ctx, sig: SigRef, value: int, peer: int) -> Gen:
     """wait_acquire, then set the signal back to 0 (the consumer resets what it consumed)."""
     yield Wait(sig, value, reset=True, peer=peer)
