@@ -20,7 +20,11 @@ pytestmark = [
 ]
 
 
-SCRIPTS = [("sanitize_ops.py", 24), ("sanitize_attention.py", 8)]  # (script, cases it prints)
+SCRIPTS = [
+    ("sanitize_ops.py", 24),
+    ("sanitize_attention.py", 8),
+    ("sanitize_taskgraph.py", 4),
+]  # (script, cases it prints)
 
 
 @pytest.mark.parametrize(("script", "runs"), SCRIPTS)
