@@ -204,21 +204,107 @@ __device__ inline void gemv(const View& x, const View& w, const View* res, const
   }
 }
 
-// NOTE: R * U loads of 16 bytes in flight per lane: 16 at small batches (the latency of HBM at
-// 3 TB/s needs ~16 KB in flight per SM), fewer where the accumulators take the registers.
-__device__ inline void linear(const View& x, const View& w, const View* res, const View& out) {
-  constexpr int R = 4;
+// linear on the tensor cores, for 2..16 rows of x: out^T = W x^T as mma.m16n8k16 tiles (M: 16
+// weight rows, N: 8 rows of x, NT tiles of them). A warp streams 16 weight rows; lane (g, t) loads
+// 16 bytes of rows g and g + 8 at k = 8t.. and 16 bytes of x row g (and g + 8) at the same k: the
+// products are the same whatever order K is summed in, so the fragments take K permuted (each
+// lane's 8 contiguous values feed two mma) and every load is a plain 16-byte one, no shuffles or
+// shared memory. Where 16-row blocks are fewer than warps, the warps split K and add their
+// partial tiles in shared memory (kWarps x NT x 128 floats).
+// NOTE: the fp32 FMA GEMV (gemv above) converts every x value once per weight row block: at batch
+// 8 that is ~17 ops per weight element, so it was compute-bound at 0.32 of copy (one H100).
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int NT, int U>
+__device__ inline void gemv_mma(const View& x, const View& w, const View* res, const View& out,
+                                float* red) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int K = x.cols, nb = out.rows, blocks = (out.cols + 15) / 16;
+  const int split = blocks >= kWarps ? 1 : kWarps / blocks, slots = kWarps / split;
+  const int ks = warp / slots, slot = warp % slots;
+  const int slice = ((K + split - 1) / split + 31) / 32 * 32;
+  const int kbeg = ks * slice, kend = min(K, kbeg + slice);
+  const int rounds = (blocks + slots - 1) / slots;  // the same for every warp: barriers below
+  for (int round = 0; round < rounds; ++round) {
+    const int blk = round * slots + slot, n0 = blk * 16;
+    float acc[NT][4] = {};
+    if (blk < blocks && ks < split) {
+      const __nv_bfloat16* wg = w.at(min(n0 + g, out.cols - 1), 0);
+      const __nv_bfloat16* wh = w.at(min(n0 + g + 8, out.cols - 1), 0);
+      for (int k0 = kbeg + 8 * t; k0 < kend; k0 += U * 32) {
+        uint4 a[U], h[U], xv[U][NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = k0 + u * 32;
+          const bool in = k < kend;
+          a[u] = in ? ld_stream(wg + k) : make_uint4(0, 0, 0, 0);
+          h[u] = in ? ld_stream(wh + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            xv[u][nt] =
+                in && nt * 8 + g < nb ? ld_vec(x.at(nt * 8 + g, k)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const uint32_t lo[4] = {a[u].x, h[u].x, a[u].y, h[u].y};
+          const uint32_t hi[4] = {a[u].z, h[u].z, a[u].w, h[u].w};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_bf16(acc[nt], lo, xv[u][nt].x, xv[u][nt].y);
+            mma_bf16(acc[nt], hi, xv[u][nt].z, xv[u][nt].w);
+          }
+        }
+      }
+    }
+    if (split > 1) {  // the K slices' partial tiles meet in shared memory
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[nt][i];
+      __syncthreads();
+      if (ks == 0)
+        for (int s = 1; s < split; ++s)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              acc[nt][i] += red[(((s * slots + slot) * NT + nt) * 4 + i) * 32 + lane];
+      __syncthreads();  // red is free for the next round
+    }
+    if (ks == 0 && blk < blocks) {
+      // c[i]: weight row n0 + g (+ 8 for i >= 2), x row nt * 8 + 2t (+ 1 for odd i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = n0 + g + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * t + (i & 1);
+          if (n < out.cols && b < nb) {
+            const float y =
+                res != nullptr ? acc[nt][i] + __bfloat162float(*res->at(b, n)) : acc[nt][i];
+            *out.at(b, n) = __float2bfloat16_rn(y);
+          }
+        }
+    }
+  }
+}
+
+// NOTE: R * U loads of 16 bytes in flight per lane: 16 at batch 1 (the latency of HBM at 3 TB/s
+// needs ~16 KB in flight per SM); the tensor-core path keeps 2 * U per lane.
+__device__ inline void linear(const View& x, const View& w, const View* res, const View& out,
+                              float* red) {
   const int nb = out.rows;
   if (nb <= 1) {
-    gemv<1, R, 4>(x, w, res, out);
-  } else if (nb <= 2) {
-    gemv<2, R, 4>(x, w, res, out);
-  } else if (nb <= 4) {
-    gemv<4, R, 2>(x, w, res, out);
+    gemv<1, 4, 4>(x, w, res, out);
   } else if (nb <= 8) {
-    gemv<8, R, 2>(x, w, res, out);
+    gemv_mma<1, 8>(x, w, res, out, red);
   } else {
-    gemv<16, R, 1>(x, w, res, out);
+    gemv_mma<2, 4>(x, w, res, out, red);
   }
 }
 
@@ -375,7 +461,7 @@ __device__ inline void run_task(const Params& p, int id, char* smem) {
     case kOpRmsnorm: rmsnorm(rd(0), rd(1), out, __int_as_float(d[kFAttr0])); break;
     case kOpLinear: {
       const View res = d[kFReads] > 2 ? rd(2) : View{};
-      linear(rd(0), rd(1), d[kFReads] > 2 ? &res : nullptr, out);
+      linear(rd(0), rd(1), d[kFReads] > 2 ? &res : nullptr, out, reinterpret_cast<float*>(smem));
       break;
     }
     case kOpSiluMul: {
