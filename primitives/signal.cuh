@@ -95,6 +95,32 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// The raise and reset at either scope (kGpu: every reader of the flag is on this GPU).
+template <bool kGpu>
+__device__ __forceinline__ void signal_set_release_at(int* flag, int v) {
+  if constexpr (kGpu) {
+    st_release_gpu(flag, v);
+  } else {
+    st_release_sys(flag, v);
+  }
+}
+template <bool kGpu>
+__device__ __forceinline__ void signal_add_release_at(int* flag, int v) {
+  if constexpr (kGpu) {
+    red_add_release_gpu(flag, v);
+  } else {
+    red_add_release_sys(flag, v);
+  }
+}
+template <bool kGpu>
+__device__ __forceinline__ void st_relaxed_at(int* p, int v) {
+  if constexpr (kGpu) {
+    st_relaxed_gpu(p, v);
+  } else {
+    st_relaxed_sys(p, v);
+  }
+}
+
 // Whether another wait of the launch gave up. NOTE: the status block is mapped host memory: a
 // sys-scope poll of it crosses PCIe, and ~128 CTAs polling so (every 64th poll of each) made a
 // one-GPU TaskGraph decode layer 22 ms instead of 0.7 ms (one H100, docs/megakernel.md). Its only

@@ -193,21 +193,14 @@ __device__ inline void run_waits(const FusedCommon& c, int role, int row, int ra
   for (int i = first; i < end; ++i) {
     const int* w = t.waits + i * kWaitFields;
     int* flag = c.pads[w[kWPad]].map(w[kWRank]) + w[kWIndex];
-    auto reset = [](int* p) {
-      if constexpr (kGpu) {
-        st_relaxed_gpu(p, 0);
-      } else {
-        st_relaxed_sys(p, 0);
-      }
-    };
     if (w[kWConsumers] == 1) {
-      reset(flag);
+      st_relaxed_at<kGpu>(flag, 0);
     } else if (w[kWConsumers] > 1) {
       // NOTE: every consumer has passed its wait before its add, so the last one may reset.
       int* count = c.pads[w[kWCounter]].map(w[kWRank]) + w[kWIndex];
       if (atomicAdd(count, 1) + 1 == w[kWConsumers]) {
-        reset(flag);
-        reset(count);
+        st_relaxed_at<kGpu>(flag, 0);
+        st_relaxed_at<kGpu>(count, 0);
       }
     }
   }
@@ -227,16 +220,10 @@ __device__ inline void run_raises(const FusedCommon& c, int role, int row, int r
     const int* r = t.raises + i * kRaiseFields;
     int* flag = c.pads[r[kRPad]].map(r[kRRank]) + r[kRIndex];
     if (across(r, flag)) continue;
-    if constexpr (kGpu) {
-      if (r[kROp] == kRaiseAdd) {
-        red_add_release_gpu(flag, r[kRValue]);
-      } else {
-        st_release_gpu(flag, r[kRValue]);
-      }
-    } else if (r[kROp] == kRaiseAdd) {
-      signal_add_release(flag, r[kRValue]);
+    if (r[kROp] == kRaiseAdd) {
+      signal_add_release_at<kGpu>(flag, r[kRValue]);
     } else {
-      signal_set_release(flag, r[kRValue]);
+      signal_set_release_at<kGpu>(flag, r[kRValue]);
     }
   }
 }
@@ -335,10 +322,11 @@ struct has_dest<Op, std::void_t<decltype(Op::dest(std::declval<const FusedArgs<O
 template <class Op, class = void>
 struct has_comm_move : std::false_type {};
 template <class Op>
-struct has_comm_move<Op, std::void_t<decltype(Op::comm_move(
-                             std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
-                             std::declval<const int*>(), std::declval<const Team&>(),
-                             std::declval<char*>()))>> : std::true_type {};
+struct has_comm_move<
+    Op, std::void_t<decltype(Op::comm_move(
+            std::declval<const FusedArgs<Op>&>(), std::declval<const CtaInfo&>(),
+            std::declval<const int*>(), std::declval<const Team&>(), std::declval<char*>()))>>
+    : std::true_type {};
 template <class Op, class = void>
 struct has_prepare : std::false_type {};
 template <class Op>

@@ -31,6 +31,7 @@ IMPLICIT = {
     "st_relaxed_gpu",
     "red_add_release_gpu",
     "fence_acq_rel_gpu",
+    "st_relaxed_at",  # st_relaxed_sys or _gpu by the op's scope
     "aborting",
     "record_timeout",
     "record_bad_input",  # status-block writers: the interpreter raises its errors directly

@@ -164,6 +164,17 @@ def signal_add_release(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     yield STEP
 
 
+def signal_set_release_at(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
+    """signal_set_release at gpu or system scope (the device's ``kGpu``): one step here, where
+    every rank shares one memory and scopes do not differ."""
+    yield from signal_set_release(ctx, sig, value)
+
+
+def signal_add_release_at(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
+    """signal_add_release at gpu or system scope, as signal_set_release_at."""
+    yield from signal_add_release(ctx, sig, value)
+
+
 def signal_set_relaxed(ctx: Ctx, sig: SigRef, value: int = 1) -> Gen:
     """st.relaxed.sys: sets the value, orders nothing (an acquirer of it gains no ordering)."""
     _signal(ctx, sig, "set", value, release=False)
