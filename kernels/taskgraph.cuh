@@ -123,25 +123,75 @@ __device__ inline void for_each_vec(const View& out, F&& f) {
   }
 }
 
-// rmsnorm: a warp per row: the mean square over all N columns, then x * rsqrt(ms + eps) * w.
-__device__ inline void rmsnorm(const View& x, const View& w, const View& out, float eps) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, N = out.cols;
-  for (int r = warp; r < out.rows; r += kWarps) {
-    float ss = 0.f;
-    for (int c = lane * kVec; c < N; c += 32 * kVec) {
-      float f[kVec];
-      to_f32(ld_vec(x.at(r, c)), f);
+// A block-wide reduction of one value per thread (scratch: kWarps floats), every thread gets it.
+template <bool kMax>
+__device__ inline float block_reduce(float v, float* scratch) {
+  v = kMax ? warp_max(v) : warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch is free (an earlier reduction's readers are done)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = scratch[0];
+  for (int i = 1; i < kWarps; ++i) t = kMax ? fmaxf(t, scratch[i]) : t + scratch[i];
+  return t;
+}
+
+// rmsnorm: the whole CTA per row, each thread's pieces of x and w loaded at once (up to
+// kNormPieces per thread, all in flight), the mean square by a block reduction, then x * rsqrt(ms +
+// eps) * w from the registers. Rows longer than kThreads * kNormPieces * 8 re-read x in a loop.
+// NOTE: a warp per row looping over 4096 columns one load at a time took 17 us per norm task
+// (one H100): serial load latency, on the critical path of every layer twice.
+constexpr int kNormPieces = 4;
+
+__device__ inline void rmsnorm(const View& x, const View& w, const View& out, float eps,
+                               float* scratch) {
+  const int N = out.cols, pieces = N / kVec;
+  for (int r = 0; r < out.rows; ++r) {
+    if (pieces <= kThreads * kNormPieces) {
+      uint4 xv[kNormPieces], wv[kNormPieces];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
-    }
-    const float inv = rsqrtf(warp_sum(ss) / N + eps);
-    for (int c = lane * kVec; c < N; c += 32 * kVec) {
-      float f[kVec], g[kVec];
-      to_f32(ld_vec(x.at(r, c)), f);
-      to_f32(ld_stream(w.at(0, c)), g);
+      for (int u = 0; u < kNormPieces; ++u) {
+        const int c = (threadIdx.x + u * kThreads) * kVec;
+        xv[u] = c < N ? ld_vec(x.at(r, c)) : make_uint4(0, 0, 0, 0);
+        wv[u] = c < N ? ld_stream(w.at(0, c)) : make_uint4(0, 0, 0, 0);
+      }
+      float ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) f[j] = f[j] * inv * g[j];
-      st_vec(out.at(r, c), f);
+      for (int u = 0; u < kNormPieces; ++u) {
+        float f[kVec];
+        to_f32(xv[u], f);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
+      }
+      const float inv = rsqrtf(block_reduce<false>(ss, scratch) / N + eps);
+#pragma unroll
+      for (int u = 0; u < kNormPieces; ++u) {
+        const int c = (threadIdx.x + u * kThreads) * kVec;
+        if (c >= N) break;
+        float f[kVec], g[kVec];
+        to_f32(xv[u], f);
+        to_f32(wv[u], g);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f[j] = f[j] * inv * g[j];
+        st_vec(out.at(r, c), f);
+      }
+    } else {
+      float ss = 0.f;
+      for (int c = threadIdx.x * kVec; c < N; c += kThreads * kVec) {
+        float f[kVec];
+        to_f32(ld_vec(x.at(r, c)), f);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) ss += f[j] * f[j];
+      }
+      const float inv = rsqrtf(block_reduce<false>(ss, scratch) / N + eps);
+      for (int c = threadIdx.x * kVec; c < N; c += kThreads * kVec) {
+        float f[kVec], g[kVec];
+        to_f32(ld_vec(x.at(r, c)), f);
+        to_f32(ld_stream(w.at(0, c)), g);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f[j] = f[j] * inv * g[j];
+        st_vec(out.at(r, c), f);
+      }
     }
   }
 }
@@ -330,19 +380,6 @@ __device__ inline void prefetch_task(const Params& p, int id) {
   }
 }
 
-// A block-wide reduction of one value per thread (scratch: kWarps floats), every thread gets it.
-template <bool kMax>
-__device__ inline float block_reduce(float v, float* scratch) {
-  v = kMax ? warp_max(v) : warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch is free (an earlier reduction's readers are done)
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float t = scratch[0];
-  for (int i = 1; i < kWarps; ++i) t = kMax ? fmaxf(t, scratch[i]) : t + scratch[i];
-  return t;
-}
-
 constexpr int kAttnBatch = 8;  // loads in flight per thread in attention's two streaming loops
 
 // attention_decode of one (sequence, kv head): G query heads of D over L cached positions.
@@ -458,7 +495,9 @@ __device__ inline void run_task(const Params& p, int id, char* smem) {
   const int op = d[kFOp];
   auto rd = [&](int i) { return read_view(p, d, i, read_rank(p, d, i)); };
   switch (op) {
-    case kOpRmsnorm: rmsnorm(rd(0), rd(1), out, __int_as_float(d[kFAttr0])); break;
+    case kOpRmsnorm:
+      rmsnorm(rd(0), rd(1), out, __int_as_float(d[kFAttr0]), reinterpret_cast<float*>(smem));
+      break;
     case kOpLinear: {
       const View res = d[kFReads] > 2 ? rd(2) : View{};
       linear(rd(0), rd(1), d[kFReads] > 2 ? &res : nullptr, out, reinterpret_cast<float*>(smem));

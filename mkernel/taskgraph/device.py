@@ -130,7 +130,8 @@ def _round_up(n: int, m: int) -> int:
 def gpu_blocks(units: int):
     """The tile shape per node for ``units`` CTAs per rank: a linear task is every row of a
     batch (up to GEMV_ROWS) x a block of output columns that cuts N into about one task per unit
-    (every CTA streams an equal share of the weight); rmsnorm 8 rows (a warp each); the
+    (every CTA streams an equal share of the weight); rmsnorm one row per task (the whole CTA:
+    rows run in parallel on as many CTAs); the
     elementwise ops and collectives GEMV_ROWS rows x 512 columns."""
 
     def of(node: Node) -> Blocks:
@@ -138,7 +139,7 @@ def gpu_blocks(units: int):
         if node.op == "linear":
             return Blocks(GEMV_ROWS, max(VEC, _round_up(-(-N // units), VEC)))
         if node.op == "rmsnorm":
-            return Blocks(8, N)
+            return Blocks(1, N)
         return Blocks(GEMV_ROWS, 512)
 
     return of
