@@ -66,6 +66,13 @@ struct RingBwdParams {
   float* dkv_acc;
 };
 
+// The producer warpgroup's registers: besides the TMA thread it runs the plan's waits (thread 0)
+// and the intra_sm comm tasks (warp 1), which spill at the plain backward's 24.
+#ifndef MK_RING_BWD_PRODUCER_REGS
+#define MK_RING_BWD_PRODUCER_REGS 24
+#endif
+inline constexpr int kRingBwdProducerRegs = MK_RING_BWD_PRODUCER_REGS;
+
 // A unit's compute tasks as the backward engine's work items (bwd_engine.cuh run_cta's source).
 template <class Hooks, int D>
 struct BwdTasks {
@@ -149,13 +156,13 @@ struct BwdTasks {
   }
 
  private:
-  using Cfg = attn::AttnBwdConfig<D>;
+  using Cfg = attn::AttnBwdConfig<D, 0, true, kRingBwdProducerRegs>;
 };
 
 // The backward engine behind the template's engine contract (templates/engine_contract.cuh).
 template <int D>
 struct RingBwdEngine {
-  using Cfg = attn::AttnBwdConfig<D>;
+  using Cfg = attn::AttnBwdConfig<D, 0, true, kRingBwdProducerRegs>;
   using Core = attn::AttnBwdEngine<Cfg>;
   using Params = RingBwdParams;
   using Task = RingBwdTask;

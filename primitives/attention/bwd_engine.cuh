@@ -91,7 +91,7 @@
 
 namespace mk::attn {
 
-template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true>
+template <int D_, int PROBE_ = 0, bool TMA_ROWS_ = true, int PRODUCER_REGS_ = 24>
 struct AttnBwdConfig {
   static constexpr int D = D_;    // head dim (64 or 128)
   // measurement only: 1 skips dQ, 2 its staging and reduce-adds, 3 loads Q alone and uses it as
@@ -109,8 +109,13 @@ struct AttnBwdConfig {
   static constexpr int CONSUMERS = 2;
   static constexpr int STAGES = 2;
   static constexpr int kThreads = 128 * (1 + CONSUMERS);
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg moves registers within the launch's 168 per thread (64K / 384): producer +
+  // 2 x consumer <= 504. The plain backward's producer issues TMA alone (24); a fused kernel's
+  // producer also runs its plan's waits and its spare warp the comm tasks, which spill at 24.
+  static constexpr int kProducerRegs = PRODUCER_REGS_;
+  static constexpr int kLeftRegs = (504 - PRODUCER_REGS_) / 16 * 8;  // per consumer, by 8
+  static constexpr int kConsumerRegs = kLeftRegs < 240 ? kLeftRegs : 240;
+  static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24, "setmaxnreg takes 24..256 by 8");
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
 };
 
