@@ -373,7 +373,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
 __device__ inline void prefetch_task(const Params& p, int id) {
   const int* d = p.tasks + id * kTaskFields;
   const int op = d[kFOp];
-  if (op != kOpLinear && op != kOpAttentionDecode) return;
+  if (op != kOpLinear && op != kOpAttentionPartial) return;
   for (int i = 1; i < (op == kOpLinear ? 2 : 3); ++i) {
     const View t = read_view(p, d, i, read_rank(p, d, i));
     if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (op == kOpLinear ? 1 : 2));
@@ -382,14 +382,17 @@ __device__ inline void prefetch_task(const Params& p, int id) {
 
 constexpr int kAttnBatch = 8;  // loads in flight per thread in attention's two streaming loops
 
-// attention_decode of one (sequence, kv head): G query heads of D over L cached positions.
-// Scores by position (a thread per position), softmax per head, then P @ V with threads split
-// into position groups x 8-column pieces, the groups' partial sums added in shared memory.
-// Shared memory (mkernel/taskgraph/device.py attention_smem): q [G, D], scores [G, L], partials
-// [groups, G, D], 1 / sum [G], reduction scratch.
-__device__ inline void attention(const View& q, const View& k, const View& v, const View& out,
-                                 int G, int D, int L, float scale, float* smem) {
-  const int pieces = D / kVec, groups = kThreads / pieces;
+// attention_partial of one (sequence, kv head, chunk): G query heads of D over the chunk's L
+// cached positions (k, v: its rows). Scores by position (a thread per position), softmax per
+// head, then P @ V with threads split into position groups x 8-column pieces, the groups'
+// partial sums added in shared memory. Writes the chunk's softmax average of V per head, then
+// each head's log-sum-exp as a bf16 pair (hi, lo: ~16 bits through bf16 stores), zeros to
+// kStatCols (mkernel/taskgraph/ops.py _partial). Shared memory (device.py attention_smem): q
+// [G, D], scores [G, L], partials [groups, G, D], 1 / sum and lse [2G], reduction scratch.
+constexpr int kStatCols = 16;
+__device__ inline void attention_partial(const View& q, const View& k, const View& v,
+                                         const View& out, int G, int D, float scale, float* smem) {
+  const int L = k.rows, pieces = D / kVec, groups = kThreads / pieces;
   float* qs = smem;
   float* s = qs + G * D;
   float* part = s + G * L;
@@ -441,7 +444,10 @@ __device__ inline void attention(const View& q, const View& k, const View& v, co
       sum += e;
     }
     sum = block_reduce<false>(sum, scratch);
-    if (threadIdx.x == 0) inv[g] = 1.f / sum;
+    if (threadIdx.x == 0) {
+      inv[g] = 1.f / sum;
+      inv[G + g] = m + __logf(sum);
+    }
   }
   __syncthreads();
   const int grp = threadIdx.x / pieces, c = (threadIdx.x % pieces) * kVec;
@@ -486,6 +492,57 @@ __device__ inline void attention(const View& q, const View& k, const View& v, co
     for (int j = 0; j < kVec; ++j) y[j] *= sc;
     st_vec(out.at(0, i), y);
   }
+  if (threadIdx.x < kStatCols / 2) {  // (hi, lo) of head threadIdx.x; zeros past G
+    const int g = threadIdx.x;
+    const float lse = g < G ? inv[G + g] : 0.f;
+    const __nv_bfloat16 hi = __float2bfloat16_rn(lse);
+    *reinterpret_cast<__nv_bfloat162*>(out.at(0, G * D + 2 * g)) =
+        __halves2bfloat162(hi, __float2bfloat16_rn(lse - __bfloat162float(hi)));
+  }
+}
+
+// attention_combine of one (sequence, kv head): its C chunks' partials (one row of C x (G D +
+// kStatCols)) weighed by exp(lse - max lse) per head. Warp g finds head g's weights (G <=
+// kWarps); then every 8 columns of the G heads' output sum C partial pieces. Shared memory:
+// weights [G, C], 1 / their sum [G].
+__device__ inline void attention_combine(const View& part, const View& out, int G, int D, int C,
+                                         float* smem) {
+  const int P = G * D + kStatCols, lane = threadIdx.x % 32, g = threadIdx.x / 32;
+  float* w = smem;
+  float* inv = w + G * C;
+  if (g < G) {
+    float m = -INFINITY;
+    for (int c = lane; c < C; c += 32) {
+      const __nv_bfloat162 st =
+          *reinterpret_cast<const __nv_bfloat162*>(part.at(0, c * P + G * D + 2 * g));
+      w[g * C + c] = __low2float(st) + __high2float(st);
+      m = fmaxf(m, w[g * C + c]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      const float e = __expf(w[g * C + c] - m);
+      w[g * C + c] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) inv[g] = 1.f / sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x * kVec; i < G * D; i += kThreads * kVec) {
+    const int h = i / D;
+    float y[kVec] = {};
+    for (int c = 0; c < C; ++c) {
+      float f[kVec];
+      to_f32(ld_vec(part.at(0, c * P + i)), f);
+      const float wc = w[h * C + c];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] = fmaf(wc, f[j], y[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] *= inv[h];
+    st_vec(out.at(0, i), y);
+  }
 }
 
 // One task: decode its row of the task table, run its op's tile.
@@ -525,9 +582,13 @@ __device__ inline void run_task(const Params& p, int id, char* smem) {
       });
       break;
     }
-    case kOpAttentionDecode:
-      attention(rd(0), rd(1), rd(2), out, d[kFAttr0], d[kFAttr1], d[kFAttr2],
-                __int_as_float(d[kFAttr3]), reinterpret_cast<float*>(smem));
+    case kOpAttentionPartial:
+      attention_partial(rd(0), rd(1), rd(2), out, d[kFAttr0], d[kFAttr1],
+                        __int_as_float(d[kFAttr3]), reinterpret_cast<float*>(smem));
+      break;
+    case kOpAttentionCombine:
+      attention_combine(rd(0), out, d[kFAttr0], d[kFAttr1], d[kFAttr2],
+                        reinterpret_cast<float*>(smem));
       break;
     case kOpAllGather: {
       const View x = rd(0);

@@ -9,10 +9,11 @@ enum Op : int {
   kOpLinear = 1,
   kOpSiluMul = 2,
   kOpAdd = 3,
-  kOpAttentionDecode = 4,
-  kOpAllReduce = 5,
-  kOpAllGather = 6,
-  kOpReduceScatter = 7,
+  kOpAttentionPartial = 4,
+  kOpAttentionCombine = 5,
+  kOpAllReduce = 6,
+  kOpAllGather = 7,
+  kOpReduceScatter = 8,
 };
 enum TaskField : int {
   kFOp = 0,

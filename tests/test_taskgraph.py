@@ -106,6 +106,33 @@ def test_tp_mlp_graph_matches_torch(W):
     assert_pads_zero(world)
 
 
+@pytest.mark.parametrize(("length", "chunk"), [(70, 32), (70, 7), (5, 32), (64, 64)])
+def test_attention_is_split_over_chunks_of_the_cache_and_combined(length, chunk):
+    """attention_decode lowered as partials over ``chunk`` cached positions (the last one
+    shorter) and their combine: each (sequence, kv head) has ceil(length / chunk) partial tasks,
+    the combine waits once for their band, and the result is the whole-cache softmax's."""
+    B, Hq, Hkv, S, D = 2, 8, 2, 80, 16
+    g = TaskGraph()
+    q = g.input("q", (B, Hq * D))
+    kc, vc = randn(B, Hkv, S, D, seed=1), randn(B, Hkv, S, D, seed=2)
+    kc[:, :, length:] = float("nan")  # past `length`: never read
+    g.output("o", g.attention_decode(q, kc, vc, length))
+    k = compile_graph(g, blocks=mkernel.taskgraph.ops.Blocks(4, chunk))
+    low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]
+    ops = [low.nodes[t.node].op for t in low.tasks[0]]
+    chunks = -(-length // min(chunk, length))
+    assert ops.count("attention_partial") == B * Hkv * chunks
+    assert ops.count("attention_combine") == B * Hkv
+    for i, op in enumerate(ops):
+        if op == "attention_combine" and chunks > 1:
+            assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_rows", chunks)]
+    qin = randn(B, Hq * D, seed=3)
+    out = k(q=qin)["o"]
+    ref = k.reference(q=qin)["o"]
+    assert_close(out, ref, 2.0**-7, f"length {length} chunk {chunk}")
+    assert_pads_zero(k.world)
+
+
 def test_dependencies_are_per_tile_not_per_op():
     k = mlp_graph().compile()  # blocks of 4 rows x 32 cols: B = 8 is two row blocks
     low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]

@@ -160,12 +160,28 @@ def test_shapes_the_kernel_cannot_serve_are_refused():
     g.output("y", g.attention_decode(q, randn(1, 1, 8, 16), randn(1, 1, 8, 16), 8))
     with pytest.raises(ValueError, match="at most 8"):
         dv.check_graph(g)
+
+
+@pytest.mark.parametrize(
+    ("B", "Hkv", "L"), [(1, 8, 1024), (8, 8, 1024), (1, 8, 4096), (1, 1, 65536)]
+)
+def test_a_long_cache_is_cut_into_chunks_that_fit_and_busy_every_unit(B, Hkv, L):
+    """A GPU attention's partials: every chunk's scores fit the shared memory (65536 positions of
+    one kv head, whole, would not), and the (sequence, kv head) pairs x chunks give every one of
+    132 units a task where the cache is long enough (MIN_CHUNK positions a task at least)."""
+    G, D, units = 8, 128, 132
     g = TaskGraph()
-    q = g.input("q", (1, 8 * 128))
-    kv = torch.zeros(1, 1, 8192, 128, dtype=torch.bfloat16)
-    g.output("y", g.attention_decode(q, kv, kv, 8192))
-    with pytest.raises(ValueError, match="shared memory"):
-        dv.check_graph(g)
+    q = g.input("q", (B, Hkv * G * D))
+    kv = torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16)
+    g.output("y", g.attention_decode(q, kv, kv, L))
+    dv.check_graph(g)  # served: no length is refused
+    node = g.nodes[-1]
+    chunk = dv.attention_chunk(node, units)
+    chunks = -(-L // chunk)
+    assert dv.attention_smem(G, D, chunk) <= dv.SMEM_BYTES
+    assert dv.attention_smem(G, D, L) > dv.SMEM_BYTES or L <= 4096
+    assert chunk >= min(L, dv.MIN_CHUNK)
+    assert B * Hkv * chunks >= min(units, B * Hkv * (L // dv.MIN_CHUNK))
 
 
 def test_the_kernel_backend_needs_a_gpu():

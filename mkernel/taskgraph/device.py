@@ -43,7 +43,8 @@ OPS = (
     "linear",
     "silu_mul",
     "add",
-    "attention_decode",
+    "attention_partial",
+    "attention_combine",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -131,11 +132,13 @@ def gpu_blocks(units: int):
     """The tile shape per node for ``units`` CTAs per rank: a linear task is every row of a
     batch (up to GEMV_ROWS) x a block of output columns that cuts N into about one task per unit
     (every CTA streams an equal share of the weight); rmsnorm one row per task (the whole CTA:
-    rows run in parallel on as many CTAs); the
-    elementwise ops and collectives GEMV_ROWS rows x 512 columns."""
+    rows run in parallel on as many CTAs); an attention's partials over chunks of the cache
+    (``attention_chunk``); the elementwise ops and collectives GEMV_ROWS rows x 512 columns."""
 
     def of(node: Node) -> Blocks:
         M, N = node.out.shape
+        if node.op == "attention_decode":  # cols: the cached positions of one partial task
+            return Blocks(1, attention_chunk(node, units))
         if node.op == "linear":
             return Blocks(GEMV_ROWS, max(VEC, _round_up(-(-N // units), VEC)))
         if node.op == "rmsnorm":
@@ -145,10 +148,29 @@ def gpu_blocks(units: int):
     return of
 
 
+# An attention partial's fewest cached positions: below this a task's fixed costs (its waits,
+# q's load, the CTA-wide softmax) outweigh the K / V bytes it streams.
+MIN_CHUNK = 64
+
+
+def attention_chunk(node: Node, units: int) -> int:
+    """The cached positions per partial task of attention_decode ``node`` for ``units`` CTAs per
+    rank: the cache of each (sequence, kv head) cut into enough chunks that every unit gets a
+    partial (at most one per MIN_CHUNK positions), no longer than its scores fit the shared
+    memory."""
+    at = node.attrs
+    G, D, L = at["heads"] // at["kv_heads"], at["head_dim"], at["length"]
+    pairs = node.out.shape[0] * at["kv_heads"]
+    chunks = max(1, min(-(-units // pairs), -(-L // MIN_CHUNK)))
+    chunk = -(-L // chunks)
+    fit = (SMEM_BYTES - attention_smem(G, D, 0)) // (4 * G)
+    return max(1, min(chunk, fit))
+
+
 def check_graph(graph: Any) -> None:
     """What the kernel cannot serve, as ValueError before anything is lowered: column counts
     that are not multiples of VEC (its 16-byte accesses), a GQA group wider than MAX_GROUP, an
-    attention whose scores do not fit the shared memory."""
+    attention whose query heads of one kv head do not fit the shared memory."""
     for node in graph.nodes:
         shapes = [node.out.shape, *(a.shape for a in node.args)]
         shapes += [tuple(const_2d(ts[0]).shape) for ts in node.consts.values()]
@@ -160,22 +182,24 @@ def check_graph(graph: Any) -> None:
                 )
         if node.op == "attention_decode":
             at = node.attrs
-            G, D, L = at["heads"] // at["kv_heads"], at["head_dim"], at["length"]
+            G, D = at["heads"] // at["kv_heads"], at["head_dim"]
             if G > MAX_GROUP:
                 raise ValueError(
                     f"TaskGraph on a GPU: attention_decode #{node.out.id} has {G} query heads per "
                     f"kv head; the kernel serves at most {MAX_GROUP}"
                 )
-            if attention_smem(G, D, L) > SMEM_BYTES:
+            if attention_smem(G, D, 1) > SMEM_BYTES:  # a chunk of one position
                 raise ValueError(
-                    f"TaskGraph on a GPU: attention_decode #{node.out.id} over length {L} needs "
-                    f"{attention_smem(G, D, L)} bytes of shared memory, more than {SMEM_BYTES}"
+                    f"TaskGraph on a GPU: attention_decode #{node.out.id} with {G} heads of "
+                    f"{D} per kv head needs {attention_smem(G, D, 1)} bytes of shared memory, "
+                    f"more than {SMEM_BYTES}"
                 )
 
 
 def attention_smem(G: int, D: int, L: int) -> int:
-    """The attention task's shared memory (kernels/taskgraph.cuh attention): q, the scores, the
-    partial P @ V of each position group, the softmax statistics."""
+    """An attention partial's shared memory over ``L`` positions (kernels/taskgraph.cuh
+    attention_partial): q, the scores, the partial P @ V of each position group, the softmax
+    statistics. (A combine's, its weights [G, chunks] and their sums, is less.)"""
     groups = THREADS // (D // VEC)
     return 4 * (G * D + G * L + groups * G * D + 2 * G + 64)
 
@@ -201,10 +225,10 @@ def _read_fields(node_op: str, reads, rank: int, W: int) -> list[tuple[int, ...]
 def _attrs(node: Node) -> list[int]:
     if node.op == "rmsnorm":
         return [f32_bits(node.attrs["eps"])]
-    if node.op == "attention_decode":
+    if node.op in ("attention_partial", "attention_combine"):
         at = node.attrs
         D = at["head_dim"]
-        return [at["heads"] // at["kv_heads"], D, at["length"], f32_bits(D**-0.5)]
+        return [at["heads"] // at["kv_heads"], D, at["chunks"], f32_bits(D**-0.5)]
     return []
 
 

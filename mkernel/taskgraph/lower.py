@@ -37,7 +37,17 @@ from ..protocol import Buffer, OpSpec, Pad, Raise, Task, Wait
 from ..schedule import TILE_CONFIGS, Plan, Schedule, build_plan
 from ..tiles import Tile
 from ..world import World
-from .ops import DEFAULT_BLOCKS, BlocksOf, TileTask, const_2d, const_buf, tiles, value_buf
+from .ops import (
+    DEFAULT_BLOCKS,
+    Blocks,
+    BlocksOf,
+    TileTask,
+    const_2d,
+    const_buf,
+    split_attention,
+    tiles,
+    value_buf,
+)
 
 if TYPE_CHECKING:
     from .graph import Node, TaskGraph
@@ -55,7 +65,7 @@ class Lowered:
     """A graph's tasks per rank (``tasks[r][i]``: what task i reads and writes), the live nodes,
     the output values, the buffers and the Plan (protocol tables)."""
 
-    nodes: list[Node]  # the graph's nodes, by index (the dead ones too)
+    nodes: list[Node]  # the lowered nodes (lowered_nodes), by index (the dead ones too)
     live: list[int]  # the indices of the nodes the outputs need, in order
     tasks: list[list[TileTask]]
     deps: list[list[list[tuple[int, int]]]]  # [rank][task]: the (rank, task) tiles it waits for
@@ -70,13 +80,31 @@ class Lowered:
         return f"{self.nodes[t.node].op} (node {t.node}) rows {r0}:{r0 + nr} cols {c0}:{c0 + nc}"
 
 
-def live_nodes(graph: TaskGraph) -> list[int]:
-    """The nodes the outputs depend on, in build order (the others are never lowered)."""
+def live_nodes(graph: TaskGraph, nodes: list[Node] | None = None) -> list[int]:
+    """The nodes (of ``nodes``, default the graph's) the outputs depend on, in build order (the
+    others are never lowered)."""
+    nodes = graph.nodes if nodes is None else nodes
     need = {v.id for v in graph.outputs.values()}
-    for node in reversed(graph.nodes):
+    for node in reversed(nodes):
         if node.out.id in need:
             need.update(a.id for a in node.args)
-    return [i for i, n in enumerate(graph.nodes) if n.out.id in need and n.op != "input"]
+    return [i for i, n in enumerate(nodes) if n.out.id in need and n.op != "input"]
+
+
+def lowered_nodes(graph: TaskGraph, blocks: BlocksOf) -> list[Node]:
+    """The graph's nodes as the tasks run them: each attention_decode split over chunks of its
+    cached positions (``blocks(node).cols`` of them: ops.split_attention) into partials and
+    their combine, so that a long cache is read by many CTAs at once."""
+    nodes: list[Node] = []
+    next_id = len(graph.values)
+    for node in graph.nodes:
+        if node.op != "attention_decode":
+            nodes.append(node)
+            continue
+        chunk = (blocks if isinstance(blocks, Blocks) else blocks(node)).cols
+        nodes += split_attention(node, chunk, next_id)
+        next_id += 1
+    return nodes
 
 
 def _overlap(a, b) -> bool:
@@ -90,12 +118,12 @@ def _bands(tasks: list[TileTask]) -> tuple[list[int], list[int]]:
     return band_of, list(Counter(band_of)[b] for b in range(len(ids)))
 
 
-def _buffers(graph: TaskGraph, live: list[int], outs: dict[int, list[str]]):
+def _buffers(graph: TaskGraph, nodes: list[Node], live: list[int], outs: dict[int, list[str]]):
     bufs: dict[str, tuple[str, tuple[int, int]]] = {}
     for v in graph.inputs.values():
         bufs[value_buf(v.id)] = ("input", v.shape)
     for i in live:
-        node = graph.nodes[i]
+        node = nodes[i]
         for name, ts in node.consts.items():
             bufs[const_buf(i, name)] = ("input", tuple(const_2d(ts[0]).shape))
         kind = "output" if node.out.id in outs else "symmetric"
@@ -116,15 +144,16 @@ def lower(
     instead of one buffer per value, which the interpreter's twins address by name; the tasks,
     waits and raises are the same either way."""
     W = world.size
-    live = live_nodes(graph)
+    nodes = lowered_nodes(graph, blocks)
+    live = live_nodes(graph, nodes)
     outs: dict[int, list[str]] = {}
     for name, v in graph.outputs.items():
         outs.setdefault(v.id, []).append(name)
-    per_rank = [[t for i in live for t in tiles(graph.nodes[i], i, r, W, blocks)] for r in range(W)]
+    per_rank = [[t for i in live for t in tiles(nodes[i], i, r, W, blocks)] for r in range(W)]
     T = len(per_rank[0])
     producers: dict[int, list[tuple[int, tuple]]] = {}
     for j, t in enumerate(per_rank[0]):
-        producers.setdefault(graph.nodes[t.node].out.id, []).append((j, t.rect))
+        producers.setdefault(nodes[t.node].out.id, []).append((j, t.rect))
     deps: list[list[list[tuple[int, int]]]] = []  # [rank][task] -> (peer, producer task)
     for r in range(W):
         deps.append([])
@@ -165,7 +194,7 @@ def lower(
                 raises += (Raise(ROWS, r, (band_of[i],), op="add"),)
             rank_tasks.append(Task(i, (i, t.node), waits=waits, raises=raises))
         compute.append(rank_tasks)
-    bufs = _buffers(graph, live, outs)
+    bufs = _buffers(graph, nodes, live, outs)
     sizes = {"tasks": T, "bands": len(size)}
     for name, (_, (rows, cols)) in bufs.items():
         sizes[f"{name}_rows"], sizes[f"{name}_cols"] = rows, cols
@@ -195,4 +224,4 @@ def lower(
     comm: list[list[Task]] = [[] for _ in range(W)]
     counts = {"tasks": T, "bands": len(size)}
     plan = build_plan(spec, schedule, world, cfg, counts, sizes, tile_table, compute, comm)
-    return Lowered(list(graph.nodes), live, per_rank, deps, outs, bufs, plan)
+    return Lowered(nodes, live, per_rank, deps, outs, bufs, plan)

@@ -11,7 +11,12 @@ Tiles (``Blocks``: rows, cols):
     linear            block of rows x block of columns; reads x's rows [all K], weight's rows
     silu_mul          block x block; reads the gate and the up columns of the same rows
     add               block x block; reads the same rectangle of a and b
-    attention_decode  one sequence b x one kv head h: q's columns of the G query heads of h
+    attention_decode  lowered as two ops (``split_attention``; the graph keeps one node):
+      attention_partial  sequence b x kv head h x a chunk of ``Blocks.cols`` cached positions:
+                         a row (b, h) of the partials value, the chunk's columns (its softmax
+                         average of V for the G query heads of h, then each head's log-sum-exp)
+      attention_combine  sequence b x kv head h: q's columns of the G heads; reads the (b, h)
+                         row of every chunk (one band) and weighs each by exp(its lse - max)
     all_reduce        block x block; reads that rectangle on every rank (pull-reduce, rank order)
     all_gather        rank q's rows x block of columns; reads q's rows of x on rank q
     reduce_scatter    block x block of my rows; reads rows r * M/W + .. of x on every rank
@@ -19,6 +24,7 @@ Tiles (``Blocks``: rows, cols):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -71,6 +77,28 @@ def const_2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+# A partial's columns after its G * D averages: each head's lse as a bf16 pair (hi, lo), zeros
+# after (MAX_GROUP = 8 heads; a multiple of the kernel's 16-byte accesses).
+STAT_COLS = 16
+
+
+def split_attention(node: Node, chunk: int, value_id: int) -> tuple[Node, Node]:
+    """``node`` (an attention_decode) as its two lowered nodes: the partials over chunks of
+    ``chunk`` cached positions, a new value ``value_id`` [B * Hkv, chunks * (G * D + STAT_COLS)],
+    and their combine into the node's own value."""
+    at = node.attrs
+    G, Hkv = at["heads"] // at["kv_heads"], at["kv_heads"]
+    chunk = max(1, min(chunk, at["length"]))
+    chunks = -(-at["length"] // chunk)
+    (q,) = node.args
+    shape = (q.shape[0] * Hkv, chunks * (G * at["head_dim"] + STAT_COLS))
+    part = dataclasses.replace(node.out, id=value_id, shape=shape, op="attention_partial")
+    attrs = {**at, "chunk": chunk, "chunks": chunks}
+    first = dataclasses.replace(node, op="attention_partial", out=part, attrs=attrs)
+    second = dataclasses.replace(node, op="attention_combine", args=(part,), consts={}, attrs=attrs)
+    return first, second
+
+
 def _spans(n: int, b: int) -> list[tuple[int, int]]:
     return [(i, min(b, n - i)) for i in range(0, n, b)]
 
@@ -114,18 +142,28 @@ def tiles(node: Node, idx: int, rank: int, W: int, blocks: BlocksOf) -> list[Til
     elif node.op == "add":
         a, b = node.args
         out += [TileTask(idx, rect, (me(a, rect), me(b, rect))) for rect in _grid(M, N, blocks)]
-    elif node.op == "attention_decode":
+    elif node.op == "attention_partial":
         (q,) = node.args
         at = node.attrs
-        Hkv, S, D, L = at["kv_heads"], at["seq"], at["head_dim"], at["length"]
+        Hkv, S, D, L, chunk = at["kv_heads"], at["seq"], at["head_dim"], at["length"], at["chunk"]
         cols = at["heads"] // Hkv * D  # the G query heads of one kv head
+        P = cols + STAT_COLS
+        for b in range(q.shape[0]):
+            for h in range(Hkv):
+                for c, (l0, nl) in enumerate(_spans(L, chunk)):
+                    kv = ((b * Hkv + h) * S + l0, nl, 0, D)
+                    k = Read(const_buf(idx, "k"), rank, kv)
+                    v = Read(const_buf(idx, "v"), rank, kv)
+                    rect = (b * Hkv + h, 1, c * P, P)
+                    out.append(TileTask(idx, rect, (me(q, (b, 1, h * cols, cols)), k, v)))
+    elif node.op == "attention_combine":
+        (part,) = node.args
+        Hkv = node.attrs["kv_heads"]
+        cols = N // Hkv
         for b in range(M):
             for h in range(Hkv):
                 rect = (b, 1, h * cols, cols)
-                kv = ((b * Hkv + h) * S, L, 0, D)
-                k = Read(const_buf(idx, "k"), rank, kv)
-                v = Read(const_buf(idx, "v"), rank, kv)
-                out.append(TileTask(idx, rect, (me(q, rect), k, v)))
+                out.append(TileTask(idx, rect, (me(part, (b * Hkv + h, 1, 0, part.shape[1])),)))
     elif node.op == "all_reduce":
         (x,) = node.args
         for rect in _grid(M, N, blocks):
@@ -158,11 +196,27 @@ def _linear(node: Node, x: torch.Tensor, w: torch.Tensor, *res: torch.Tensor) ->
     return y + res[0] if res else y
 
 
-def _attention(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _partial(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     D = node.attrs["head_dim"]
     qh = q.reshape(-1, D)  # [G, D]
-    p = torch.softmax(qh @ k.T * D**-0.5, dim=-1)  # [G, L]
-    return (p @ v).reshape(1, -1)
+    s = qh @ k.T * D**-0.5  # [G, chunk]
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    lse = (m + torch.log(total)).reshape(-1)
+    hi = lse.bfloat16().float()  # the pair (hi, lo) keeps ~16 bits of lse through bf16 stores
+    stats = torch.zeros(STAT_COLS)
+    stats[0 : 2 * len(lse) : 2], stats[1 : 2 * len(lse) : 2] = hi, lse - hi
+    return torch.cat([((p @ v) / total).reshape(-1), stats]).reshape(1, -1)
+
+
+def _combine(node: Node, part: torch.Tensor) -> torch.Tensor:
+    G, D = node.attrs["heads"] // node.attrs["kv_heads"], node.attrs["head_dim"]
+    rows = part.reshape(-1, G * D + STAT_COLS)  # [chunks, P]
+    o = rows[:, : G * D].reshape(-1, G, D)
+    lse = rows[:, G * D : G * D + 2 * G].reshape(-1, G, 2).sum(-1)  # [chunks, G]
+    w = torch.exp(lse - lse.amax(0))
+    return ((w[..., None] * o).sum(0) / w.sum(0)[:, None]).reshape(1, -1)
 
 
 def _sum(node: Node, *parts: torch.Tensor) -> torch.Tensor:
@@ -177,7 +231,8 @@ COMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     "linear": _linear,
     "silu_mul": lambda node, g, u: torch.nn.functional.silu(g) * u,
     "add": lambda node, a, b: a + b,
-    "attention_decode": _attention,
+    "attention_partial": _partial,
+    "attention_combine": _combine,
     "all_reduce": _sum,
     "all_gather": lambda node, x: x,
     "reduce_scatter": _sum,

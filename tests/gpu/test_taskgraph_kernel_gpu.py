@@ -63,6 +63,27 @@ def test_linear_gemv_with_residual(B):
     assert_close(y, k.reference(x=xin, r=rin)["y"], 2.0**-7, f"B={B}")
 
 
+@pytest.mark.parametrize(
+    ("B", "Hkv", "G", "L"), [(1, 8, 4, 1024), (8, 8, 4, 4096), (1, 1, 8, 20000), (2, 2, 1, 40)]
+)
+def test_attention_over_chunks_matches_the_whole_cache_softmax(B, Hkv, G, L):
+    """attention_decode split into partials (device.attention_chunk) and their combine, against
+    the reference's one softmax over all L positions; the cache past L is NaN (never read)."""
+    D = 128
+    kc, vc = randn(B, Hkv, L + 8, D, seed=1), randn(B, Hkv, L + 8, D, seed=2)
+    kc[:, :, L:] = float("nan")
+    vc[:, :, L:] = float("nan")
+    g = TaskGraph()
+    q = g.input("q", (B, Hkv * G * D))
+    g.output("o", g.attention_decode(q, kc, vc, L))
+    k = g.compile()
+    ops = [k.lowered.nodes[t.node].op for t in k.lowered.tasks[0]]
+    assert ops.count("attention_combine") == B * Hkv
+    qin = randn(B, Hkv * G * D, seed=3)
+    assert_close(k(q=qin)["o"], k.reference(q=qin)["o"], 2.0**-7, f"B={B} Hkv={Hkv} L={L}")
+    assert_pads_zero(k.world)
+
+
 def test_every_op_matches_the_reference():
     B, H, Hq, Hkv, S, D = 3, 256, 8, 2, 300, 128
     g = TaskGraph()
