@@ -90,12 +90,15 @@ __device__ __forceinline__ void to_f32(const uint4& v, float* f) {
     f[2 * i + 1] = x.y;
   }
 }
-__device__ __forceinline__ void st_vec(__nv_bfloat16* p, const float* f) {
+__device__ __forceinline__ uint4 to_bf16(const float* f) {
   uint4 v;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = v;
+  return v;
+}
+__device__ __forceinline__ void st_vec(__nv_bfloat16* p, const float* f) {
+  *reinterpret_cast<uint4*>(p) = to_bf16(f);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -196,13 +199,62 @@ __device__ inline void rmsnorm(const View& x, const View& w, const View& out, fl
   }
 }
 
+// How a linear's tasks load 8 values of x row b at k: as the value holds them (linear,
+// norm_linear), or as silu(gate) * up of its two halves (silu_linear: x [rows, 2K], rounded to
+// bf16 as the unfused silu_mul stores it; the SiLU stage and its waits are gone).
+struct PlainX {
+  View x;
+  __device__ __forceinline__ int K() const { return x.cols; }
+  __device__ __forceinline__ uint4 load(int b, int k) const { return ld_vec(x.at(b, k)); }
+};
+struct SiluX {
+  View x;
+  __device__ __forceinline__ int K() const { return x.cols / 2; }
+  __device__ __forceinline__ uint4 load(int b, int k) const {
+    float g[kVec], u[kVec];
+    to_f32(ld_vec(x.at(b, k)), g);
+    to_f32(ld_vec(x.at(b, K() + k)), u);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) g[j] = g[j] / (1.f + __expf(-g[j])) * u[j];
+    return to_bf16(g);
+  }
+};
+
+// norm_linear: 1 / rms of each row of x into rs (a warp per row), the factor its output takes
+// (the norm's weight is folded into the linear's at compile: mkernel/taskgraph/ops.py).
+__device__ inline void row_rsqrt(const View& x, float eps, float* rs) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int b = warp; b < x.rows; b += kWarps) {
+    float ss = 0.f;
+#pragma unroll 4
+    for (int k = lane * kVec; k < x.cols; k += 32 * kVec) {
+      float f[kVec];
+      to_f32(ld_vec(x.at(b, k)), f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) ss = fmaf(f[j], f[j], ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) rs[b] = rsqrtf(ss / x.cols + eps);
+  }
+  __syncthreads();
+}
+
+// A linear's result: the sum times the row's factor (norm_linear; rs null: 1), plus the residual.
+__device__ __forceinline__ void st_linear(const View& out, const View* res, const float* rs, int b,
+                                          int n, float s) {
+  if (rs != nullptr) s *= rs[b];
+  if (res != nullptr) s += __bfloat162float(*res->at(b, n));
+  *out.at(b, n) = __float2bfloat16_rn(s);
+}
+
 // linear as a GEMV: out[b, n] = sum_k x[b, k] w[n, k] (+ res[b, n]), B <= kGemvRows rows of x.
 // Each warp takes R weight rows at a time; a lane streams 16-byte pieces of them along K, U steps
 // of 32 pieces in flight (R * U loads per lane before the first use), and reuses each x piece
 // (L1) for the R rows. The lanes' partial sums meet by shuffles; lane j stores value j.
-template <int B, int R, int U>
-__device__ inline void gemv(const View& x, const View& w, const View* res, const View& out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = x.cols, nb = out.rows;
+template <int B, int R, int U, class XL>
+__device__ inline void gemv(const XL& x, const View& w, const View* res, const float* rs,
+                            const View& out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = x.K(), nb = out.rows;
   constexpr int kStep = 32 * kVec;
   for (int n0 = warp * R; n0 < out.cols; n0 += kWarps * R) {
     float acc[R][B];
@@ -232,7 +284,7 @@ __device__ inline void gemv(const View& x, const View& w, const View* res, const
         for (int b = 0; b < B; ++b) {
           if (b >= nb) break;
           float xf[kVec];
-          to_f32(ld_vec(x.at(b, k)), xf);
+          to_f32(x.load(b, k), xf);
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -246,10 +298,7 @@ __device__ inline void gemv(const View& x, const View& w, const View* res, const
       for (int b = 0; b < B; ++b) {
         const float s = warp_sum(acc[r][b]);
         const int n = n0 + r;
-        if (lane == (r * B + b) % 32 && b < nb && n < out.cols) {
-          const float y = res != nullptr ? s + __bfloat162float(*res->at(b, n)) : s;
-          *out.at(b, n) = __float2bfloat16_rn(y);
-        }
+        if (lane == (r * B + b) % 32 && b < nb && n < out.cols) st_linear(out, res, rs, b, n, s);
       }
   }
 }
@@ -271,11 +320,11 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int NT, int U>
-__device__ inline void gemv_mma(const View& x, const View& w, const View* res, const View& out,
-                                float* red) {
+template <int NT, int U, class XL>
+__device__ inline void gemv_mma(const XL& x, const View& w, const View* res, const float* rs,
+                                const View& out, float* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int K = x.cols, nb = out.rows, blocks = (out.cols + 15) / 16;
+  const int K = x.K(), nb = out.rows, blocks = (out.cols + 15) / 16;
   const int split = blocks >= kWarps ? 1 : kWarps / blocks, slots = kWarps / split;
   const int ks = warp / slots, slot = warp % slots;
   const int slice = ((K + split - 1) / split + 31) / 32 * 32;
@@ -297,8 +346,7 @@ __device__ inline void gemv_mma(const View& x, const View& w, const View* res, c
           h[u] = in ? ld_stream(wh + k) : make_uint4(0, 0, 0, 0);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
-            xv[u][nt] =
-                in && nt * 8 + g < nb ? ld_vec(x.at(nt * 8 + g, k)) : make_uint4(0, 0, 0, 0);
+            xv[u][nt] = in && nt * 8 + g < nb ? x.load(nt * 8 + g, k) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -334,11 +382,7 @@ __device__ inline void gemv_mma(const View& x, const View& w, const View* res, c
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int n = n0 + g + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * t + (i & 1);
-          if (n < out.cols && b < nb) {
-            const float y =
-                res != nullptr ? acc[nt][i] + __bfloat162float(*res->at(b, n)) : acc[nt][i];
-            *out.at(b, n) = __float2bfloat16_rn(y);
-          }
+          if (n < out.cols && b < nb) st_linear(out, res, rs, b, n, acc[nt][i]);
         }
     }
   }
@@ -346,17 +390,20 @@ __device__ inline void gemv_mma(const View& x, const View& w, const View* res, c
 
 // NOTE: R * U loads of 16 bytes in flight per lane: 16 at batch 1 (the latency of HBM at 3 TB/s
 // needs ~16 KB in flight per SM); the tensor-core path keeps 2 * U per lane.
-__device__ inline void linear(const View& x, const View& w, const View* res, const View& out,
-                              float* red) {
+template <class XL>
+__device__ inline void linear(const XL& x, const View& w, const View* res, const float* rs,
+                              const View& out, float* red) {
   const int nb = out.rows;
   if (nb <= 1) {
-    gemv<1, 4, 4>(x, w, res, out);
+    gemv<1, 4, 4>(x, w, res, rs, out);
   } else if (nb <= 8) {
-    gemv_mma<1, 8>(x, w, res, out, red);
+    gemv_mma<1, 8>(x, w, res, rs, out, red);
   } else {
-    gemv_mma<2, 4>(x, w, res, out, red);
+    gemv_mma<2, 4>(x, w, res, rs, out, red);
   }
 }
+// gemv_mma's K-split partial tiles (kWarps x NT <= 2 x 128 floats), then norm_linear's factors.
+constexpr int kRedFloats = kWarps * 2 * 128;
 
 // Before a task's waits (thread 0): the first kPrefetchBytes of the build-time tensor it streams
 // (a linear's weight rows, an attention's K and V rows: contiguous, never written by the kernel)
@@ -373,10 +420,11 @@ __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
 __device__ inline void prefetch_task(const Params& p, int id) {
   const int* d = p.tasks + id * kTaskFields;
   const int op = d[kFOp];
-  if (op != kOpLinear && op != kOpAttentionPartial) return;
-  for (int i = 1; i < (op == kOpLinear ? 2 : 3); ++i) {
+  const bool lin = op == kOpLinear || op == kOpNormLinear || op == kOpSiluLinear;
+  if (!lin && op != kOpAttentionPartial) return;
+  for (int i = 1; i < (lin ? 2 : 3); ++i) {
     const View t = read_view(p, d, i, read_rank(p, d, i));
-    if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (op == kOpLinear ? 1 : 2));
+    if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (lin ? 1 : 2));
   }
 }
 
@@ -555,9 +603,19 @@ __device__ inline void run_task(const Params& p, int id, char* smem) {
     case kOpRmsnorm:
       rmsnorm(rd(0), rd(1), out, __int_as_float(d[kFAttr0]), reinterpret_cast<float*>(smem));
       break;
-    case kOpLinear: {
-      const View res = d[kFReads] > 2 ? rd(2) : View{};
-      linear(rd(0), rd(1), d[kFReads] > 2 ? &res : nullptr, out, reinterpret_cast<float*>(smem));
+    case kOpLinear:
+    case kOpNormLinear:
+    case kOpSiluLinear: {
+      const View x = rd(0), res = d[kFReads] > 2 ? rd(2) : View{};
+      const View* r = d[kFReads] > 2 ? &res : nullptr;
+      float* red = reinterpret_cast<float*>(smem);
+      float* rs = red + kRedFloats;
+      if (op == kOpSiluLinear) {
+        linear(SiluX{x}, rd(1), r, nullptr, out, red);
+      } else {
+        if (op == kOpNormLinear) row_rsqrt(x, __int_as_float(d[kFAttr0]), rs);
+        linear(PlainX{x}, rd(1), r, op == kOpNormLinear ? rs : nullptr, out, red);
+      }
       break;
     }
     case kOpSiluMul: {

@@ -7,13 +7,15 @@ namespace mk::tg {
 enum Op : int {
   kOpRmsnorm = 0,
   kOpLinear = 1,
-  kOpSiluMul = 2,
-  kOpAdd = 3,
-  kOpAttentionPartial = 4,
-  kOpAttentionCombine = 5,
-  kOpAllReduce = 6,
-  kOpAllGather = 7,
-  kOpReduceScatter = 8,
+  kOpNormLinear = 2,
+  kOpSiluLinear = 3,
+  kOpSiluMul = 4,
+  kOpAdd = 5,
+  kOpAttentionPartial = 6,
+  kOpAttentionCombine = 7,
+  kOpAllReduce = 8,
+  kOpAllGather = 9,
+  kOpReduceScatter = 10,
 };
 enum TaskField : int {
   kFOp = 0,

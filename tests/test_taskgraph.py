@@ -245,6 +245,45 @@ def test_decode_on_a_gpu_matches_torch():
     assert_close(y, models.torch_decode(cfg, layers, final.cuda(), x, 9), 2.0**-6)
 
 
+@pytest.mark.parametrize("W", [None, 2])
+def test_norms_and_silus_fused_into_the_linears_that_alone_read_them(W):
+    """fuse=True (the GPU kernel's default): the decode step's norms (but the final one, an
+    output) and SiLUs are computed by the linears' tasks, and the step still matches torch; the
+    fallback computes the interpreter's bits."""
+    world = mkernel.World.emulated(W) if W else None
+    cfg = models.DecoderConfig(layers=2)
+    layers, final = models.random_decoder(cfg, batch=3, seq=40, seed=4)
+    g = models.decode_graph(cfg, layers, final, batch=3, length=37, world=world)
+    k = compile_graph(g, fuse=True)
+    ops = [k.lowered.nodes[i].op for i in k.lowered.live]
+    assert ops.count("norm_linear") == 2 * cfg.layers and ops.count("silu_linear") == cfg.layers
+    assert ops.count("rmsnorm") == 1 and "silu_mul" not in ops  # the final norm: an output
+    x = randn(3, cfg.hidden, seed=5)
+    y = k(x=x)["y"]
+    ref = models.torch_decode(cfg, layers, final, x, 37)
+    assert_close(y if W is None else y[1], ref, 2.0**-6, f"W={W}")
+    assert torch.equal(compile_graph(g, fuse=True, backend="eager")(x=x)["y"], y)
+    if world is not None:
+        assert_pads_zero(world)
+
+
+def test_a_norm_or_silu_read_twice_or_given_out_is_not_fused():
+    g = TaskGraph()
+    x = g.input("x", (4, 64))
+    n = g.rmsnorm(x, randn(64, seed=1) + 1)
+    g.output("n", n)  # an output: computed as it is
+    s = g.silu_mul(g.linear(n, randn(64, 64, seed=2, scale=0.125)))
+    g.output("a", g.linear(s, randn(32, 32, seed=3, scale=0.2)))
+    g.output("b", g.add(s, s))  # s has another reader
+    k = compile_graph(g, fuse=True)
+    ops = [k.lowered.nodes[i].op for i in k.lowered.live]
+    assert ops == ["rmsnorm", "linear", "silu_mul", "linear", "add"]
+    xin = randn(4, 64, seed=4)
+    out, ref = k(x=xin), k.reference(x=xin)
+    for name in ("n", "a", "b"):
+        assert_close(out[name], ref[name], 2.0**-7, name)
+
+
 def test_dead_ops_are_not_lowered_and_the_export():
     assert mkernel.TaskGraph is TaskGraph
     g = TaskGraph()

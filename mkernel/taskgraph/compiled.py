@@ -32,12 +32,14 @@ def compile_graph(
     blocks: BlocksOf | None = None,
     drop: DropHook | None = None,
     backend: str | None = None,
+    fuse: bool | None = None,
 ) -> CompiledGraph:
     """``TaskGraph.compile``; ``blocks`` (the tile shape, or a function of the node; None: the
     interpreter's 4 x 32, or the kernel's ``device.gpu_blocks``), ``drop`` (a debug hook that
-    removes waits, lower.py) and ``backend`` ("interp": the CPU interpreter, the default on the
-    CPU; "kernel": one persistent launch, the default on a GPU; "eager": torch ops per task) are
-    for tests and benchmarks."""
+    removes waits, lower.py), ``backend`` ("interp": the CPU interpreter, the default on the
+    CPU; "kernel": one persistent launch, the default on a GPU; "eager": torch ops per task) and
+    ``fuse`` (norms and SiLUs computed by the linears that alone read them, lower.lowered_nodes;
+    None: on the kernel backend) are for tests and benchmarks."""
     if not graph.outputs:
         raise ValueError(
             "TaskGraph.compile: the graph has no output (g.output(name, value)): nothing would "
@@ -65,7 +67,9 @@ def compile_graph(
             blocks = gpu_kernel.gpu_blocks(rank_sms(schedule, world))
     if blocks is None:
         blocks = DEFAULT_BLOCKS
-    low = lower(graph, world, schedule, blocks, drop, device_buffers)
+    if fuse is None:
+        fuse = backend == "kernel"
+    low = lower(graph, world, schedule, blocks, drop, device_buffers, fuse)
     low.plan.extra["trace"] = schedule.trace  # the kernel records each task's span (GPU)
     return CompiledGraph(graph, world, schedule, low, backend)
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 OPS = (
     "rmsnorm",
     "linear",
+    "norm_linear",
+    "silu_linear",
     "silu_mul",
     "add",
     "attention_partial",
@@ -139,7 +141,7 @@ def gpu_blocks(units: int):
         M, N = node.out.shape
         if node.op == "attention_decode":  # cols: the cached positions of one partial task
             return Blocks(1, attention_chunk(node, units))
-        if node.op == "linear":
+        if node.op in ("linear", "norm_linear", "silu_linear"):
             return Blocks(GEMV_ROWS, max(VEC, _round_up(-(-N // units), VEC)))
         if node.op == "rmsnorm":
             return Blocks(1, N)
@@ -223,7 +225,7 @@ def _read_fields(node_op: str, reads, rank: int, W: int) -> list[tuple[int, ...]
 
 
 def _attrs(node: Node) -> list[int]:
-    if node.op == "rmsnorm":
+    if node.op in ("rmsnorm", "norm_linear"):
         return [f32_bits(node.attrs["eps"])]
     if node.op in ("attention_partial", "attention_combine"):
         at = node.attrs

@@ -44,6 +44,7 @@ from .ops import (
     TileTask,
     const_2d,
     const_buf,
+    fuse_linears,
     split_attention,
     tiles,
     value_buf,
@@ -91,10 +92,11 @@ def live_nodes(graph: TaskGraph, nodes: list[Node] | None = None) -> list[int]:
     return [i for i, n in enumerate(nodes) if n.out.id in need and n.op != "input"]
 
 
-def lowered_nodes(graph: TaskGraph, blocks: BlocksOf) -> list[Node]:
+def lowered_nodes(graph: TaskGraph, blocks: BlocksOf, fuse: bool = False) -> list[Node]:
     """The graph's nodes as the tasks run them: each attention_decode split over chunks of its
     cached positions (``blocks(node).cols`` of them: ops.split_attention) into partials and
-    their combine, so that a long cache is read by many CTAs at once."""
+    their combine, so that a long cache is read by many CTAs at once; with ``fuse``, a norm or
+    SiLU read only by a linear computed by that linear's tasks (ops.fuse_linears)."""
     nodes: list[Node] = []
     next_id = len(graph.values)
     for node in graph.nodes:
@@ -104,7 +106,7 @@ def lowered_nodes(graph: TaskGraph, blocks: BlocksOf) -> list[Node]:
         chunk = (blocks if isinstance(blocks, Blocks) else blocks(node)).cols
         nodes += split_attention(node, chunk, next_id)
         next_id += 1
-    return nodes
+    return fuse_linears(nodes, {v.id for v in graph.outputs.values()}) if fuse else nodes
 
 
 def _overlap(a, b) -> bool:
@@ -138,13 +140,15 @@ def lower(
     blocks: BlocksOf = DEFAULT_BLOCKS,
     drop: DropHook | None = None,
     device_buffers: tuple[Buffer, ...] | None = None,
+    fuse: bool = False,
 ) -> Lowered:
     """The graph's tasks and Plan. ``device_buffers``: the buffers of the GPU kernel's spec (its
     task and pointer tables, then the call's inputs and outputs: mkernel/taskgraph/device.py)
     instead of one buffer per value, which the interpreter's twins address by name; the tasks,
-    waits and raises are the same either way."""
+    waits and raises are the same either way. ``fuse``: norms and SiLUs into the linears that
+    alone read them (lowered_nodes)."""
     W = world.size
-    nodes = lowered_nodes(graph, blocks)
+    nodes = lowered_nodes(graph, blocks, fuse)
     live = live_nodes(graph, nodes)
     outs: dict[int, list[str]] = {}
     for name, v in graph.outputs.items():

@@ -9,6 +9,9 @@ Tiles (``Blocks``: rows, cols):
 
     rmsnorm           a block of rows, every column (the row's norm needs all of it)
     linear            block of rows x block of columns; reads x's rows [all K], weight's rows
+      norm_linear     a linear of rmsnorm(x) (``fuse_linears``): reads x's rows; the norm's
+                      weight folded into the linear's columns, the row's 1 / rms applied last
+      silu_linear     a linear of silu_mul(x): reads x's rows [all 2K] (gate | up)
     silu_mul          block x block; reads the gate and the up columns of the same rows
     add               block x block; reads the same rectangle of a and b
     attention_decode  lowered as two ops (``split_attention``; the graph keeps one node):
@@ -24,6 +27,7 @@ Tiles (``Blocks``: rows, cols):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -99,6 +103,33 @@ def split_attention(node: Node, chunk: int, value_id: int) -> tuple[Node, Node]:
     return first, second
 
 
+def fuse_linears(nodes: list[Node], outputs: set[int]) -> list[Node]:
+    """``nodes`` with each linear of an rmsnorm or a silu_mul read by nothing else (and not an
+    output) as one node that computes its input as it loads it: ``norm_linear`` (the norm's
+    weight folded into the linear's, ``x @ (W * w).T * rsqrt(mean(x**2) + eps)``) and
+    ``silu_linear`` (``(silu(gate) * up) @ W.T``, rounded to bf16 as the unfused value is). The
+    norm or SiLU then has no reader and is not lowered; a stage and its waits are gone."""
+    uses = collections.Counter(a.id for n in nodes for a in n.args)
+    made = {n.out.id: n for n in nodes}
+    out = []
+    for node in nodes:
+        src = made.get(node.args[0].id) if node.op == "linear" else None
+        alone = src is not None and uses[src.out.id] == 1 and src.out.id not in outputs
+        if alone and src.op == "rmsnorm":
+            w = [
+                (t.float() * n.float().reshape(1, -1)).to(t.dtype)
+                for t, n in zip(node.consts["weight"], src.consts["weight"], strict=True)
+            ]
+            node = dataclasses.replace(
+                node, op="norm_linear", args=(src.args[0], *node.args[1:]), consts={"weight": w},
+                attrs={**node.attrs, "eps": src.attrs["eps"]},
+            )  # fmt: skip
+        elif alone and src.op == "silu_mul":
+            node = dataclasses.replace(node, op="silu_linear", args=(src.args[0], *node.args[1:]))
+        out.append(node)
+    return out
+
+
 def _spans(n: int, b: int) -> list[tuple[int, int]]:
     return [(i, min(b, n - i)) for i in range(0, n, b)]
 
@@ -126,11 +157,12 @@ def tiles(node: Node, idx: int, rank: int, W: int, blocks: BlocksOf) -> list[Til
         w = Read(const_buf(idx, "weight"), rank, (0, 1, 0, N))
         for r0, nr in _spans(M, blocks.rows):
             out.append(TileTask(idx, (r0, nr, 0, N), (me(x, (r0, nr, 0, N)), w)))
-    elif node.op == "linear":
+    elif node.op in ("linear", "norm_linear", "silu_linear"):
         x, K = node.args[0], node.args[0].shape[1]
         for rect in _grid(M, N, blocks):
             r0, nr, c0, nc = rect
-            reads = [me(x, (r0, nr, 0, K)), Read(const_buf(idx, "weight"), rank, (c0, nc, 0, K))]
+            wk = K // 2 if node.op == "silu_linear" else K  # the weight's K: gate | up halves
+            reads = [me(x, (r0, nr, 0, K)), Read(const_buf(idx, "weight"), rank, (c0, nc, 0, wk))]
             if len(node.args) > 1:
                 reads.append(me(node.args[1], rect))
             out.append(TileTask(idx, rect, tuple(reads)))
@@ -219,6 +251,16 @@ def _combine(node: Node, part: torch.Tensor) -> torch.Tensor:
     return ((w[..., None] * o).sum(0) / w.sum(0)[:, None]).reshape(1, -1)
 
 
+def _norm_linear(node: Node, x: torch.Tensor, w: torch.Tensor, *res: torch.Tensor) -> torch.Tensor:
+    y = x @ w.T * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + node.attrs["eps"])
+    return y + res[0] if res else y
+
+
+def _silu_linear(node: Node, x: torch.Tensor, w: torch.Tensor, *res: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return _linear(node, (torch.nn.functional.silu(gate) * up).bfloat16().float(), w, *res)
+
+
 def _sum(node: Node, *parts: torch.Tensor) -> torch.Tensor:
     acc = parts[0]
     for p in parts[1:]:  # NOTE: in rank order on every rank: all ranks get the same bits
@@ -229,6 +271,8 @@ def _sum(node: Node, *parts: torch.Tensor) -> torch.Tensor:
 COMPUTE: dict[str, Callable[..., torch.Tensor]] = {
     "rmsnorm": _rmsnorm,
     "linear": _linear,
+    "norm_linear": _norm_linear,
+    "silu_linear": _silu_linear,
     "silu_mul": lambda node, g, u: torch.nn.functional.silu(g) * u,
     "add": lambda node, a, b: a + b,
     "attention_partial": _partial,

@@ -63,6 +63,22 @@ def test_linear_gemv_with_residual(B):
     assert_close(y, k.reference(x=xin, r=rin)["y"], 2.0**-7, f"B={B}")
 
 
+@pytest.mark.parametrize("B", [1, 3, 8, 16])
+def test_norm_and_silu_fused_into_the_linears_at_every_batch(B):
+    """rmsnorm -> linear -> silu_mul -> linear (+ residual) lowered as norm_linear and
+    silu_linear (each GEMV path: FMA at 1 row, tensor cores above), against the reference."""
+    H, F = 512, 1024
+    g = TaskGraph()
+    x = g.input("x", (B, H))
+    n = g.rmsnorm(x, randn(H, seed=1) + 1)
+    s = g.silu_mul(g.linear(n, randn(2 * F, H, seed=2, scale=H**-0.5)))
+    g.output("y", g.linear(s, randn(H, F, seed=3, scale=F**-0.5), residual=x))
+    k = g.compile()
+    assert [k.lowered.nodes[i].op for i in k.lowered.live] == ["norm_linear", "silu_linear"]
+    xin = randn(B, H, seed=4)
+    assert_close(k(x=xin)["y"], k.reference(x=xin)["y"], 2.0**-6, f"B={B}")
+
+
 @pytest.mark.parametrize(
     ("B", "Hkv", "G", "L"), [(1, 8, 4, 1024), (8, 8, 4, 4096), (1, 1, 8, 20000), (2, 2, 1, 40)]
 )
@@ -84,7 +100,10 @@ def test_attention_over_chunks_matches_the_whole_cache_softmax(B, Hkv, G, L):
     assert_pads_zero(k.world)
 
 
-def test_every_op_matches_the_reference():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_every_op_matches_the_reference(fuse):
+    """Every op (fuse: the norm computed by the q projection's tasks, norm_linear; the SiLU has
+    another reader, so it is not fused), against the fp32 reference."""
     B, H, Hq, Hkv, S, D = 3, 256, 8, 2, 300, 128
     g = TaskGraph()
     x = g.input("x", (B, H))
@@ -96,7 +115,9 @@ def test_every_op_matches_the_reference():
     s = g.silu_mul(g.linear(h, randn(1024, H, seed=6, scale=H**-0.5)))
     g.output("y", g.add(s, g.input("z", (B, 512))))
     g.output("h", h)
-    k = g.compile()
+    k = compile_graph(g, fuse=fuse)
+    ops = {k.lowered.nodes[i].op for i in k.lowered.live}
+    assert ("norm_linear" in ops) == fuse and ("rmsnorm" in ops) != fuse
     ins = {"x": randn(B, H, seed=7), "z": randn(B, 512, seed=8)}
     out, ref = k(**ins), k.reference(**ins)
     for name in ("y", "h"):
