@@ -6,6 +6,7 @@ order ("eager": a reference fallback, many launches)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,9 +87,12 @@ class CompiledGraph:
         self.device = world.device
         self.consts = {}  # the build-time tensors, as [W, rows, cols] (copied at compile)
         for i in lowered.live:
-            for name, ts in lowered.nodes[i].consts.items():
+            node = lowered.nodes[i]
+            for name, ts in node.consts.items():
                 t = torch.stack([const_2d(x) for x in ts]).to(self.device).contiguous()
                 self.consts[const_buf(i, name)] = t
+            if node.op == "norm_linear":  # its folded weight is the lowering's own: copied now
+                lowered.nodes[i] = dataclasses.replace(node, consts={})
         self._eager_bufs: dict[str, torch.Tensor] = {}
         self.kernel = None  # the GPU kernel's tables and launch (backend "kernel")
         if backend == "kernel":
