@@ -5,7 +5,7 @@
 
 #include "primitives/protocol_gen.h"  // MK_FUSED_OPS: the ops declared in mkernel/ops
 #include "kernels/p2p_launch.h"
-#include "kernels/poison_launch.h"
+#include "kernels/record_binding.h"
 
 namespace py = pybind11;
 
@@ -17,16 +17,8 @@ MK_FUSED_OPS(MK_DECLARE_LAUNCH)
 int launch_p2p(const P2PLaunch&, cudaStream_t);
 }  // namespace mk
 
-// Every fused op: launch_<op>(record, stream), the record an int64 array's address
-// (mkernel/protocol.py RECORD_FIELDS), the stream a cudaStream_t handle.
-#define MK_BIND_LAUNCH(op)                                                               \
-  m.def(                                                                                 \
-      "launch_" #op,                                                                     \
-      [](uintptr_t record, uintptr_t stream) {                                           \
-        return mk::launch_##op(reinterpret_cast<const long long*>(record),               \
-                               reinterpret_cast<cudaStream_t>(stream));                  \
-      },                                                                                 \
-      py::arg("record"), py::arg("stream"));
+// Every fused op: launch_<op>(record, stream) (kernels/record_binding.h).
+#define MK_BIND_LAUNCH(op) mk::def_record_launch(m, "launch_" #op, &mk::launch_##op);
 
 PYBIND11_MODULE(_mkernel_ext, m) {
   m.doc() = "mkernel device kernels (launchers over raw pointers)";
@@ -47,15 +39,5 @@ PYBIND11_MODULE(_mkernel_ext, m) {
         return mk::launch_p2p(L, reinterpret_cast<cudaStream_t>(stream));
       },
       py::arg("launch"), py::arg("stream"));
-  // After every fused launch: NaN into its float outputs if the world's status records a timeout
-  // (kernels/poison_launch.h: the record's layout).
-  m.attr("POISON_MAX_OUTPUTS") = mk::kPoisonMaxOutputs;
-  m.def(
-      "launch_poison_if_failed",
-      [](uintptr_t record, uintptr_t stream) {
-        return mk::launch_poison_if_failed(reinterpret_cast<const long long*>(record),
-                                           reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("record"), py::arg("stream"));
-  m.def("preload_poison", &mk::preload_poison);
+  mk::def_poison(m);
 }

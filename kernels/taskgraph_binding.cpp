@@ -4,9 +4,7 @@
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
-#include "kernels/poison_launch.h"
-
-namespace py = pybind11;
+#include "kernels/record_binding.h"
 
 namespace mk {
 int launch_taskgraph(const long long* record, cudaStream_t);
@@ -14,20 +12,6 @@ int launch_taskgraph(const long long* record, cudaStream_t);
 
 PYBIND11_MODULE(_mkernel_taskgraph, m) {
   m.doc() = "mkernel's TaskGraph kernel (launcher over raw pointers)";
-  m.def(
-      "launch_taskgraph",
-      [](uintptr_t record, uintptr_t stream) {
-        return mk::launch_taskgraph(reinterpret_cast<const long long*>(record),
-                                    reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("record"), py::arg("stream"));
-  m.attr("POISON_MAX_OUTPUTS") = mk::kPoisonMaxOutputs;
-  m.def(
-      "launch_poison_if_failed",
-      [](uintptr_t record, uintptr_t stream) {
-        return mk::launch_poison_if_failed(reinterpret_cast<const long long*>(record),
-                                           reinterpret_cast<cudaStream_t>(stream));
-      },
-      py::arg("record"), py::arg("stream"));
-  m.def("preload_poison", &mk::preload_poison);
+  mk::def_record_launch(m, "launch_taskgraph", &mk::launch_taskgraph);
+  mk::def_poison(m);
 }

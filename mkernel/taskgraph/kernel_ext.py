@@ -25,6 +25,7 @@ SPEC = jit.ExtensionSpec(
         "kernels/fused_host.cuh",
         "kernels/layouts_gen.h",
         "kernels/poison_launch.h",
+        "kernels/record_binding.h",
         "kernels/taskgraph.cuh",
         HEADER,
     ),
