@@ -125,11 +125,33 @@ def test_attention_is_split_over_chunks_of_the_cache_and_combined(length, chunk)
     assert ops.count("attention_combine") == B * Hkv
     for i, op in enumerate(ops):
         if op == "attention_combine" and chunks > 1:
-            assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_rows", chunks)]
+            assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_group", chunks)]
     qin = randn(B, Hq * D, seed=3)
     out = k(q=qin)["o"]
     ref = k.reference(q=qin)["o"]
     assert_close(out, ref, 2.0**-7, f"length {length} chunk {chunk}")
+    assert_pads_zero(k.world)
+
+
+def test_an_attention_partial_waits_once_for_the_q_tiles_of_its_heads():
+    """q's linear tiles are 32 columns, a kv head's G = 4 query heads of 16 are 64: each partial
+    reads two q tiles and waits once, for their group's count (not once per tile)."""
+    B, H, Hq, Hkv, S, D = 2, 64, 8, 2, 40, 16
+    g = TaskGraph()
+    x = g.input("x", (B, H))
+    q = g.linear(x, randn(Hq * D, H, seed=1, scale=H**-0.5))
+    g.output(
+        "o", g.attention_decode(q, randn(B, Hkv, S, D, seed=2), randn(B, Hkv, S, D, seed=3), 40)
+    )
+    k = g.compile()
+    low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]
+    partial = [i for i, t in enumerate(low.tasks[0]) if low.nodes[t.node].op == "attention_partial"]
+    assert len(partial) == B * Hkv * 2  # 40 positions in chunks of 32
+    for i in partial:
+        assert len(low.deps[0][i]) == (Hq // Hkv) * D // 32  # two q tiles
+        assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_group", 2)]
+    xin = randn(B, H, seed=4)
+    assert_close(k(x=xin)["o"], k.reference(x=xin)["o"], 2.0**-7)
     assert_pads_zero(k.world)
 
 
@@ -151,15 +173,15 @@ def test_dependencies_are_per_tile_not_per_op():
         assert waits[i] == {j for j, r in silu_rows.items() if r == r0}
     assert not any(t.raises for t in tasks if t.id in down), "outputs: read by the kernel end"
     assert "silu_mul" in k.describe(of("silu_mul")[0])
-    for i in down:  # ... as one wait: the count of its rows' SiLU band
-        assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_rows", 3)]
+    for i in down:  # ... as one wait: the count of its rows' SiLU tiles (a group)
+        assert [(w.pad, w.value) for w in tasks[i].waits] == [("ready_group", 3)]
 
 
-def test_a_whole_band_is_one_counted_wait_and_a_part_waits_per_tile():
+def test_a_read_of_several_tiles_is_one_counted_wait_and_of_one_tile_its_flag():
     g = TaskGraph()
     x = g.input("x", (8, 64))
     h = g.linear(x, randn(96, 64, seed=1, scale=0.125))  # 2 row blocks x 3 column blocks
-    g.output("n", g.rmsnorm(h, randn(96, seed=2)))  # reads whole rows: the band
+    g.output("n", g.rmsnorm(h, randn(96, seed=2)))  # reads whole rows: a group of 3 tiles
     g.output("s", g.add(h, h))  # reads one tile: that tile
     k = g.compile()
     low, tasks = k.lowered, k.plan.roles["compute"].tasks[0]
@@ -170,13 +192,13 @@ def test_a_whole_band_is_one_counted_wait_and_a_part_waits_per_tile():
         if op == "rmsnorm":
             assert {j for _, j in low.deps[0][i]} == same and len(same) == 3
             (w,) = tasks[i].waits
-            assert (w.pad, w.value, w.consumers) == ("ready_rows", 3, 1)
+            assert (w.pad, w.value, w.consumers) == ("ready_group", 3, 1)
         elif op == "add":
             (w,) = tasks[i].waits
             assert w.pad == "ready" and {w.index[0]} == {j for _, j in low.deps[0][i]}
-        else:  # a linear tile: its tile's flag for the add, its band's count for the norm
-            assert sorted(r.pad for r in tasks[i].raises) == ["ready", "ready_rows"]
-            assert [r.op for r in tasks[i].raises if r.pad == "ready_rows"] == ["add"]
+        else:  # a linear tile: its tile's flag for the add, its group's count for the norm
+            assert sorted(r.pad for r in tasks[i].raises) == ["ready", "ready_group"]
+            assert [r.op for r in tasks[i].raises if r.pad == "ready_group"] == ["add"]
     x_ = randn(8, 64, seed=3)
     out = k(x=x_)
     h_ = x_.float() @ randn(96, 64, seed=1, scale=0.125).float().T
@@ -200,7 +222,8 @@ def test_a_dropped_wait_is_caught_as_a_race():
     broken = compile_graph(g, drop=drop)
     assert (0, producer) not in broken.lowered.deps[0][consumer]
     waits = broken.plan.roles["compute"].tasks[0][consumer].waits
-    assert "ready_rows" not in {w.pad for w in waits}, "a band with a tile missing is not whole"
+    # the read waits for the count of the two tiles left: the dropped one is no member
+    assert [(w.pad, w.value) for w in waits] == [("ready_group", 2)]
     with pytest.raises(mkernel.RaceError) as e:
         broken(x=randn(8, 64, seed=5))
     assert e.value.rank == 0 and {e.value.task, e.value.other[3]} == {consumer, producer}

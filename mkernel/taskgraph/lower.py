@@ -9,14 +9,14 @@ Events. A task depends, before it loads anything, on every tile j (of rank q) th
 rectangle it reads, and nothing else: a down-projection tile waits for the SiLU tiles of its rows,
 not for the whole SiLU op (``Lowered.deps``). Two counted signal pads per rank carry them:
 ``ready[task]``: task j raises ``ready[j]`` on its own rank (set 1, release) after its tile has
-landed; and ``ready_rows[band]``: a band is the tiles of one node over the same rows, each of which
-adds 1 once its tile has landed. A task that depends on every tile of a band (a norm or a linear
-reading whole rows) waits once, for the band's count, instead of once per tile; its other
-dependencies wait on ``ready``. NOTE: a wait is a poll and an acquire fence on the task's one
-producer thread; an MLP norm's 128 waits, one after another, took 0.2 ms of a 0.7 ms decode layer
-(one H100). A flag is raised only if some task waits on it. ``consumers`` is the number of waits on
-a flag over all ranks, so the last reader resets it (and its counter) and the pads end every call
-at zero.
+landed, for the reads that cover that tile alone; and ``ready_group[group]``: a group is the set
+of tiles one read covers where it covers several (a norm or a linear reading whole rows, an
+attention partial the q tiles of its heads' columns), and each of its tiles adds 1 there once
+landed, so the read waits once, for the group's size, instead of once per tile. NOTE: a wait is a
+poll and an acquire fence on the task's one producer thread; an MLP norm's 128 waits, one after
+another, took 0.2 ms of a 0.7 ms decode layer (one H100). A flag or count is raised only if some
+task waits on it. ``consumers`` is the number of waits on it over all ranks, so the last reader
+resets it (and its counter) and the pads end every call at zero.
 
 No deadlock: units take a rank's tasks round robin (task u, u + n, ...) and run them in order, and
 every rank has the same topological order, so a wait of task i only needs tasks j < i; by
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 # ``rank`` for tile ``producer`` of ``peer`` from the plan, as a lowering bug would.
 DropHook = Callable[[int, int, int, int], bool]
 READY = "ready"
-ROWS = "ready_rows"  # the bands' counts (module docstring)
+COUNT = "ready_group"  # the groups' counts (module docstring)
 _IDS = itertools.count()  # each compiled graph's own spec name, so workspaces never mix
 
 
@@ -113,13 +113,6 @@ def _overlap(a, b) -> bool:
     return a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
 
 
-def _bands(tasks: list[TileTask]) -> tuple[list[int], list[int]]:
-    """Each task's band (the tiles of its node over the same rows) and each band's tile count."""
-    ids: dict[tuple[int, int, int], int] = {}
-    band_of = [ids.setdefault((t.node, t.rect[0], t.rect[1]), len(ids)) for t in tasks]
-    return band_of, list(Counter(band_of)[b] for b in range(len(ids)))
-
-
 def _buffers(graph: TaskGraph, nodes: list[Node], live: list[int], outs: dict[int, list[str]]):
     bufs: dict[str, tuple[str, tuple[int, int]]] = {}
     for v in graph.inputs.values():
@@ -159,47 +152,73 @@ def lower(
     for j, t in enumerate(per_rank[0]):
         producers.setdefault(nodes[t.node].out.id, []).append((j, t.rect))
     deps: list[list[list[tuple[int, int]]]] = []  # [rank][task] -> (peer, producer task)
+    covered: list[list[dict]] = []  # [rank][task]: read -> the (peer, producer tile)s it covers
     for r in range(W):
         deps.append([])
+        covered.append([])
         for i, t in enumerate(per_rank[r]):
             found: list[tuple[int, int]] = []
+            per_read: dict = {}
             for rd in t.reads:
                 for j, rect in producers.get(rd.value, []):
                     key = (rd.rank, j)
-                    if _overlap(rect, rd.rect) and key not in found:
+                    if _overlap(rect, rd.rect):
                         assert j < i, f"task {i} reads task {j}: not a topological order"
                         if drop is None or not drop(r, i, rd.rank, j):
-                            found.append(key)
+                            per_read.setdefault(rd, []).append(key)
+                            if key not in found:
+                                found.append(key)
             deps[r].append(found)
-    band_of, size = _bands(per_rank[0])
-    # per task: the tiles it waits for one by one, and the bands it waits for whole
+            covered[r].append(per_read)
+    # Per read: the producer tiles it covers (a read of one tile waits on that tile's flag, of
+    # several on the count of that set: a group). Groups are sets of tile ids, the same on
+    # every rank; each lives on the producers' rank.
+    group_ids: dict[frozenset[int], int] = {}
     tile_deps: list[list[list[tuple[int, int]]]] = []
-    band_deps: list[list[list[tuple[int, int]]]] = []
+    group_deps: list[list[list[tuple[int, int]]]] = []
     for r in range(W):
         tile_deps.append([])
-        band_deps.append([])
-        for found in deps[r]:
-            per_band = Counter((q, band_of[j]) for q, j in found)
-            whole = {k for k, n in per_band.items() if n == size[k[1]] > 1}
-            tile_deps[r].append([(q, j) for q, j in found if (q, band_of[j]) not in whole])
-            band_deps[r].append(sorted(whole))
+        group_deps.append([])
+        for i, t in enumerate(per_rank[r]):
+            tiles_, groups_ = [], []
+            for rd in t.reads:
+                members = {j for q, j in covered[r][i].get(rd, ())}
+                if len(members) == 1:
+                    key = (rd.rank, next(iter(members)))
+                    if key not in tiles_:
+                        tiles_.append(key)
+                elif members:
+                    key = (rd.rank, group_ids.setdefault(frozenset(members), len(group_ids)))
+                    if key not in groups_:
+                        groups_.append(key)
+            tile_deps[r].append(tiles_)
+            group_deps[r].append(groups_)
+    groups_of: dict[int, list[int]] = {}
+    for members, g in group_ids.items():
+        for j in members:
+            groups_of.setdefault(j, []).append(g)
+    size = {g: len(members) for members, g in group_ids.items()}
     readers = Counter(k for per_task in tile_deps for ks in per_task for k in ks)
-    band_readers = Counter(k for per_task in band_deps for ks in per_task for k in ks)
+    group_readers = Counter(k for per_task in group_deps for ks in per_task for k in ks)
     compute = []
     for r in range(W):
         rank_tasks = []
         for i, t in enumerate(per_rank[r]):
             waits = tuple(
-                Wait(ROWS, q, (b,), value=size[b], consumers=band_readers[(q, b)])
-                for q, b in band_deps[r][i]
+                Wait(COUNT, q, (g,), value=size[g], consumers=group_readers[(q, g)])
+                for q, g in group_deps[r][i]
             ) + tuple(Wait(READY, q, (j,), consumers=readers[(q, j)]) for q, j in tile_deps[r][i])
             raises = (Raise(READY, r, (i,)),) if readers[(r, i)] else ()
-            if band_readers[(r, band_of[i])]:
-                raises += (Raise(ROWS, r, (band_of[i],), op="add"),)
+            raises += tuple(
+                Raise(COUNT, r, (g,), op="add")
+                for g in sorted(groups_of.get(i, ()))
+                if group_readers[(r, g)]
+            )
             rank_tasks.append(Task(i, (i, t.node), waits=waits, raises=raises))
         compute.append(rank_tasks)
     bufs = _buffers(graph, nodes, live, outs)
-    sizes = {"tasks": T, "bands": len(size)}
+    groups = max(1, len(group_ids))  # NOTE: a pad of one unused count where no read is a group
+    sizes = {"tasks": T, "groups": groups}
     for name, (_, (rows, cols)) in bufs.items():
         sizes[f"{name}_rows"], sizes[f"{name}_cols"] = rows, cols
     named = tuple(
@@ -212,7 +231,7 @@ def lower(
         buffers=named if device_buffers is None else device_buffers,
         pads=(
             Pad(READY, ("task",), ("tasks",), counted=True, doc="the task's tile has landed"),
-            Pad(ROWS, ("band",), ("bands",), counted=True, doc="how many of the band's tiles"),
+            Pad(COUNT, ("group",), ("groups",), counted=True, doc="how many of its tiles landed"),
         ),
         scalars=(),
         # NOTE: the interpreter's spec names every value (past MAX_SLOTS for a real model); the
@@ -226,6 +245,6 @@ def lower(
     ]
     cfg = TILE_CONFIGS["64x128x64"]  # NOTE: unused: the TaskGraph engine sizes its own tiles
     comm: list[list[Task]] = [[] for _ in range(W)]
-    counts = {"tasks": T, "bands": len(size)}
+    counts = {"tasks": T, "groups": groups}
     plan = build_plan(spec, schedule, world, cfg, counts, sizes, tile_table, compute, comm)
     return Lowered(nodes, live, per_rank, deps, outs, bufs, plan)

@@ -198,7 +198,7 @@ def test_a_silent_rank_times_out_naming_the_peer_and_the_flag():
     k = g.compile(mkernel.Schedule(faults=mkernel.Faults(silent_rank=1)))
     with pytest.raises(mkernel.CommTimeout) as e:
         k(x=randn(4, 64, seed=1))
-    assert e.value.peer == 1 and e.value.signal.startswith(("ready[task=", "ready_rows[band="))
+    assert e.value.peer == 1 and e.value.signal.startswith(("ready[task=", "ready_group[group="))
 
 
 def test_bad_input_raises_before_launch():
