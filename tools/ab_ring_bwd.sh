@@ -35,6 +35,7 @@ for t in "${ORDER[@]}"; do
   if [ $((n % PAR)) -eq 0 ]; then wait; fi
 done
 wait
+grep -h "^warm" "$OUT"/warm_*.log  # each tree's build (tools/sass_spills.sh lists them by path)
 for r in $(seq "$ROUNDS"); do
   for t in "${ORDER[@]}"; do
     (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 60 python "$T" $t 1 2>&1 | grep TAG)

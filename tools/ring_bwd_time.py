@@ -45,7 +45,9 @@ for fn in fns.values():
     fn()
 torch.cuda.synchronize()
 if os.environ.get("WARM") == "1":
-    print("warm", tag)
+    from mkernel.runtime import gpu
+
+    print("warm", tag, gpu.extension().__file__)  # which build is this tree's (sass_spills.sh)
     sys.exit(0)
 for fn in fns.values():
     fn()
