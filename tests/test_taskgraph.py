@@ -307,6 +307,32 @@ def test_a_norm_or_silu_read_twice_or_given_out_is_not_fused():
         assert_close(out[name], ref[name], 2.0**-7, name)
 
 
+def test_compile_device_picks_where_the_graph_runs():
+    world = mkernel.World.emulated(2)
+    g = mlp_graph(B=4, world=world)
+    k = g.compile(device="cpu")
+    assert k.backend == "interp" and k.world.size == 2
+    x = randn(2, 4, 64, seed=6)
+    assert_close(k(x=x)["y"], k.reference(x=x)["y"], 2.0**-7)
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        g.compile(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no GPU"):
+            g.compile(device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_graph_compiled_for_the_cpu_and_back():
+    g = mlp_graph(B=4)  # CPU tensors
+    k = g.compile(device="cuda")
+    assert k.backend == "kernel"
+    x = randn(4, 64, seed=7)
+    y = k(x=x.cuda())["y"]
+    assert y.device.type == "cuda"
+    assert_close(y.cpu(), g.compile()(x=x)["y"], 2.0**-6)
+
+
 def test_dead_ops_are_not_lowered_and_the_export():
     assert mkernel.TaskGraph is TaskGraph
     g = TaskGraph()

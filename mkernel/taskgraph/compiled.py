@@ -34,13 +34,14 @@ def compile_graph(
     drop: DropHook | None = None,
     backend: str | None = None,
     fuse: bool | None = None,
+    device: Any = None,
 ) -> CompiledGraph:
     """``TaskGraph.compile``; ``blocks`` (the tile shape, or a function of the node; None: the
     interpreter's 4 x 32, or the kernel's ``device.gpu_blocks``), ``drop`` (a debug hook that
     removes waits, lower.py), ``backend`` ("interp": the CPU interpreter, the default on the
     CPU; "kernel": one persistent launch, the default on a GPU; "eager": torch ops per task) and
     ``fuse`` (norms and SiLUs computed by the linears that alone read them, lower.lowered_nodes;
-    None: on the kernel backend) are for tests and benchmarks."""
+    None: on the kernel backend) are for tests and benchmarks. ``device``: TaskGraph.compile's."""
     if not graph.outputs:
         raise ValueError(
             "TaskGraph.compile: the graph has no output (g.output(name, value)): nothing would "
@@ -49,8 +50,15 @@ def compile_graph(
     schedule = check_schedule(schedule)
     if schedule.tile_order is not None:
         raise ValueError("TaskGraph.compile: Schedule.tile_order is not taken by TaskGraph yet")
-    device = graph.device or torch.device("cpu")
-    world = graph.world or World.emulated(1, device=device)
+    world = graph.world
+    if device is None:
+        device = graph.device or torch.device("cpu")
+    else:  # the graph's tensors are copied there at compile (CompiledGraph.consts)
+        device = _check_device(device)
+        if world is not None and world.device != device:
+            world = World.emulated(world.size, device=device, timeout_s=world.timeout_s)
+    world = world or World.emulated(1, device=device)
+    device = world.device
     check_faults(schedule, world)
     if backend is None:
         backend = "kernel" if device.type == "cuda" else "interp"
@@ -73,6 +81,24 @@ def compile_graph(
     low = lower(graph, world, schedule, blocks, drop, device_buffers, fuse)
     low.plan.extra["trace"] = schedule.trace  # the kernel records each task's span (GPU)
     return CompiledGraph(graph, world, schedule, low, backend)
+
+
+def _check_device(device: Any) -> torch.device:
+    """``TaskGraph.compile(device=)``: "cpu", "cuda" or a torch.device of either."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"TaskGraph.compile: device must be 'cpu' or 'cuda' (or None), got {device!r}"
+        ) from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"TaskGraph.compile: device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("TaskGraph.compile: device='cuda' asked for, but torch sees no GPU")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 class CompiledGraph:
@@ -172,7 +198,7 @@ class CompiledGraph:
         to bf16 where ``round_values``, as the tasks store them): fp32, shaped as the call's."""
         checked = self._check_inputs(inputs)
         ins = {name: checked[value_buf(v.id)] for name, v in self.inputs.items()}
-        res = reference.evaluate(self.graph, ins, round_values)
+        res = reference.evaluate(self.graph, ins, round_values)  # on the inputs' device
         return {name: t if self.per_world else t[0] for name, t in res.items()}
 
     # -- the backends ---------------------------------------------------------------------------

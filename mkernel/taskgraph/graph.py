@@ -267,7 +267,7 @@ class TaskGraph:
             )
         self.outputs[name] = x
 
-    def compile(self, schedule: Any = None):
+    def compile(self, schedule: Any = None, device: Any = None):
         """The graph's callable ``k(**inputs) -> {output name: tensor}``.
 
         CPU (world None with CPU tensors, or a CPU emulated world): each call runs the graph's
@@ -277,7 +277,12 @@ class TaskGraph:
         needs column counts that are multiples of 8 (ValueError otherwise). ``schedule``: an
         ``mkernel.Schedule`` (seed, sms, faults) or None.
 
+        ``device``: None (the graph's: that of its tensors or its World), or "cpu" / "cuda" to
+        run it there instead (the build-time tensors are copied at compile; a World becomes an
+        emulated world of as many ranks on that device): ``g.compile(device="cpu")`` runs a GPU
+        graph in the CPU interpreter.
+
         Inputs: a tensor of the input's shape (the same on every rank) or, in a World, [W, *shape]
-        (rank r's at [r]); bf16, on the graph's device. Outputs: [*shape] (world None) or
+        (rank r's at [r]); bf16, on the compiled graph's device. Outputs: [*shape] (world None) or
         [W, *shape] (a World)."""
-        return compile_graph(self, schedule)
+        return compile_graph(self, schedule, device=device)

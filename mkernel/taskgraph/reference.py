@@ -63,7 +63,8 @@ def evaluate(
         else:
             out = []
             for r in range(W):
-                consts = {k: ts[r].float() for k, ts in node.consts.items()}
+                dev = args[0][r].device  # the inputs' (compile may have moved the graph)
+                consts = {k: ts[r].to(dev).float() for k, ts in node.consts.items()}
                 out.append(_local(node, [a[r] for a in args], consts))
         vals[node.out.id] = [rnd(t) for t in out]
     return {name: torch.stack(vals[v.id]) for name, v in graph.outputs.items()}
