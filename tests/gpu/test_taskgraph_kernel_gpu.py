@@ -76,7 +76,8 @@ def test_norm_and_silu_fused_into_the_linears_at_every_batch(B):
     k = g.compile()
     assert [k.lowered.nodes[i].op for i in k.lowered.live] == ["norm_linear", "silu_linear"]
     xin = randn(B, H, seed=4)
-    assert_close(k(x=xin)["y"], k.reference(x=xin)["y"], 2.0**-6, f"B={B}")
+    ref = k.reference(round_values=False, x=xin)["y"]  # fp32: the fused path rounds elsewhere
+    assert_close(k(x=xin)["y"], ref, 2.0**-6, f"B={B}")
 
 
 @pytest.mark.parametrize(
