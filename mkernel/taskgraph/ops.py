@@ -237,7 +237,7 @@ def _partial(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     total = p.sum(-1, keepdim=True)
     lse = (m + torch.log(total)).reshape(-1)
     hi = lse.bfloat16().float()  # the pair (hi, lo) keeps ~16 bits of lse through bf16 stores
-    stats = torch.zeros(STAT_COLS)
+    stats = torch.zeros(STAT_COLS, device=q.device)
     stats[0 : 2 * len(lse) : 2], stats[1 : 2 * len(lse) : 2] = hi, lse - hi
     return torch.cat([((p @ v) / total).reshape(-1), stats]).reshape(1, -1)
 
