@@ -13,13 +13,15 @@ ROUNDS=${ROUNDS:-2}
 PAR=${PAR:-2}
 R=$MKERNEL_REPO_ROOT
 T=$PWD/tools/ring_bwd_time.py
-for p in 40 56; do
+REGS=${REGS-40 56}  # producer-register variants of the snapshot ("" for none)
+for p in $REGS; do
   rm -rf /tmp/v$p && cp -r "$PWD" /tmp/v$p
   sed -i "s/define MK_RING_BWD_PRODUCER_REGS 24/define MK_RING_BWD_PRODUCER_REGS $p/" \
     /tmp/v$p/kernels/ring_attention_backward.cu
 done
-declare -A TREE=([head]=$PWD [p40]=/tmp/v40 [p56]=/tmp/v56)
-ORDER=(head p40 p56)
+declare -A TREE=([head]=$PWD)
+ORDER=(head)
+for p in $REGS; do TREE[p$p]=/tmp/v$p; ORDER+=("p$p"); done
 for rev in $OLD; do
   rm -rf "/tmp/t_$rev" && mkdir -p "/tmp/t_$rev" && tar xf "$R/.carry/t_$rev.tar" -C "/tmp/t_$rev"
   TREE[$rev]=/tmp/t_$rev
