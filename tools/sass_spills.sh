@@ -3,7 +3,7 @@
 # built _mkernel extension in the cache; writes $OUT/spills.txt. On the device machine (needs
 # cuobjdump and nvdisasm), inside tools/device_session.sh after a build.
 set -u
-for so in $MKERNEL_CACHE_DIR/_mkernel-*/*.so; do
+for so in $MKERNEL_CACHE_DIR/_mkernel_ext-*/*.so; do
   d=/tmp/sp_$(basename $(dirname $so)); rm -rf $d; mkdir -p $d; (cd $d && cuobjdump -xelf all "$so" >/dev/null 2>&1)
   for c in $d/*.cubin; do
     nvdisasm -gi $c 2>/dev/null | awk '/\.text\./ {on = ($0 ~ /RingAttentionBwdILi128/)} on' > $c.ring
