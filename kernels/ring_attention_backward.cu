@@ -193,7 +193,10 @@ struct RingBwdEngine {
 
 template <int D>
 struct RingAttentionBwd : CommRings<UnitRing<6, 3, 16384>, UnitRing<3, 2, 8192>> {
-  static constexpr bool kComputePerUnit = true;  // its plans give each unit its K/V tiles (PerUnit)
+  // NOTE: no kComputePerUnit (unlike the forward): with the trait the fused backward ran 6-8%
+  // slower (W = 1 full 6.51-6.61 ms against 6.10-6.13 without it, 5.93-6.10 on 36dec36, before
+  // the trait; one H100, benchmarks/results/ring_bwd_ab_2026-12-07.txt). The runtime rule
+  // (unit_tasks) reads its plans' unit_span the same.
   using Engine = RingBwdEngine<D>;
   using Layout = rab::Layout;
   using Args = FusedArgs<RingAttentionBwd>;
