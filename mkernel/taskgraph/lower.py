@@ -113,6 +113,11 @@ def _overlap(a, b) -> bool:
     return a[0] < b[0] + b[1] and b[0] < a[0] + a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
 
 
+def _add_new(items: list, item) -> None:
+    if item not in items:
+        items.append(item)
+
+
 def _buffers(graph: TaskGraph, nodes: list[Node], live: list[int], outs: dict[int, list[str]]):
     bufs: dict[str, tuple[str, tuple[int, int]]] = {}
     for v in graph.inputs.values():
@@ -151,48 +156,37 @@ def lower(
     producers: dict[int, list[tuple[int, tuple]]] = {}
     for j, t in enumerate(per_rank[0]):
         producers.setdefault(nodes[t.node].out.id, []).append((j, t.rect))
+    # Per read: the producer tiles it covers. A read of one tile waits on that tile's flag, of
+    # several on the count of that set (a group). Groups are sets of tile ids, the same on every
+    # rank; each lives on the producers' rank.
     deps: list[list[list[tuple[int, int]]]] = []  # [rank][task] -> (peer, producer task)
-    covered: list[list[dict]] = []  # [rank][task]: read -> the (peer, producer tile)s it covers
+    tile_deps: list[list[list[tuple[int, int]]]] = []  # reads of one tile: (peer, task)
+    group_deps: list[list[list[tuple[int, int]]]] = []  # reads of several: (peer, group)
+    group_ids: dict[frozenset[int], int] = {}
     for r in range(W):
         deps.append([])
-        covered.append([])
-        for i, t in enumerate(per_rank[r]):
-            found: list[tuple[int, int]] = []
-            per_read: dict = {}
-            for rd in t.reads:
-                for j, rect in producers.get(rd.value, []):
-                    key = (rd.rank, j)
-                    if _overlap(rect, rd.rect):
-                        assert j < i, f"task {i} reads task {j}: not a topological order"
-                        if drop is None or not drop(r, i, rd.rank, j):
-                            per_read.setdefault(rd, []).append(key)
-                            if key not in found:
-                                found.append(key)
-            deps[r].append(found)
-            covered[r].append(per_read)
-    # Per read: the producer tiles it covers (a read of one tile waits on that tile's flag, of
-    # several on the count of that set: a group). Groups are sets of tile ids, the same on
-    # every rank; each lives on the producers' rank.
-    group_ids: dict[frozenset[int], int] = {}
-    tile_deps: list[list[list[tuple[int, int]]]] = []
-    group_deps: list[list[list[tuple[int, int]]]] = []
-    for r in range(W):
         tile_deps.append([])
         group_deps.append([])
         for i, t in enumerate(per_rank[r]):
-            tiles_, groups_ = [], []
+            found: list[tuple[int, int]] = []
+            one: list[tuple[int, int]] = []
+            many: list[tuple[int, int]] = []
             for rd in t.reads:
-                members = {j for q, j in covered[r][i].get(rd, ())}
+                members = []
+                for j, rect in producers.get(rd.value, []):
+                    if _overlap(rect, rd.rect):
+                        assert j < i, f"task {i} reads task {j}: not a topological order"
+                        if drop is None or not drop(r, i, rd.rank, j):
+                            members.append(j)
+                            _add_new(found, (rd.rank, j))
                 if len(members) == 1:
-                    key = (rd.rank, next(iter(members)))
-                    if key not in tiles_:
-                        tiles_.append(key)
+                    _add_new(one, (rd.rank, members[0]))
                 elif members:
-                    key = (rd.rank, group_ids.setdefault(frozenset(members), len(group_ids)))
-                    if key not in groups_:
-                        groups_.append(key)
-            tile_deps[r].append(tiles_)
-            group_deps[r].append(groups_)
+                    g = group_ids.setdefault(frozenset(members), len(group_ids))
+                    _add_new(many, (rd.rank, g))
+            deps[r].append(found)
+            tile_deps[r].append(one)
+            group_deps[r].append(many)
     groups_of: dict[int, list[int]] = {}
     for members, g in group_ids.items():
         for j in members:
