@@ -16,7 +16,15 @@
 #include <cstdint>
 
 #include "kernels/taskgraph_args.h"
+#include "primitives/comm.cuh"
+#include "primitives/gemm/mbarrier.cuh"
 #include "primitives/protocol_gen.h"
+
+// The weight ring of batch-1 linears (below, "The weight ring"): 0 = off (the default until a GPU
+// run has checked it), 1 = on. An A/B knob: tools/ab_taskgraph.sh builds both.
+#ifndef MK_TG_WEIGHT_RING
+#define MK_TG_WEIGHT_RING 0
+#endif
 
 namespace mk::tg {
 
@@ -405,6 +413,124 @@ __device__ inline void linear(const XL& x, const View& w, const View* res, const
 // gemv_mma's K-split partial tiles (kWarps x NT <= 2 x 128 floats), then norm_linear's factors.
 constexpr int kRedFloats = kWarps * 2 * 128;
 
+// -- The weight ring (MK_TG_WEIGHT_RING) --------------------------------------------------------
+// A batch-1 linear task streams its slice of the weight (its output columns' rows, contiguous:
+// rows x K bf16) through kRingStages shared-memory buffers filled by bulk copies (TMA), and thread
+// 0 issues the first kRingStages of them BEFORE the task's waits: a weight depends on nothing, so
+// up to 160 KB per CTA are in flight while the producers of x still run. After the waits x (one
+// row, SiLU applied for silu_linear) goes to shared memory once, then each warp sums its rows
+// (row i: warp i % kWarps) over each buffer as it lands, the CTA meets, and thread 0 refills the
+// buffer with the stage kRingStages ahead. A buffer is a byte range, not whole rows: a row cut by
+// its end carries its lanes' partial sums into the next stage.
+// NOTE: why: the plain GEMV starts loading only after the waits, so every one of a layer's ~6
+// stages pays the load latency and the ramp-up again (a 4096 x 4096 linear took ~16 us against 11
+// of bytes, one H100; docs/megakernel.md).
+// The barriers live past the engine's other shared memory (kSmemBytes ..), initialised once per
+// CTA: their phases order the buffers' reuse across tasks (UnitRing's reason, bulk_ring.cuh).
+constexpr bool kWeightRing = MK_TG_WEIGHT_RING != 0;
+constexpr int kRingStages = 4;
+constexpr int kRingStageBytes = 40 * 1024;
+constexpr int kRingBytes = kRingStages * kRingStageBytes;
+constexpr int kRingXBytes = 24 * 1024;  // x's row in bf16: K <= 12288
+constexpr int kRingTailBytes = 8 * kRingStages;
+static_assert(kRingBytes + kRingXBytes + 16 * 4 <= kSmemBytes, "the ring, x and rs fit");
+
+struct RingJob {
+  const char* src = nullptr;  // the task's weight rows
+  long long bytes = 0;
+  int stages = 0;  // 0: the task does not use the ring
+};
+
+// The ring's work for task row d (the same answer in the prologue and in the task).
+__device__ inline RingJob ring_job(const Params& p, const int* d) {
+  RingJob j;
+  const int op = d[kFOp];
+  if (!kWeightRing || d[kFOutRows] != 1) return j;
+  if (op != kOpLinear && op != kOpNormLinear && op != kOpSiluLinear) return j;
+  const View w = read_view(p, d, 1, read_rank(p, d, 1));
+  if (w.ld != w.cols || 2LL * w.cols > kRingXBytes || (reinterpret_cast<uintptr_t>(w.p) & 15))
+    return j;
+  j.src = reinterpret_cast<const char*>(w.p);
+  j.bytes = 2LL * w.rows * w.cols;
+  j.stages = (int)((j.bytes + kRingStageBytes - 1) / kRingStageBytes);
+  return j;
+}
+
+__device__ inline uint64_t* ring_bars(char* smem) {
+  return reinterpret_cast<uint64_t*>(smem + kSmemBytes);
+}
+
+__device__ inline void ring_init(char* smem) {
+  for (int b = 0; b < kRingStages; ++b) gemm::mbar_init(&ring_bars(smem)[b], 1);
+  gemm::mbar_fence_init();
+}
+__device__ inline void ring_inval(char* smem) {
+  for (int b = 0; b < kRingStages; ++b)
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_u32(&ring_bars(smem)[b]))
+                 : "memory");
+}
+
+// Thread 0: stage s of job j into buffer g % kRingStages (g: stages through the ring so far).
+__device__ inline void ring_load(char* smem, const RingJob& j, int s, unsigned g) {
+  const int b = (int)(g % kRingStages);
+  const long long off = (long long)s * kRingStageBytes;
+  const uint32_t n = (uint32_t)min((long long)kRingStageBytes, j.bytes - off);
+  gemm::mbar_arrive_expect_tx(&ring_bars(smem)[b], n);
+  bulk_load(smem + b * kRingStageBytes, j.src + off, n, &ring_bars(smem)[b]);
+}
+
+// Thread 0, before the task's waits: its first stages (the CTA's earlier generic accesses of the
+// buffers are ordered before these async-proxy writes by the fence).
+__device__ inline void ring_prologue(char* smem, const RingJob& j, unsigned used) {
+  if (j.stages == 0) return;
+  fence_proxy_async_smem();
+  for (int s = 0; s < j.stages && s < kRingStages; ++s) ring_load(smem, j, s, used + s);
+}
+
+// Every thread: the task's GEMV (B = 1) from the ring; `used` advances by the job's stages.
+template <class XL>
+__device__ inline void gemv_ring(const XL& x, const RingJob& j, const View* res, const float* rs,
+                                 const View& out, char* smem, unsigned& used) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = x.K();
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + kRingBytes);
+#pragma unroll 4
+  for (int k = threadIdx.x * kVec; k < K; k += kThreads * kVec)
+    *reinterpret_cast<uint4*>(xs + k) = x.load(0, k);
+  __syncthreads();
+  const long long row = 2LL * K;
+  float carry = 0.f;  // this lane's partial sum of a row that the last buffer cut
+  for (int s = 0; s < j.stages; ++s) {
+    const unsigned g = used + s;
+    const int b = (int)(g % kRingStages);
+    gemm::mbar_wait(&ring_bars(smem)[b], (g / kRingStages) & 1);
+    const long long lo = (long long)s * kRingStageBytes;
+    const long long hi = min(lo + kRingStageBytes, j.bytes);
+    const char* buf = smem + b * kRingStageBytes;
+    const int first = (int)(lo / row);
+    for (int i = first + (warp - first % kWarps + kWarps) % kWarps; i * row < hi; i += kWarps) {
+      const long long a = max(lo, i * row), e = min(hi, (i + 1) * row);
+      float acc = a > i * row ? carry : 0.f;
+      for (long long o = a + 16 * lane; o < e; o += 16 * 32) {
+        float wf[kVec], xf[kVec];
+        to_f32(*reinterpret_cast<const uint4*>(buf + (o - lo)), wf);
+        to_f32(*reinterpret_cast<const uint4*>(xs + (o - i * row) / 2), xf);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) acc = fmaf(xf[t], wf[t], acc);
+      }
+      if (e == (i + 1) * row) {
+        const float sum = warp_sum(acc);
+        if (lane == 0) st_linear(out, res, rs, 0, i, sum);
+      } else {
+        carry = acc;  // the row goes on in the next stage
+      }
+    }
+    __syncthreads();  // every warp has read buffer b
+    if (threadIdx.x == 0 && s + kRingStages < j.stages)
+      ring_load(smem, j, s + kRingStages, g + kRingStages);
+  }
+  used += j.stages;
+}
+
 // Before a task's waits (thread 0): the first kPrefetchBytes of the build-time tensor it streams
 // (a linear's weight rows, an attention's K and V rows: contiguous, never written by the kernel)
 // into L2, so a CTA waiting for its input already fetches what it will read most of.
@@ -422,6 +548,12 @@ __device__ inline void prefetch_task(const Params& p, int id) {
   const int op = d[kFOp];
   const bool lin = op == kOpLinear || op == kOpNormLinear || op == kOpSiluLinear;
   if (!lin && op != kOpAttentionPartial) return;
+  const RingJob j = ring_job(p, d);
+  if (j.stages > 0) {  // the ring's first stages are on their way: the bytes after them
+    const long long ahead = min(j.bytes, (long long)kRingBytes);
+    prefetch_l2(j.src + ahead, j.bytes - ahead);
+    return;
+  }
   for (int i = 1; i < (lin ? 2 : 3); ++i) {
     const View t = read_view(p, d, i, read_rank(p, d, i));
     if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (lin ? 1 : 2));
@@ -594,7 +726,8 @@ __device__ inline void attention_combine(const View& part, const View& out, int 
 }
 
 // One task: decode its row of the task table, run its op's tile.
-__device__ inline void run_task(const Params& p, int id, char* smem) {
+// `used`: the weight ring's stages so far (every thread's copy the same).
+__device__ inline void run_task(const Params& p, int id, char* smem, unsigned& used) {
   const int* d = p.tasks + id * kTaskFields;
   const View out = out_view(p, d);
   const int op = d[kFOp];
@@ -609,12 +742,22 @@ __device__ inline void run_task(const Params& p, int id, char* smem) {
       const View x = rd(0), res = d[kFReads] > 2 ? rd(2) : View{};
       const View* r = d[kFReads] > 2 ? &res : nullptr;
       float* red = reinterpret_cast<float*>(smem);
-      float* rs = red + kRedFloats;
+      const RingJob j = ring_job(p, d);
+      // with the ring, its buffers hold weight rows since before the waits: rs goes past x's row
+      float* rs = j.stages > 0 ? reinterpret_cast<float*>(smem + kRingBytes + kRingXBytes)
+                               : red + kRedFloats;
       if (op == kOpSiluLinear) {
-        linear(SiluX{x}, rd(1), r, nullptr, out, red);
+        if (j.stages > 0)
+          gemv_ring(SiluX{x}, j, r, nullptr, out, smem, used);
+        else
+          linear(SiluX{x}, rd(1), r, nullptr, out, red);
       } else {
         if (op == kOpNormLinear) row_rsqrt(x, __int_as_float(d[kFAttr0]), rs);
-        linear(PlainX{x}, rd(1), r, op == kOpNormLinear ? rs : nullptr, out, red);
+        const float* f = op == kOpNormLinear ? rs : nullptr;
+        if (j.stages > 0)
+          gemv_ring(PlainX{x}, j, r, f, out, smem, used);
+        else
+          linear(PlainX{x}, rd(1), r, f, out, red);
       }
       break;
     }
@@ -677,7 +820,7 @@ struct Engine {
   };
   struct Dest {};  // a task's output is in its table row
   static constexpr int kThreads = tg::kThreads;
-  static constexpr int kSmemBytes = tg::kSmemBytes;
+  static constexpr int kSmemBytes = tg::kSmemBytes + (kWeightRing ? kRingTailBytes : 0);
   static constexpr int kSpareWarp = kWarps - 1;
   template <class T>
   __device__ static Task task_of(const T& tile) {
@@ -686,15 +829,22 @@ struct Engine {
   template <class Hooks, class Spare>
   __device__ static void run_cta(const Params& p, char* smem, Hooks& hooks, Spare&& spare) {
     const bool signals = hooks.signals();
+    unsigned used = 0;  // the weight ring's stages so far
+    if constexpr (kWeightRing) {
+      if (threadIdx.x == 0) ring_init(smem);
+      __syncthreads();
+    }
     for (int i = 0; i < hooks.num_tasks(); ++i) {
       const Task t = hooks.task(i);
       if (threadIdx.x == 0) {
+        if constexpr (kWeightRing)
+          ring_prologue(smem, ring_job(p, p.tasks + t.id * kTaskFields), used);
         prefetch_task(p, t.id);
         hooks.before_load(i);
       }
       __syncwarp();
       __syncthreads();
-      run_task(p, t.id, smem);
+      run_task(p, t.id, smem, used);
       if (signals) {
         __threadfence();  // this thread's stores, before thread 0 publishes the tile
         __syncthreads();
@@ -706,6 +856,9 @@ struct Engine {
         }
       }
       __syncthreads();  // shared memory and thread 0's waits belong to the next task
+    }
+    if constexpr (kWeightRing) {
+      if (threadIdx.x == 0) ring_inval(smem);  // every stage landed and was read
     }
     // NOTE: a TaskGraph plan has no comm role; the spare warp's comm loop finds no task
     if ((int)threadIdx.x / 32 == kSpareWarp) spare();

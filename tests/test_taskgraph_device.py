@@ -6,6 +6,7 @@ tables the kernel runs have no race or deadlock); what the kernel cannot serve i
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from pathlib import Path
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 import mkernel
-from mkernel import models
+from mkernel import jit, models
 from mkernel.runtime.run import check_schedule
-from mkernel.taskgraph import TaskGraph, ops
+from mkernel.taskgraph import TaskGraph, kernel_ext, ops
 from mkernel.taskgraph import device as dv
 from mkernel.taskgraph.compiled import compile_graph
 from mkernel.taskgraph.lower import lower
@@ -213,3 +214,11 @@ def test_the_kernel_plan_has_the_interpreters_tables(W):
         a, b = interp.roles[role].tensors, kernel.roles[role].tensors
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), role
     assert torch.equal(interp.tile_table(), kernel.tile_table())
+
+
+@pytest.mark.skipif(jit.find_nvcc() is None, reason="no nvcc: the device code is not compiled")
+def test_the_kernel_compiles_with_the_weight_ring_on():
+    # MK_TG_WEIGHT_RING (kernels/taskgraph.cuh) is off by default; the A/B builds it on
+    ring = (("MK_TG_WEIGHT_RING", "1"),)
+    spec = dataclasses.replace(kernel_ext.SPEC, defines=kernel_ext.SPEC.defines + ring)
+    assert jit.compile_check(["kernels/taskgraph.cu"], spec=spec) == []

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 36's A/B of TaskGraph kernel variants on the device machine (inside
+# tools/device_session.sh, cwd the snapshot): the snapshot as committed (head) and the snapshot
+# with each macro setting of VARIANTS ("NAME=VALUE ...", default the weight ring on:
+# MK_TG_WEIGHT_RING=1, kernels/taskgraph.cuh), built in parallel, then one process per tree
+# alternating in ROUNDS rounds (tools/taskgraph_time.py). Prints per case the min-max ms of each
+# tree, and each tree's max error against the fp32 step. TESTS=1: first the TaskGraph GPU tests
+# in each variant tree (tests/gpu/test_taskgraph_kernel_gpu.py; the head's run in the suite).
+set -u
+ROUNDS=${ROUNDS:-3}
+VARIANTS=${VARIANTS:-MK_TG_WEIGHT_RING=1}
+T=$PWD/tools/taskgraph_time.py
+declare -A TREE=([head]=$PWD)
+ORDER=(head)
+for v in $VARIANTS; do
+  name=${v%%=*} val=${v#*=}
+  dir=/tmp/v_${name}_$val
+  rm -rf "$dir" && cp -r "$PWD" "$dir"
+  sed -i "s/^#define $name .*/#define $name $val/" "$dir/kernels/taskgraph.cuh"
+  grep -q "^#define $name $val" "$dir/kernels/taskgraph.cuh" || { echo "no macro $name"; exit 2; }
+  TREE[$v]=$dir
+  ORDER+=("$v")
+done
+for t in "${ORDER[@]}"; do
+  (cd "${TREE[$t]}" && WARM=1 PYTHONPATH=${TREE[$t]} timeout 300 python "$T" "$t" \
+    >"$OUT/warm_${t//=/_}.log" 2>&1; echo "warm $t rc=$?") &
+done
+wait
+grep -h "^ERR" "$OUT"/warm_*.log
+if [ "${TESTS:-0}" = 1 ]; then
+  for t in "${ORDER[@]:1}"; do
+    (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 300 python -m pytest -q -x \
+      tests/gpu/test_taskgraph_kernel_gpu.py >"$OUT/tests_${t//=/_}.log" 2>&1
+     echo "tests $t rc=$?: $(tail -n 1 "$OUT/tests_${t//=/_}.log")")
+  done
+fi
+for r in $(seq "$ROUNDS"); do
+  for t in "${ORDER[@]}"; do
+    (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 120 python "$T" "$t" 1 2>&1 | grep TAG)
+  done
+done | tee "$OUT/ab_taskgraph.txt"
+python - "$OUT/ab_taskgraph.txt" "${ORDER[@]}" <<'PY'
+import collections
+import sys
+
+d = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    _, t, n, ms = line.split()
+    d[(n, t)].append(float(ms))
+order = sys.argv[2:]
+print("case".ljust(12), *[t.rjust(22) for t in order])
+for n in sorted({n for n, _ in d}):
+    cells = [f"{min(d[n, t]):.3f}-{max(d[n, t]):.3f}" if d[n, t] else "-" for t in order]
+    print(n.ljust(12), *[c.rjust(22) for c in cells])
+PY

@@ -1,0 +1,34 @@
+"""Per-call ms of TaskGraph's decode launch (8 Qwen3-8B-shaped layers, mkernel.bench.decode's
+model) for an A/B of kernel variants (tools/ab_taskgraph.sh runs one process per tree and round,
+alternating). Each case is checked once against the fp32 torch step (max abs error printed) before
+it is timed. argv: tag [rounds]; prints ``TAG <tag> <case> <ms>`` and ``ERR <tag> <case> <err>``
+lines. WARM=1: build and call each case once, then exit (builds of several trees in parallel)."""
+
+import os
+import sys
+
+import torch
+
+from mkernel.bench.decode import CFG
+from mkernel.models import decode_graph, torch_decode
+from mkernel.taskgraph.probe import _time, gpu_decoder
+
+tag = sys.argv[1]
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+CASES = [(1, 1024), (8, 1024), (1, 4096)]
+torch.manual_seed(0)
+fns = {}
+for B, kv in CASES:
+    layers, final = gpu_decoder(CFG, B, kv)
+    k = decode_graph(CFG, layers, final, B, kv).compile()
+    x = (torch.randn(B, CFG.hidden, device="cuda")).bfloat16()
+    got = k(x=x)["y"].float()
+    want = torch_decode(CFG, layers, final, x, kv)
+    name = f"b{B}_kv{kv}"
+    print(f"ERR {tag} {name} {float((got - want).abs().max()):.4f}", flush=True)
+    fns[name] = lambda k=k, x=x: k(x=x)
+if os.environ.get("WARM"):
+    sys.exit(0)
+for _ in range(rounds):
+    for name, fn in fns.items():
+        print(f"TAG {tag} {name} {_time(fn, 20) * 1e3:.4f}", flush=True)
