@@ -11,6 +11,7 @@ import mkernel
 from mkernel import models
 from mkernel.taskgraph import TaskGraph
 from mkernel.taskgraph.compiled import compile_graph
+from mkernel.taskgraph.probe import node_times
 from tests.helpers import assert_pads_zero
 
 bf16 = torch.bfloat16
@@ -445,3 +446,18 @@ def test_a_bad_call_raises_before_anything_runs(exc, words, inputs):
     k = g.compile()
     with pytest.raises(exc, match=words):
         k(**inputs)
+
+
+def test_node_times_covers_every_live_node_and_its_stages_add_up_to_the_launch():
+    cfg = models.DecoderConfig(layers=1)
+    layers, final = models.random_decoder(cfg, 2, 40)
+    g = models.decode_graph(cfg, layers, final, 2, 33)
+    for fuse in (False, True):
+        rows = node_times(g, {"x": randn(2, cfg.hidden)}, fuse=fuse)
+        k = compile_graph(g, fuse=fuse)
+        assert [r["node"] for r in rows] == sorted({t.node for t in k.lowered.tasks[0]})
+        assert sum(r["tasks"] for r in rows) == len(k.lowered.tasks[0])
+        assert sum(r["adds_ns"] for r in rows) == max(r["last_end_ns"] for r in rows)
+        for r in rows:
+            assert 0 <= r["run_median_ns"] <= r["run_max_ns"]
+            assert r["late_median_ns"] >= 0 and r["waited_median_ns"] >= 0

@@ -2,9 +2,10 @@
 ``python -m mkernel.taskgraph.probe`` prints, interleaved in rounds on one GPU, the device copy
 rate, the GEMV of a bf16 weight through a one-linear graph against torch.matmul (GB/s of weight
 streamed), and a Qwen3-shaped decode graph's one launch against the eager fallback (torch ops
-per task) and against its HBM bound (bytes read / copy rate). ``--trace`` prints instead, per
-node of the decode graph, how long its tasks ran once their inputs were ready (one
-Schedule(trace=True) launch: ``node_times``)."""
+per task) and against its HBM bound (bytes read / copy rate). ``--trace [--batch B] [--no-fuse]``
+prints instead, per node of the decode graph, how long its tasks ran once their inputs were
+ready, how late they started, and what each node adds to the launch (one Schedule(trace=True)
+launch: ``node_times``)."""
 
 from __future__ import annotations
 
@@ -73,33 +74,51 @@ def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], 
     return layers, 1 + 0.1 * _rand(H)
 
 
-def node_times(graph: TaskGraph, inputs: dict, schedule: Schedule | None = None) -> list[dict]:
-    """One traced launch of ``graph`` (``Schedule(trace=True)``, rank 0): per live node, its tasks'
-    run times from the moment their inputs were ready (the last end of the tasks each waits for,
-    or its own start if later) to their end, ns: the node's id, op, task count, median and max
-    run time and its last end."""
+def node_times(
+    graph: TaskGraph, inputs: dict, schedule: Schedule | None = None, **kw
+) -> list[dict]:
+    """One traced launch of ``graph`` (``Schedule(trace=True)``, rank 0; ``kw`` go to
+    compile_graph: ``fuse``, ``device``), per live node, in ns (ticks in the CPU interpreter):
+
+    - ``run``: its tasks' times from the moment their inputs were ready (the last end of the tasks
+      each waits for, or its own start if later) to their end, median and max;
+    - ``late``: how long after its inputs were ready a task started (its unit was still busy with
+      an earlier task), median; ``waited``: how long a task that started first waited, median;
+    - ``last_end``, and ``adds``: its last end past the previous node's (what the node adds to
+      the launch past the nodes before it: the stages of the critical path; 0 for one that ends
+      before an earlier node).
+    """
     sched = Schedule(trace=True) if schedule is None else schedule
-    k = graph.compile(sched)
+    k = compile_graph(graph, sched, **kw)
     k(**inputs)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     span = {s.task: (s.start, s.end) for s in k.world.last_timeline.spans if s.rank == 0}
     deps = {i: [j for q, j in d if q == 0] for i, d in enumerate(k.lowered.deps[0])}
-    per: dict[int, list[tuple[int, int]]] = {}
+    per: dict[int, list[tuple[int, int, int, int]]] = {}
     for i, t in enumerate(k.lowered.tasks[0]):
         start, end = span[i]
         ready = max((span[j][1] for j in deps[i]), default=0)
-        per.setdefault(t.node, []).append((end - max(start, ready), end))
-    return [
-        {
-            "node": n,
-            "op": k.lowered.nodes[n].op,
-            "tasks": len(v),
-            "run_median_ns": statistics.median(r for r, _ in v),
-            "run_max_ns": max(r for r, _ in v),
-            "last_end_ns": max(e for _, e in v),
-        }
-        for n, v in per.items()
-    ]
+        late, waited = max(0, start - ready), max(0, ready - start)
+        per.setdefault(t.node, []).append((end - max(start, ready), end, late, waited))
+    rows, prev = [], 0
+    for n, v in per.items():
+        last = max(e for _, e, _, _ in v)
+        rows.append(
+            {
+                "node": n,
+                "op": k.lowered.nodes[n].op,
+                "tasks": len(v),
+                "run_median_ns": statistics.median(r for r, _, _, _ in v),
+                "run_max_ns": max(r for r, _, _, _ in v),
+                "late_median_ns": statistics.median(x[2] for x in v),
+                "waited_median_ns": statistics.median(x[3] for x in v),
+                "last_end_ns": last,
+                "adds_ns": max(0, last - prev),
+            }
+        )
+        prev = max(prev, last)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--kv", type=int, default=1024)
     p.add_argument("--trace", action="store_true", help="per node of the decode graph: run times")
+    p.add_argument("--batch", type=int, default=1, help="--trace: the batch")
+    p.add_argument("--no-fuse", action="store_true", help="--trace: norms and SiLUs as own tasks")
     args = p.parse_args(argv)
     if args.trace:
         return _trace(args)
@@ -177,17 +198,29 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _trace(args) -> dict:
     cfg = qwen3_shaped(args.layers)
-    layers, final = gpu_decoder(cfg, 1, args.kv)
-    g = decode_graph(cfg, layers, final, 1, args.kv)
-    rows = node_times(g, {"x": _rand(1, cfg.hidden)})
-    print(f"decode {args.layers} layers B=1 KV={args.kv}, one traced launch (us):")
-    print(f"{'node':>5} {'op':18} {'tasks':>6} {'run median':>11} {'run max':>9} {'last end':>9}")
+    layers, final = gpu_decoder(cfg, args.batch, args.kv)
+    g = decode_graph(cfg, layers, final, args.batch, args.kv)
+    fuse = not args.no_fuse
+    rows = node_times(g, {"x": _rand(args.batch, cfg.hidden)}, fuse=fuse)
+    print(
+        f"decode {args.layers} layers B={args.batch} KV={args.kv} (fuse={fuse}), one traced "
+        "launch (us; run: from inputs ready to end; late: start after inputs ready; waited: "
+        "ready after start; adds: last end past the previous node's):"
+    )
+    cols = ("run median", "run max", "late", "waited", "last end", "adds")
+    print(f"{'node':>5} {'op':18} {'tasks':>6} " + " ".join(f"{c:>10}" for c in cols))
+    keys = ("run_median_ns", "run_max_ns", "late_median_ns", "waited_median_ns")
     for r in rows:
+        vals = [r[k] for k in keys] + [r["last_end_ns"], r["adds_ns"]]
         print(
-            f"{r['node']:5} {r['op']:18} {r['tasks']:6} {r['run_median_ns'] / 1e3:11.1f} "
-            f"{r['run_max_ns'] / 1e3:9.1f} {r['last_end_ns'] / 1e3:9.1f}"
+            f"{r['node']:5} {r['op']:18} {r['tasks']:6} "
+            + " ".join(f"{v / 1e3:10.1f}" for v in vals)
         )
-    res = {"device": torch.cuda.get_device_name(), "nodes": rows}
+    by_op: dict[str, float] = {}
+    for r in rows:
+        by_op[r["op"]] = by_op.get(r["op"], 0) + r["adds_ns"]
+    print("adds per op (us): " + ", ".join(f"{o} {t / 1e3:.1f}" for o, t in by_op.items()))
+    res = {"device": torch.cuda.get_device_name(), "fuse": fuse, "nodes": rows}
     print(json.dumps(res))
     return res
 
