@@ -43,17 +43,4 @@ for r in $(seq "$ROUNDS"); do
     (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 60 python "$T" $t 1 2>&1 | grep TAG)
   done
 done | tee "$OUT/ab.txt"
-python - "$OUT/ab.txt" "${ORDER[@]}" <<'PY'
-import collections
-import sys
-
-d = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    _, t, n, ms = line.split()
-    d[(n, t)].append(float(ms))
-order = sys.argv[2:]
-print("version".ljust(16), *[t.rjust(14) for t in order])
-for n in sorted({n for n, _ in d}):
-    cells = [f"{min(d[n, t]):.3f}-{max(d[n, t]):.3f}" if d[n, t] else "-" for t in order]
-    print(n.ljust(16), *[c.rjust(14) for c in cells])
-PY
+python "$PWD/tools/ab_table.py" "$OUT/ab.txt" "${ORDER[@]}"

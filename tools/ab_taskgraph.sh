@@ -39,17 +39,4 @@ for r in $(seq "$ROUNDS"); do
     (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 120 python "$T" "$t" 1 2>&1 | grep TAG)
   done
 done | tee "$OUT/ab_taskgraph.txt"
-python - "$OUT/ab_taskgraph.txt" "${ORDER[@]}" <<'PY'
-import collections
-import sys
-
-d = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    _, t, n, ms = line.split()
-    d[(n, t)].append(float(ms))
-order = sys.argv[2:]
-print("case".ljust(12), *[t.rjust(22) for t in order])
-for n in sorted({n for n, _ in d}):
-    cells = [f"{min(d[n, t]):.3f}-{max(d[n, t]):.3f}" if d[n, t] else "-" for t in order]
-    print(n.ljust(12), *[c.rjust(22) for c in cells])
-PY
+python "$PWD/tools/ab_table.py" "$OUT/ab_taskgraph.txt" "${ORDER[@]}"
