@@ -4,7 +4,8 @@
 # with each macro setting of VARIANTS ("NAME=VALUE ...", default the weight ring on:
 # MK_TG_WEIGHT_RING=1, kernels/taskgraph.cuh), built in parallel, then one process per tree
 # alternating in ROUNDS rounds (tools/taskgraph_time.py). Prints per case the min-max ms of each
-# tree, and each tree's max error against the fp32 step. TESTS=1: first the TaskGraph GPU tests
+# tree, and each tree's max error against the fp32 step (BACKOFF="256 0": also those
+# Schedule(backoff_ns=) per case, tools/taskgraph_time.py). TESTS=1: first the TaskGraph GPU tests
 # in each variant tree (tests/gpu/test_taskgraph_kernel_gpu.py; the head's run in the suite).
 set -u
 ROUNDS=${ROUNDS:-3}

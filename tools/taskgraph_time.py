@@ -2,7 +2,9 @@
 model) for an A/B of kernel variants (tools/ab_taskgraph.sh runs one process per tree and round,
 alternating). Each case is checked once against the fp32 torch step (max abs error printed) before
 it is timed. argv: tag [rounds]; prints ``TAG <tag> <case> <ms>`` and ``ERR <tag> <case> <err>``
-lines. WARM=1: build and call each case once, then exit (builds of several trees in parallel)."""
+lines. WARM=1: build and call each case once, then exit (builds of several trees in parallel).
+BACKOFF="256 0": each case also with Schedule(backoff_ns=...) (the waits' longest sleep between
+polls; default 2048), case name suffixed _bo<ns>."""
 
 import os
 import sys
@@ -11,6 +13,7 @@ import torch
 
 from mkernel.bench.decode import CFG
 from mkernel.models import decode_graph, torch_decode
+from mkernel.schedule import Schedule
 from mkernel.taskgraph.probe import _time, gpu_decoder
 
 tag = sys.argv[1]
@@ -20,13 +23,15 @@ torch.manual_seed(0)
 fns = {}
 for B, kv in CASES:
     layers, final = gpu_decoder(CFG, B, kv)
-    k = decode_graph(CFG, layers, final, B, kv).compile()
+    g = decode_graph(CFG, layers, final, B, kv)
     x = (torch.randn(B, CFG.hidden, device="cuda")).bfloat16()
-    got = k(x=x)["y"].float()
     want = torch_decode(CFG, layers, final, x, kv)
-    name = f"b{B}_kv{kv}"
-    print(f"ERR {tag} {name} {float((got - want).abs().max()):.4f}", flush=True)
-    fns[name] = lambda k=k, x=x: k(x=x)
+    for bo in [None] + [int(b) for b in os.environ.get("BACKOFF", "").split()]:
+        k = g.compile(None if bo is None else Schedule(backoff_ns=bo))
+        got = k(x=x)["y"].float()
+        name = f"b{B}_kv{kv}" + ("" if bo is None else f"_bo{bo}")
+        print(f"ERR {tag} {name} {float((got - want).abs().max()):.4f}", flush=True)
+        fns[name] = lambda k=k, x=x: k(x=x)
 if os.environ.get("WARM"):
     sys.exit(0)
 for _ in range(rounds):
