@@ -7,7 +7,9 @@ against each other first. Shapes: the dense-like 8 x 2048 rows (7168 -> 2048) an
 rows per rank, H = 7168, I = 2048) with the experts of one rank at W = 1 (256) and W = 2 (128),
 uniform and Zipf-skewed routing, up (H -> I) and down (I -> H) projections, and rows gathered
 from the tokens by index (ours in the A loads, torch by index_select first). Writes
-benchmarks/results/grouped_<date>.json.
+benchmarks/results/grouped_<date>.json. ``--tiles``: every tile config of ours too, in the same
+interleaved rounds (``tile_ms`` per config, ``best_tile``): the data against which the cost
+model's pick (``schedule.pick_grouped_tile``, the ``tile`` column) is checked.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def group_sizes(groups: int, rows: int, routing: str, seed: int = 0) -> list[int
     return torch.bincount(picks.flatten(), minlength=groups).tolist()
 
 
-def _measure(name: str, groups: int, rows: int, k: int, n: int, routing: str) -> dict:
+def _measure(
+    name: str, groups: int, rows: int, k: int, n: int, routing: str, tiles: bool = False
+) -> dict:
     sizes = group_sizes(groups, rows, routing)
     offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
     offsets = offsets.cuda()
@@ -64,15 +68,15 @@ def _measure(name: str, groups: int, rows: int, k: int, n: int, routing: str) ->
         gather = torch.randint(0, rows // 4, (rows,), device="cuda", dtype=torch.int32)
         index = gather.long()
 
-        def ours_fn(i):
-            return mkernel.grouped_gemm(tokens[i], b[i], offsets, out=c[i], rows=gather)
+        def ours_fn(i, tile=None):
+            return mkernel.grouped_gemm(tokens[i], b[i], offsets, out=c[i], rows=gather, tile=tile)
 
         def torch_fn(i):
             return torch._grouped_mm(tokens[i].index_select(0, index), b[i], offs=ends)
     else:
 
-        def ours_fn(i):
-            return mkernel.grouped_gemm(a[i], b[i], offsets, out=c[i])
+        def ours_fn(i, tile=None):
+            return mkernel.grouped_gemm(a[i], b[i], offsets, out=c[i], tile=tile)
 
         def torch_fn(i):
             return torch._grouped_mm(a[i], b[i], offs=ends)
@@ -81,12 +85,21 @@ def _measure(name: str, groups: int, rows: int, k: int, n: int, routing: str) ->
     err = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
     if not err < 1e-2:
         raise AssertionError(f"{name}: grouped_gemm vs torch._grouped_mm relative error {err}")
-    ms = interleaved_ms(
-        {"ours": ours_fn, "torch": torch_fn},
-        sets,
-    )
+    fns = {"ours": ours_fn, "torch": torch_fn}
+    if tiles:  # every config, each checked like ours first
+        for cfg in schedule.TILE_CONFIGS:
+            got = ours_fn(0, cfg).float()
+            e = ((got - theirs.float()).norm() / theirs.float().norm()).item()
+            if not e < 1e-2:
+                raise AssertionError(f"{name}: tile {cfg} vs torch._grouped_mm relative error {e}")
+            fns[f"tile {cfg}"] = lambda i, cfg=cfg: ours_fn(i, cfg)
+    ms = interleaved_ms(fns, sets)
     flop = 2 * rows * k * n
     tile = schedule.pick_grouped_tile(rows, n, k, groups)
+    extra = {}
+    if tiles:
+        tile_ms = {cfg: ms[f"tile {cfg}"] for cfg in schedule.TILE_CONFIGS}
+        extra = {"tile_ms": tile_ms, "best_tile": min(tile_ms, key=tile_ms.get)}
     return {
         "shape": name,
         "groups": groups,
@@ -101,16 +114,17 @@ def _measure(name: str, groups: int, rows: int, k: int, n: int, routing: str) ->
         "ms": ms["ours"],
         "torch_ms": ms["torch"],
         "ratio": ms["torch"] / ms["ours"],
-    }
+    } | extra
 
 
-def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
+def run(shapes=SHAPES, save_json: bool = True, tiles: bool = False) -> list[dict]:
     rows = []
     for shape in shapes:
-        rows.append(_measure(*shape))
+        rows.append(_measure(*shape, tiles=tiles))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    print(table(rows, ["shape", "tile", "max_group", "tflops", "torch_tflops", "ratio"]))
+    cols = ["shape", "tile", "max_group", "tflops", "torch_tflops", "ratio"]
+    print(table(rows, cols + (["best_tile"] if tiles else [])))
     if save_json:
         print("saved", save("grouped", rows))
     return rows
@@ -119,5 +133,5 @@ def run(shapes=SHAPES, save_json: bool = True) -> list[dict]:
 if __name__ == "__main__":
     from . import cli
 
-    args = cli(__spec__.name, __doc__, plot=True)
-    draw_run("grouped", run(), args.plot)
+    args = cli(__spec__.name, __doc__, {"--tiles": "every tile config of ours too"}, plot=True)
+    draw_run("grouped", run(tiles=args.tiles), args.plot)
