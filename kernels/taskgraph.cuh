@@ -425,6 +425,11 @@ constexpr int kRedFloats = kWarps * 2 * 128;
 // NOTE: why: the plain GEMV starts loading only after the waits, so every one of a layer's ~6
 // stages pays the load latency and the ramp-up again (a 4096 x 4096 linear took ~16 us against 11
 // of bytes, one H100; docs/megakernel.md).
+// Batch 2-16 (the tensor-core GEMV's tasks) use the ring "blocked": a stage is one 16-row block
+// of the weight x kRingChunk of K (16 bulk copies, one per row, at a padded pitch so that the
+// fragments' loads meet no bank conflicts); the warps split each stage's K and keep their mma
+// tiles over the block's stages, then add them in shared memory. x stays in global memory (L2),
+// its fragments for the next stage loaded while the current one is summed.
 // The barriers live past the engine's other shared memory (kSmemBytes ..), initialised once per
 // CTA: their phases order the buffers' reuse across tasks (UnitRing's reason, bulk_ring.cuh).
 constexpr bool kWeightRing = MK_TG_WEIGHT_RING != 0;
@@ -433,26 +438,39 @@ constexpr int kRingStageBytes = 40 * 1024;
 constexpr int kRingBytes = kRingStages * kRingStageBytes;
 constexpr int kRingXBytes = 24 * 1024;  // x's row in bf16: K <= 12288
 constexpr int kRingTailBytes = 8 * kRingStages;
+constexpr int kRingChunk = 1024;                      // blocked: K per stage
+constexpr int kRingPitch = 2 * kRingChunk + 16;       // blocked: bytes per row in a stage
+constexpr int kRingSteps = kRingChunk / 32 / kWarps;  // blocked: 32-wide K steps per warp
 static_assert(kRingBytes + kRingXBytes + 16 * 4 <= kSmemBytes, "the ring, x and rs fit");
+static_assert(16 * kRingPitch <= kRingStageBytes && kRingSteps * 32 * kWarps == kRingChunk,
+              "a blocked stage fits a buffer, its K split evenly over the warps");
+static_assert(kRedFloats * 4 <= kRingXBytes, "blocked: red where flat keeps x, before rs");
 
 struct RingJob {
-  const char* src = nullptr;  // the task's weight rows
-  long long bytes = 0;
-  int stages = 0;  // 0: the task does not use the ring
+  View w{};             // the task's weight rows [rows, K]
+  long long bytes = 0;  // flat: rows * K * 2
+  int stages = 0;       // 0: the task does not use the ring
+  int chunks = 0;       // blocked: stages per 16-row block (0: flat)
 };
 
 // The ring's work for task row d (the same answer in the prologue and in the task).
 __device__ inline RingJob ring_job(const Params& p, const int* d) {
   RingJob j;
-  const int op = d[kFOp];
-  if (!kWeightRing || d[kFOutRows] != 1) return j;
+  const int op = d[kFOp], nb = d[kFOutRows];
+  if (!kWeightRing || nb < 1 || nb > kGemvRows) return j;
   if (op != kOpLinear && op != kOpNormLinear && op != kOpSiluLinear) return j;
   const View w = read_view(p, d, 1, read_rank(p, d, 1));
-  if (w.ld != w.cols || 2LL * w.cols > kRingXBytes || (reinterpret_cast<uintptr_t>(w.p) & 15))
+  if ((reinterpret_cast<uintptr_t>(w.p) & 15) || (w.ld & 7)) return j;
+  if (nb == 1) {
+    if (w.ld != w.cols || 2LL * w.cols > kRingXBytes) return j;
+    j.w = w;
+    j.bytes = 2LL * w.rows * w.cols;
+    j.stages = (int)((j.bytes + kRingStageBytes - 1) / kRingStageBytes);
     return j;
-  j.src = reinterpret_cast<const char*>(w.p);
-  j.bytes = 2LL * w.rows * w.cols;
-  j.stages = (int)((j.bytes + kRingStageBytes - 1) / kRingStageBytes);
+  }
+  j.w = w;
+  j.chunks = (w.cols + kRingChunk - 1) / kRingChunk;
+  j.stages = (w.rows + 15) / 16 * j.chunks;
   return j;
 }
 
@@ -473,10 +491,19 @@ __device__ inline void ring_inval(char* smem) {
 // Thread 0: stage s of job j into buffer g % kRingStages (g: stages through the ring so far).
 __device__ inline void ring_load(char* smem, const RingJob& j, int s, unsigned g) {
   const int b = (int)(g % kRingStages);
-  const long long off = (long long)s * kRingStageBytes;
-  const uint32_t n = (uint32_t)min((long long)kRingStageBytes, j.bytes - off);
-  gemm::mbar_arrive_expect_tx(&ring_bars(smem)[b], n);
-  bulk_load(smem + b * kRingStageBytes, j.src + off, n, &ring_bars(smem)[b]);
+  uint64_t* bar = &ring_bars(smem)[b];
+  char* buf = smem + b * kRingStageBytes;
+  if (j.chunks == 0) {
+    const long long off = (long long)s * kRingStageBytes;
+    const uint32_t n = (uint32_t)min((long long)kRingStageBytes, j.bytes - off);
+    gemm::mbar_arrive_expect_tx(bar, n);
+    bulk_load(buf, reinterpret_cast<const char*>(j.w.p) + off, n, bar);
+    return;
+  }
+  const int r0 = s / j.chunks * 16, k0 = s % j.chunks * kRingChunk;
+  const int rows = min(16, j.w.rows - r0), kn = min(kRingChunk, j.w.cols - k0);
+  gemm::mbar_arrive_expect_tx(bar, (uint32_t)(rows * kn * 2));
+  for (int r = 0; r < rows; ++r) bulk_load(buf + r * kRingPitch, j.w.at(r0 + r, k0), kn * 2, bar);
 }
 
 // Thread 0, before the task's waits: its first stages (the CTA's earlier generic accesses of the
@@ -531,6 +558,109 @@ __device__ inline void gemv_ring(const XL& x, const RingJob& j, const View* res,
   used += j.stages;
 }
 
+// x fragments of one blocked stage for this warp: rows nt * 8 + g, K steps u (zero past K or nb).
+template <int NT, class XL>
+__device__ __forceinline__ void ring_x(const XL& x, int nb, int k0, int kn,
+                                       uint4 (&xv)[kRingSteps][NT]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int u = 0; u < kRingSteps; ++u) {
+    const int kk = (u * kWarps + warp) * 32 + 8 * t;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      xv[u][nt] = kk < kn && nt * 8 + g < nb ? x.load(nt * 8 + g, k0 + kk) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Every thread: the task's GEMV (batch 2..16, NT tiles of 8 rows of x) from the blocked ring,
+// mma.m16n8k16 as gemv_mma (the same permuted K); `used` advances by the job's stages.
+template <int NT, class XL>
+__device__ inline void gemv_mma_ring(const XL& x, const RingJob& j, const View* res,
+                                     const float* rs, const View& out, char* smem, unsigned& used) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int nb = out.rows, K = j.w.cols;
+  float* red = reinterpret_cast<float*>(smem + kRingBytes);
+  float acc[NT][4];
+  uint4 xv[kRingSteps][NT], xn[kRingSteps][NT];
+  ring_x<NT>(x, nb, 0, min(kRingChunk, K), xv);
+  for (int s = 0; s < j.stages; ++s) {
+    const unsigned gs = used + s;
+    const int b = (int)(gs % kRingStages), c = s % j.chunks;
+    const int k0 = c * kRingChunk, kn = min(kRingChunk, K - k0);
+    if (s + 1 < j.stages) {  // the next stage's x while this one is summed
+      const int k1 = (s + 1) % j.chunks * kRingChunk;
+      ring_x<NT>(x, nb, k1, min(kRingChunk, K - k1), xn);
+    }
+    if (c == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    }
+    gemm::mbar_wait(&ring_bars(smem)[b], (gs / kRingStages) & 1);
+    const char* buf = smem + b * kRingStageBytes;
+#pragma unroll
+    for (int u = 0; u < kRingSteps; ++u) {
+      const int base = (u * kWarps + warp) * 32;
+      if (base >= kn) break;  // warp-uniform: mma.sync needs the whole warp
+      const int kk = base + 8 * t;
+      const bool in = kk < kn;
+      const uint4 a = in ? *reinterpret_cast<const uint4*>(buf + g * kRingPitch + 2 * kk)
+                         : make_uint4(0, 0, 0, 0);
+      const uint4 h = in ? *reinterpret_cast<const uint4*>(buf + (g + 8) * kRingPitch + 2 * kk)
+                         : make_uint4(0, 0, 0, 0);
+      const uint32_t lo[4] = {a.x, h.x, a.y, h.y};
+      const uint32_t hi[4] = {a.z, h.z, a.w, h.w};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mma_bf16(acc[nt], lo, xv[u][nt].x, xv[u][nt].y);
+        mma_bf16(acc[nt], hi, xv[u][nt].z, xv[u][nt].w);
+      }
+    }
+    const bool last = c == j.chunks - 1;  // the block's tiles are summed over K: meet in red
+    if (last) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncthreads();  // every warp has read buffer b (and written red)
+    if (threadIdx.x == 0 && s + kRingStages < j.stages)
+      ring_load(smem, j, s + kRingStages, gs + kRingStages);
+    if (last && warp == 0) {
+      // NOTE: red is written again only at the next block's last stage, past a barrier that
+      // warp 0 reaches after this sum
+      const int n0 = s / j.chunks * 16;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v = 0.f;
+          for (int w = 0; w < kWarps; ++w) v += red[((w * NT + nt) * 4 + i) * 32 + lane];
+          const int n = n0 + g + (i >= 2 ? 8 : 0), bb = nt * 8 + 2 * t + (i & 1);
+          if (n < out.cols && bb < nb) st_linear(out, res, rs, bb, n, v);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kRingSteps; ++u)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xv[u][nt] = xn[u][nt];
+  }
+  used += j.stages;
+}
+
+// A linear task on the ring: flat (batch 1) or blocked.
+template <class XL>
+__device__ inline void linear_ring(const XL& x, const RingJob& j, const View* res, const float* rs,
+                                   const View& out, char* smem, unsigned& used) {
+  if (j.chunks == 0)
+    gemv_ring(x, j, res, rs, out, smem, used);
+  else if (out.rows <= 8)
+    gemv_mma_ring<1>(x, j, res, rs, out, smem, used);
+  else
+    gemv_mma_ring<2>(x, j, res, rs, out, smem, used);
+}
+
 // Before a task's waits (thread 0): the first kPrefetchBytes of the build-time tensor it streams
 // (a linear's weight rows, an attention's K and V rows: contiguous, never written by the kernel)
 // into L2, so a CTA waiting for its input already fetches what it will read most of.
@@ -549,9 +679,9 @@ __device__ inline void prefetch_task(const Params& p, int id) {
   const bool lin = op == kOpLinear || op == kOpNormLinear || op == kOpSiluLinear;
   if (!lin && op != kOpAttentionPartial) return;
   const RingJob j = ring_job(p, d);
-  if (j.stages > 0) {  // the ring's first stages are on their way: the bytes after them
+  if (j.stages > 0 && j.chunks == 0) {  // the ring's first stages are on their way: after them
     const long long ahead = min(j.bytes, (long long)kRingBytes);
-    prefetch_l2(j.src + ahead, j.bytes - ahead);
+    prefetch_l2(reinterpret_cast<const char*>(j.w.p) + ahead, j.bytes - ahead);
     return;
   }
   for (int i = 1; i < (lin ? 2 : 3); ++i) {
@@ -748,14 +878,14 @@ __device__ inline void run_task(const Params& p, int id, char* smem, unsigned& u
                                : red + kRedFloats;
       if (op == kOpSiluLinear) {
         if (j.stages > 0)
-          gemv_ring(SiluX{x}, j, r, nullptr, out, smem, used);
+          linear_ring(SiluX{x}, j, r, nullptr, out, smem, used);
         else
           linear(SiluX{x}, rd(1), r, nullptr, out, red);
       } else {
         if (op == kOpNormLinear) row_rsqrt(x, __int_as_float(d[kFAttr0]), rs);
         const float* f = op == kOpNormLinear ? rs : nullptr;
         if (j.stages > 0)
-          gemv_ring(PlainX{x}, j, r, f, out, smem, used);
+          linear_ring(PlainX{x}, j, r, f, out, smem, used);
         else
           linear(PlainX{x}, rd(1), r, f, out, red);
       }
