@@ -19,6 +19,7 @@
 #include "primitives/comm.cuh"
 #include "primitives/gemm/mbarrier.cuh"
 #include "primitives/protocol_gen.h"
+#include "primitives/signal.cuh"
 
 // The weight ring of batch-1 linears (below, "The weight ring"): 0 = off (the default until a GPU
 // run has checked it), 1 = on. An A/B knob: tools/ab_taskgraph.sh builds both.
@@ -506,6 +507,17 @@ __device__ inline void ring_load(char* smem, const RingJob& j, int s, unsigned g
   for (int r = 0; r < rows; ++r) bulk_load(buf + r * kRingPitch, j.w.at(r0 + r, k0), kn * 2, bar);
 }
 
+// Every thread: buffer b's stage has landed (phase parity). NOTE: bounded, unlike the GEMM
+// engine's waits: a bulk copy that never completes (a bad address) traps after ~2 s instead of
+// hanging the launch, so the host sees a launch error.
+__device__ inline void ring_wait(char* smem, int b, uint32_t parity) {
+  uint64_t* bar = &ring_bars(smem)[b];
+  if (gemm::mbar_try_wait(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  while (!gemm::mbar_try_wait(bar, parity))
+    if (globaltimer_ns() - start > 2000000000ull) __trap();
+}
+
 // Thread 0, before the task's waits: its first stages (the CTA's earlier generic accesses of the
 // buffers are ordered before these async-proxy writes by the fence).
 __device__ inline void ring_prologue(char* smem, const RingJob& j, unsigned used) {
@@ -529,7 +541,7 @@ __device__ inline void gemv_ring(const XL& x, const RingJob& j, const View* res,
   for (int s = 0; s < j.stages; ++s) {
     const unsigned g = used + s;
     const int b = (int)(g % kRingStages);
-    gemm::mbar_wait(&ring_bars(smem)[b], (g / kRingStages) & 1);
+    ring_wait(smem, b, (g / kRingStages) & 1);
     const long long lo = (long long)s * kRingStageBytes;
     const long long hi = min(lo + kRingStageBytes, j.bytes);
     const char* buf = smem + b * kRingStageBytes;
@@ -597,7 +609,7 @@ __device__ inline void gemv_mma_ring(const XL& x, const RingJob& j, const View* 
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
     }
-    gemm::mbar_wait(&ring_bars(smem)[b], (gs / kRingStages) & 1);
+    ring_wait(smem, b, (gs / kRingStages) & 1);
     const char* buf = smem + b * kRingStageBytes;
 #pragma unroll
     for (int u = 0; u < kRingSteps; ++u) {
