@@ -442,7 +442,8 @@ constexpr int kRingTailBytes = 8 * kRingStages;
 constexpr int kRingChunk = 1024;                      // blocked: K per stage
 constexpr int kRingPitch = 2 * kRingChunk + 16;       // blocked: bytes per row in a stage
 constexpr int kRingSteps = kRingChunk / 32 / kWarps;  // blocked: 32-wide K steps per warp
-static_assert(kRingBytes + kRingXBytes + 16 * 4 <= kSmemBytes, "the ring, x and rs fit");
+static_assert(kRingBytes + kRingXBytes + (kGemvRows + kWarps) * 4 <= kSmemBytes,
+              "the ring, x, rs and its reduction scratch fit");
 static_assert(16 * kRingPitch <= kRingStageBytes && kRingSteps * 32 * kWarps == kRingChunk,
               "a blocked stage fits a buffer, its K split evenly over the warps");
 static_assert(kRedFloats * 4 <= kRingXBytes, "blocked: red where flat keeps x, before rs");
@@ -527,14 +528,29 @@ __device__ inline void ring_prologue(char* smem, const RingJob& j, unsigned used
 }
 
 // Every thread: the task's GEMV (B = 1) from the ring; `used` advances by the job's stages.
+// norm_eps > 0 (norm_linear): the row's 1 / rms into rs[0] from the x values as they go to shared
+// memory (no second pass over x, as row_rsqrt's).
 template <class XL>
-__device__ inline void gemv_ring(const XL& x, const RingJob& j, const View* res, const float* rs,
-                                 const View& out, char* smem, unsigned& used) {
+__device__ inline void gemv_ring(const XL& x, const RingJob& j, const View* res, float* rs,
+                                 float norm_eps, const View& out, char* smem, unsigned& used) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = x.K();
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + kRingBytes);
+  float ss = 0.f;
 #pragma unroll 4
-  for (int k = threadIdx.x * kVec; k < K; k += kThreads * kVec)
-    *reinterpret_cast<uint4*>(xs + k) = x.load(0, k);
+  for (int k = threadIdx.x * kVec; k < K; k += kThreads * kVec) {
+    const uint4 v = x.load(0, k);
+    *reinterpret_cast<uint4*>(xs + k) = v;
+    if (norm_eps > 0.f) {
+      float f[kVec];
+      to_f32(v, f);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) ss = fmaf(f[t], f[t], ss);
+    }
+  }
+  if (norm_eps > 0.f) {  // a block reduction (scratch past rs); every thread reads rs[0] below
+    const float total = block_reduce<false>(ss, rs + kGemvRows);
+    if (threadIdx.x == 0) rs[0] = rsqrtf(total / K + norm_eps);
+  }
   __syncthreads();
   const long long row = 2LL * K;
   float carry = 0.f;  // this lane's partial sum of a row that the last buffer cut
@@ -640,8 +656,6 @@ __device__ inline void gemv_mma_ring(const XL& x, const RingJob& j, const View* 
     if (threadIdx.x == 0 && s + kRingStages < j.stages)
       ring_load(smem, j, s + kRingStages, gs + kRingStages);
     if (last && warp == 0) {
-      // NOTE: red is written again only at the next block's last stage, past a barrier that
-      // warp 0 reaches after this sum
       const int n0 = s / j.chunks * 16;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -653,6 +667,7 @@ __device__ inline void gemv_mma_ring(const XL& x, const RingJob& j, const View* 
           if (n < out.cols && bb < nb) st_linear(out, res, rs, bb, n, v);
         }
     }
+    if (last) __syncthreads();  // red is free again (the next stage may be a block's last too)
 #pragma unroll
     for (int u = 0; u < kRingSteps; ++u)
 #pragma unroll
@@ -661,13 +676,18 @@ __device__ inline void gemv_mma_ring(const XL& x, const RingJob& j, const View* 
   used += j.stages;
 }
 
-// A linear task on the ring: flat (batch 1) or blocked.
+// A linear task on the ring: flat (batch 1) or blocked. norm_eps > 0: norm_linear, the rows'
+// factors into rs (blocked: by row_rsqrt first).
 template <class XL>
-__device__ inline void linear_ring(const XL& x, const RingJob& j, const View* res, const float* rs,
-                                   const View& out, char* smem, unsigned& used) {
-  if (j.chunks == 0)
-    gemv_ring(x, j, res, rs, out, smem, used);
-  else if (out.rows <= 8)
+__device__ inline void linear_ring(const XL& x, const RingJob& j, const View* res, float* rs,
+                                   float norm_eps, const View& out, char* smem, unsigned& used) {
+  if (j.chunks == 0) {
+    gemv_ring(x, j, res, norm_eps > 0.f ? rs : nullptr, norm_eps, out, smem, used);
+    return;
+  }
+  if (norm_eps > 0.f) row_rsqrt(x.x, norm_eps, rs);
+  if (norm_eps <= 0.f) rs = nullptr;
+  if (out.rows <= 8)
     gemv_mma_ring<1>(x, j, res, rs, out, smem, used);
   else
     gemv_mma_ring<2>(x, j, res, rs, out, smem, used);
@@ -888,18 +908,17 @@ __device__ inline void run_task(const Params& p, int id, char* smem, unsigned& u
       // with the ring, its buffers hold weight rows since before the waits: rs goes past x's row
       float* rs = j.stages > 0 ? reinterpret_cast<float*>(smem + kRingBytes + kRingXBytes)
                                : red + kRedFloats;
+      const float eps = op == kOpNormLinear ? __int_as_float(d[kFAttr0]) : 0.f;
       if (op == kOpSiluLinear) {
         if (j.stages > 0)
-          linear_ring(SiluX{x}, j, r, nullptr, out, smem, used);
+          linear_ring(SiluX{x}, j, r, rs, 0.f, out, smem, used);
         else
           linear(SiluX{x}, rd(1), r, nullptr, out, red);
+      } else if (j.stages > 0) {
+        linear_ring(PlainX{x}, j, r, rs, eps, out, smem, used);
       } else {
-        if (op == kOpNormLinear) row_rsqrt(x, __int_as_float(d[kFAttr0]), rs);
-        const float* f = op == kOpNormLinear ? rs : nullptr;
-        if (j.stages > 0)
-          linear_ring(PlainX{x}, j, r, f, out, smem, used);
-        else
-          linear(PlainX{x}, rd(1), r, f, out, red);
+        if (op == kOpNormLinear) row_rsqrt(x, eps, rs);
+        linear(PlainX{x}, rd(1), r, op == kOpNormLinear ? rs : nullptr, out, red);
       }
       break;
     }
