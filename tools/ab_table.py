@@ -1,5 +1,5 @@
-"""The A/B tools' summary (tools/ab_ring_bwd.sh, tools/ab_taskgraph.sh): reads ``TAG <tree>
-<case> <ms>`` lines and prints per case the min-max ms of each tree, in the order given.
+"""The A/B tools' summary (tools/ab_ring_bwd.sh, tools/ab_taskgraph.sh): reads the ``TAG <tree>
+<case> <ms>`` lines of a file and prints per case the min-max ms of each tree, in the order given.
 argv: file tree..."""
 
 import collections
@@ -7,6 +7,8 @@ import sys
 
 d = collections.defaultdict(list)
 for line in open(sys.argv[1]):
+    if not line.startswith("TAG "):
+        continue
     _, t, n, ms = line.split()
     d[(n, t)].append(float(ms))
 order = sys.argv[2:]

@@ -37,7 +37,9 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 for r in $(seq "$ROUNDS"); do
   for t in "${ORDER[@]}"; do
-    (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 120 python "$T" "$t" 1 2>&1 | grep TAG)
+    (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 180 python "$T" "$t" 1 2>&1 |
+      grep -E "^(TAG|ERR) ")
   done
 done | tee "$OUT/ab_taskgraph.txt"
+grep "^ERR" "$OUT/ab_taskgraph.txt" | sort -u  # each tree's error per case, against fp32
 python "$PWD/tools/ab_table.py" "$OUT/ab_taskgraph.txt" "${ORDER[@]}"

@@ -2,7 +2,8 @@
 model) for an A/B of kernel variants (tools/ab_taskgraph.sh runs one process per tree and round,
 alternating). Each case is checked once against the fp32 torch step (max abs error printed) before
 it is timed. argv: tag [rounds]; prints ``TAG <tag> <case> <ms>`` and ``ERR <tag> <case> <err>``
-lines. WARM=1: build and call each case once, then exit (builds of several trees in parallel).
+lines (the error once per process, before its timings). WARM=1: a small graph at batch 1 and 8
+only, checked the same way (builds the extension; several trees build in parallel).
 BACKOFF="256 0": each case also with Schedule(backoff_ns=...) (the waits' longest sleep between
 polls; default 2048), case name suffixed _bo<ns>."""
 
@@ -12,7 +13,7 @@ import sys
 import torch
 
 from mkernel.bench.decode import CFG
-from mkernel.models import decode_graph, torch_decode
+from mkernel.models import DecoderConfig, decode_graph, torch_decode
 from mkernel.schedule import Schedule
 from mkernel.taskgraph.probe import _time, gpu_decoder
 
@@ -20,6 +21,15 @@ tag = sys.argv[1]
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 CASES = [(1, 1024), (8, 1024), (1, 4096)]
 torch.manual_seed(0)
+if os.environ.get("WARM"):  # a small graph at batch 1 and 8: builds the extension, little memory
+    small = DecoderConfig(hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024)
+    for B in (1, 8):
+        layers, final = gpu_decoder(small, B, 256)
+        x = torch.randn(B, small.hidden, device="cuda").bfloat16()
+        got = decode_graph(small, layers, final, B, 256).compile()(x=x)["y"].float()
+        err = float((got - torch_decode(small, layers, final, x, 256)).abs().max())
+        print(f"ERR {tag} small_b{B} {err:.4f}", flush=True)
+    sys.exit(0)
 fns = {}
 for B, kv in CASES:
     layers, final = gpu_decoder(CFG, B, kv)
@@ -32,8 +42,6 @@ for B, kv in CASES:
         name = f"b{B}_kv{kv}" + ("" if bo is None else f"_bo{bo}")
         print(f"ERR {tag} {name} {float((got - want).abs().max()):.4f}", flush=True)
         fns[name] = lambda k=k, x=x: k(x=x)
-if os.environ.get("WARM"):
-    sys.exit(0)
 for _ in range(rounds):
     for name, fn in fns.items():
         print(f"TAG {tag} {name} {_time(fn, 20) * 1e3:.4f}", flush=True)
