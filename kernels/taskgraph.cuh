@@ -718,7 +718,10 @@ __device__ inline void prefetch_task(const Params& p, int id) {
   }
   for (int i = 1; i < (lin ? 2 : 3); ++i) {
     const View t = read_view(p, d, i, read_rank(p, d, i));
-    if (t.ld == t.cols) prefetch_l2(t.p, 2LL * t.rows * t.cols / (lin ? 1 : 2));
+    // an attention's K and V share the budget: each whole up to 128 KB (it was half of each's
+    // bytes: 8 KB of a 64-position chunk's 16 KB K)
+    const long long bytes = 2LL * t.rows * t.cols;
+    if (t.ld == t.cols) prefetch_l2(t.p, lin ? bytes : min(bytes, kPrefetchBytes / 2));
   }
 }
 
