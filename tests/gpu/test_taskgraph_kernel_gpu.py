@@ -80,6 +80,34 @@ def test_norm_and_silu_fused_into_the_linears_at_every_batch(B):
     assert_close(k(x=xin)["y"], ref, 2.0**-6, f"B={B}")
 
 
+@pytest.mark.parametrize("B", [1, 8, 16])
+@pytest.mark.parametrize("K", [1000, 3000, 12288, 13000])
+def test_linears_at_k_past_a_stage_and_past_x_in_shared_memory(B, K):
+    """Each linear kind (plain + residual, norm_linear, silu_linear) at K cut into several
+    1024-wide stages with a short last one, at x's row just fitting 24 KB and past it (the weight
+    ring's bounds, MK_TG_WEIGHT_RING; without it the same shapes check the plain GEMVs), output
+    columns not a multiple of 16."""
+    N = 200
+    g = TaskGraph()
+    x = g.input("x", (B, K))
+    r = g.input("r", (B, N))
+    n = g.rmsnorm(x, randn(K, seed=1) + 1)
+    y1 = g.linear(n, randn(N, K, seed=2, scale=K**-0.5), residual=r)  # norm_linear
+    u = g.input("u", (B, 2 * K))
+    y2 = g.linear(g.silu_mul(u), randn(N, K, seed=3, scale=K**-0.5))  # silu_linear
+    y3 = g.linear(x, randn(N, K, seed=4, scale=K**-0.5), residual=r)
+    for name, v in (("y1", y1), ("y2", y2), ("y3", y3)):
+        g.output(name, v)
+    k = g.compile()
+    ops = sorted(k.lowered.nodes[i].op for i in k.lowered.live)
+    assert ops == ["linear", "norm_linear", "silu_linear"], ops
+    ins = {"x": randn(B, K, seed=5), "r": randn(B, N, seed=6), "u": randn(B, 2 * K, seed=7)}
+    ref = k.reference(round_values=False, **ins)
+    got = k(**ins)
+    for name in ("y1", "y2", "y3"):
+        assert_close(got[name], ref[name], 2.0**-6, f"{name} B={B} K={K}")
+
+
 @pytest.mark.parametrize(
     ("B", "Hkv", "G", "L"), [(1, 8, 4, 1024), (8, 8, 4, 4096), (1, 1, 8, 20000), (2, 2, 1, 40)]
 )
