@@ -26,6 +26,12 @@
 #ifndef MK_TG_WEIGHT_RING
 #define MK_TG_WEIGHT_RING 0
 #endif
+// Every thread fences its stores after a task (1, the default) or only thread 0 does, after the
+// CTA barrier (0: the pattern of cooperative groups' grid sync, whose release is cumulative over
+// the stores the barrier ordered before it). An A/B knob (tools/ab_taskgraph.sh), not run yet.
+#ifndef MK_TG_THREAD_FENCE
+#define MK_TG_THREAD_FENCE 1
+#endif
 
 namespace mk::tg {
 
@@ -1010,7 +1016,7 @@ struct Engine {
       __syncthreads();
       run_task(p, t.id, smem, used);
       if (signals) {
-        __threadfence();  // this thread's stores, before thread 0 publishes the tile
+        if constexpr (MK_TG_THREAD_FENCE != 0) __threadfence();  // this thread's stores
         __syncthreads();
         if (threadIdx.x == 0) {
           // NOTE: gpu scope: every reader of the tile is a CTA of this GPU (Op::kOneGpu); a

@@ -217,8 +217,9 @@ def test_the_kernel_plan_has_the_interpreters_tables(W):
 
 
 @pytest.mark.skipif(jit.find_nvcc() is None, reason="no nvcc: the device code is not compiled")
-def test_the_kernel_compiles_with_the_weight_ring_on():
-    # MK_TG_WEIGHT_RING (kernels/taskgraph.cuh) is off by default; the A/B builds it on
-    ring = (("MK_TG_WEIGHT_RING", "1"),)
-    spec = dataclasses.replace(kernel_ext.SPEC, defines=kernel_ext.SPEC.defines + ring)
+def test_the_kernel_compiles_with_its_ab_knobs_turned():
+    # MK_TG_WEIGHT_RING and MK_TG_THREAD_FENCE (kernels/taskgraph.cuh): the A/B builds them
+    # turned from their defaults (tools/ab_taskgraph.sh)
+    knobs = (("MK_TG_WEIGHT_RING", "1"), ("MK_TG_THREAD_FENCE", "0"))
+    spec = dataclasses.replace(kernel_ext.SPEC, defines=kernel_ext.SPEC.defines + knobs)
     assert jit.compile_check(["kernels/taskgraph.cu"], spec=spec) == []
