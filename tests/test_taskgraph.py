@@ -4,6 +4,8 @@ as a race and a silent rank as a timeout, and every bad graph rejected before an
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -446,6 +448,16 @@ def test_a_bad_call_raises_before_anything_runs(exc, words, inputs):
     k = g.compile()
     with pytest.raises(exc, match=words):
         k(**inputs)
+
+
+def test_node_times_writes_the_launch_as_a_chrome_trace_of_named_tasks(tmp_path):
+    g = mlp_graph()
+    path = tmp_path / "trace.json"
+    node_times(g, {"x": randn(8, 64)}, chrome=path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    k = compile_graph(g)
+    assert sorted(e["args"]["task"] for e in events) == list(range(len(k.lowered.tasks[0])))
+    assert {e["name"].split()[0] for e in events} == {"rmsnorm", "linear", "silu_mul"}
 
 
 def test_node_times_covers_every_live_node_and_its_stages_add_up_to_the_launch():

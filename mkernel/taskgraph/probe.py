@@ -2,16 +2,17 @@
 ``python -m mkernel.taskgraph.probe`` prints, interleaved in rounds on one GPU, the device copy
 rate, the GEMV of a bf16 weight through a one-linear graph against torch.matmul (GB/s of weight
 streamed), and a Qwen3-shaped decode graph's one launch against the eager fallback (torch ops
-per task) and against its HBM bound (bytes read / copy rate). ``--trace [--batch B] [--no-fuse]``
-prints instead, per node of the decode graph, how long its tasks ran once their inputs were
-ready, how late they started, and what each node adds to the launch (one Schedule(trace=True)
-launch: ``node_times``)."""
+per task) and against its HBM bound (bytes read / copy rate). ``--trace [--batch B]
+[--no-fuse] [--chrome PATH]`` prints instead, per node of the decode graph, how long its tasks
+ran once their inputs were ready, how late they started, and what each node adds to the launch
+(one Schedule(trace=True) launch: ``node_times``; PATH: its timeline for Perfetto)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -75,7 +76,11 @@ def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], 
 
 
 def node_times(
-    graph: TaskGraph, inputs: dict, schedule: Schedule | None = None, **kw
+    graph: TaskGraph,
+    inputs: dict,
+    schedule: Schedule | None = None,
+    chrome: str | Path | None = None,
+    **kw,
 ) -> list[dict]:
     """One traced launch of ``graph`` (``Schedule(trace=True)``, rank 0; ``kw`` go to
     compile_graph: ``fuse``, ``device``), per live node, in ns (ticks in the CPU interpreter):
@@ -87,13 +92,23 @@ def node_times(
     - ``last_end``, and ``adds``: its last end past the previous node's (what the node adds to
       the launch past the nodes before it: the stages of the critical path; 0 for one that ends
       before an earlier node).
+
+    ``chrome``: also write the launch's timeline there as Chrome trace-event JSON (Perfetto), each
+    task named by its op and tile (``Lowered.describe``).
     """
     sched = Schedule(trace=True) if schedule is None else schedule
     k = compile_graph(graph, sched, **kw)
     k(**inputs)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    span = {s.task: (s.start, s.end) for s in k.world.last_timeline.spans if s.rank == 0}
+    timeline = k.world.last_timeline
+    if chrome is not None:
+        trace = timeline.to_chrome()
+        for e in trace["traceEvents"]:
+            if e["ph"] == "X":
+                e["name"] = k.lowered.describe(e["args"]["task"])
+        Path(chrome).write_text(json.dumps(trace))
+    span = {s.task: (s.start, s.end) for s in timeline.spans if s.rank == 0}
     deps = {i: [j for q, j in d if q == 0] for i, d in enumerate(k.lowered.deps[0])}
     per: dict[int, list[tuple[int, int, int, int]]] = {}
     for i, t in enumerate(k.lowered.tasks[0]):
@@ -129,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", action="store_true", help="per node of the decode graph: run times")
     p.add_argument("--batch", type=int, default=1, help="--trace: the batch")
     p.add_argument("--no-fuse", action="store_true", help="--trace: norms and SiLUs as own tasks")
+    p.add_argument("--chrome", metavar="PATH", help="--trace: the timeline as Chrome trace JSON")
     args = p.parse_args(argv)
     if args.trace:
         return _trace(args)
@@ -201,7 +217,7 @@ def _trace(args) -> dict:
     layers, final = gpu_decoder(cfg, args.batch, args.kv)
     g = decode_graph(cfg, layers, final, args.batch, args.kv)
     fuse = not args.no_fuse
-    rows = node_times(g, {"x": _rand(args.batch, cfg.hidden)}, fuse=fuse)
+    rows = node_times(g, {"x": _rand(args.batch, cfg.hidden)}, chrome=args.chrome, fuse=fuse)
     print(
         f"decode {args.layers} layers B={args.batch} KV={args.kv} (fuse={fuse}), one traced "
         "launch (us; run: from inputs ready to end; late: start after inputs ready; waited: "
