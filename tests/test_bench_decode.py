@@ -34,3 +34,10 @@ def test_the_bound_counts_every_weight_and_the_attended_cache_once():
     )
     cache = sum(2 * ly.k_cache[:, :, :7].numel() * 2 for ly in layers)
     assert decode.step_bytes(cfg, 2, 7) == weights + cache + final.numel() * 2
+
+
+def test_cases_parse_batch_x_kv_and_refuse_anything_else():
+    assert decode.parse_cases("1x1024, 8x4096") == [(1, 1024), (8, 4096)]
+    for bad in ("1024", "1x", "0x1024", "ax2", "1x1024,"):
+        with pytest.raises(ValueError, match="BATCHxKV"):
+            decode.parse_cases(bad)

@@ -9,13 +9,15 @@ cache, SwiGLU; no RoPE, q / k norms or K / V projection: the same step for every
 (mkernel.models.torch_decode) once, then all are timed interleaved in rounds (timing.interleaved_
 ms). The bound is the bytes one step must read (every weight and the attended cache, once) over
 the device copy rate measured in the same run (a 1 GiB device-to-device copy, read + write
-bytes). ``--quick``: batch 1, KV 1024 only. ``--autotune``: torch.compile's
+bytes). ``--quick``: batch 1, KV 1024 only; ``--cases 1x1024,8x4096``: those (batch x KV) only
+(a run split over several calls). ``--autotune``: torch.compile's
 max-autotune-no-cudagraphs mode (minutes of compiling) instead of its default mode. Prints a table
 and writes decode_<date>.json under $MKERNEL_BENCH_DIR (default benchmarks/results).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from collections.abc import Callable
@@ -146,12 +148,31 @@ def run_case(batch: int, length: int, rate: float, mode: str) -> dict:
     return row
 
 
-def run(save_json: bool = True, quick: bool = False, autotune: bool = False) -> list[dict]:
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """``--cases`` text: comma-separated BATCHxKV (e.g. ``1x1024,8x4096``)."""
+    cases = []
+    for item in text.split(","):
+        b, sep, kv = item.strip().partition("x")
+        if not (sep and b.isdigit() and kv.isdigit() and int(b) > 0 and int(kv) > 0):
+            raise ValueError(f"--cases: {item!r} is not BATCHxKV (e.g. 1x1024)")
+        cases.append((int(b), int(kv)))
+    return cases
+
+
+def run(
+    save_json: bool = True,
+    quick: bool = False,
+    autotune: bool = False,
+    cases: list[tuple[int, int]] | None = None,
+) -> list[dict]:
+    """Every case of ``cases`` (default CASES; ``quick``: the first only), one row each."""
     mode = "max-autotune-no-cudagraphs" if autotune else "default"
+    if cases is None:
+        cases = CASES[:1] if quick else CASES
     rate = copy_rate()
     print(f"device copy: {rate / 1e12:.2f} TB/s (read + write)", file=sys.stderr)
     rows = []
-    for batch, length in CASES[:1] if quick else CASES:
+    for batch, length in cases:
         rows.append(run_case(batch, length, rate, mode) | {"copy_tbps": rate / 1e12})
         print(f"batch {batch} kv {length}: done", file=sys.stderr)
     cols = ["batch", "kv", "bound_ms", "eager_ms", "cuda_graph_ms", "compile_graph_ms"]
@@ -166,6 +187,8 @@ def run(save_json: bool = True, quick: bool = False, autotune: bool = False) -> 
 
 
 if __name__ == "__main__":
+    import argparse
+
     from . import cli
 
     args = cli(
@@ -173,4 +196,7 @@ if __name__ == "__main__":
         __doc__,
         {"--quick": "batch 1, KV 1024 only", "--autotune": "torch.compile max-autotune mode"},
     )
-    run(quick=args.quick, autotune=args.autotune)
+    extra = argparse.ArgumentParser()
+    extra.add_argument("--cases", type=parse_cases, default=None)
+    more, _ = extra.parse_known_args()
+    run(quick=args.quick, autotune=args.autotune, cases=more.cases)
