@@ -515,14 +515,14 @@ __device__ inline void ring_load(char* smem, const RingJob& j, int s, unsigned g
 }
 
 // Every thread: buffer b's stage has landed (phase parity). NOTE: bounded, unlike the GEMM
-// engine's waits: a bulk copy that never completes (a bad address) traps after ~2 s instead of
-// hanging the launch, so the host sees a launch error.
+// engine's waits: a bulk copy that never completes (a bad address) traps after 10 s (room for a
+// sanitizer's slowdown) instead of hanging the launch, so the host sees a launch error.
 __device__ inline void ring_wait(char* smem, int b, uint32_t parity) {
   uint64_t* bar = &ring_bars(smem)[b];
   if (gemm::mbar_try_wait(bar, parity)) return;
   const uint64_t start = globaltimer_ns();
   while (!gemm::mbar_try_wait(bar, parity))
-    if (globaltimer_ns() - start > 2000000000ull) __trap();
+    if (globaltimer_ns() - start > 10000000000ull) __trap();
 }
 
 // Thread 0, before the task's waits: its first stages (the CTA's earlier generic accesses of the
