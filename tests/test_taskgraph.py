@@ -109,6 +109,31 @@ def test_tp_mlp_graph_matches_torch(W):
     assert_pads_zero(world)
 
 
+def test_per_rank_tensors_may_come_stacked_on_a_leading_rank_dimension():
+    W, B, H, N, Hkv, S, D = 2, 2, 32, 16, 2, 8, 16
+    world = mkernel.World.emulated(W)
+    w = randn(W, N, H, seed=1, scale=H**-0.5)
+    k_c, v_c = randn(W, B, Hkv, S, D, seed=2), randn(W, B, Hkv, S, D, seed=3)
+    norm = 1 + 0.1 * randn(W, H, seed=4)
+    outs = []
+    for stacked in (True, False):
+        g = TaskGraph(world)
+        x = g.input("x", (B, H))
+        n = g.rmsnorm(x, norm if stacked else list(norm))
+        q = g.linear(n, w if stacked else list(w))  # [B, N]: 1 query head of 16 per kv head
+        q2 = g.linear(n, randn(Hkv * 2 * D, H, seed=5, scale=H**-0.5))  # the same on every rank
+        a = g.attention_decode(q2, k_c if stacked else list(k_c), v_c if stacked else list(v_c), 5)
+        g.output("q", q)
+        g.output("a", a)
+        outs.append(g.compile()(x=randn(B, H, seed=6)))
+    for name in ("q", "a"):
+        assert torch.equal(outs[0][name], outs[1][name]), name
+    assert not torch.equal(outs[0]["q"][0], outs[0]["q"][1])  # each rank its own shard
+    g = TaskGraph(world)
+    with pytest.raises(ValueError, match=r"TaskGraph.linear: weight must be \[N, K=32\]"):
+        g.linear(g.input("x", (B, H)), randn(W + 1, N, H))  # a leading dim that is not W
+
+
 @pytest.mark.parametrize(("length", "chunk"), [(70, 32), (70, 7), (5, 32), (64, 64)])
 def test_attention_is_split_over_chunks_of_the_cache_and_combined(length, chunk):
     """attention_decode lowered as partials over ``chunk`` cached positions (the last one

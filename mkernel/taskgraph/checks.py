@@ -45,11 +45,23 @@ def per_rank(
     want: str,
     ok: Any,
 ) -> list[torch.Tensor]:
-    """A build-time tensor (weight, cache): one tensor (the same on every rank) or a list / tuple
-    of one per rank, each bf16, on ``device`` (None: any, the first one fixes it), of a shape that
-    ``ok(shape)`` accepts (``want`` says which). Returns one tensor per rank."""
+    """A build-time tensor (weight, cache): one tensor (the same on every rank), a list / tuple
+    of one per rank, or, in a world of several ranks, one tensor stacking them on a leading rank
+    dimension ([W, *shape], rank r's at [r], as the other ops' emulated inputs); each bf16, on
+    ``device`` (None: any, the first one fixes it), of a shape that ``ok(shape)`` accepts
+    (``want`` says which). Returns one tensor per rank.
+
+    A stacked tensor is never mistaken for a shared one: it has one dimension more than ``ok``
+    accepts."""
     if isinstance(t, torch.Tensor):
-        ts = [t] * world_size
+        stacked = (
+            world_size > 1
+            and t.dim() >= 1
+            and t.shape[0] == world_size
+            and not ok(tuple(t.shape))
+            and ok(tuple(t.shape[1:]))
+        )
+        ts = list(t.unbind(0)) if stacked else [t] * world_size
     elif isinstance(t, (list, tuple)):
         if len(t) != world_size:
             fail(op, arg, f"a tensor or a list of {world_size} (one per rank)", f"{len(t)} items")

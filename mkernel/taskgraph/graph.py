@@ -2,7 +2,8 @@
 (shapes, dtypes, devices, values of this graph), so a bad graph fails at the line that builds it.
 
 Values are per-rank: in a TP world each rank holds its own tensor of the value's shape (the weights
-given as a list of one per rank are that rank's shards; a single tensor is the same on every rank).
+given as a list of one per rank, or stacked [W, *shape], are that rank's shards; a single tensor
+of the op's shape is the same on every rank).
 Nothing is computed here; ``compile`` lowers the graph to tasks (mkernel/taskgraph/lower.py).
 """
 
