@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -110,30 +111,37 @@ def node_times(
         Path(chrome).write_text(json.dumps(trace))
     span = {s.task: (s.start, s.end) for s in timeline.spans if s.rank == 0}
     deps = {i: [j for q, j in d if q == 0] for i, d in enumerate(k.lowered.deps[0])}
-    per: dict[int, list[tuple[int, int, int, int]]] = {}
+    per: dict[int, list[_TaskTime]] = {}
     for i, t in enumerate(k.lowered.tasks[0]):
         start, end = span[i]
         ready = max((span[j][1] for j in deps[i]), default=0)
         late, waited = max(0, start - ready), max(0, ready - start)
-        per.setdefault(t.node, []).append((end - max(start, ready), end, late, waited))
+        per.setdefault(t.node, []).append(_TaskTime(end - max(start, ready), end, late, waited))
     rows, prev = [], 0
     for n, v in per.items():
-        last = max(e for _, e, _, _ in v)
+        last = max(x.end for x in v)
         rows.append(
             {
                 "node": n,
                 "op": k.lowered.nodes[n].op,
                 "tasks": len(v),
-                "run_median_ns": statistics.median(r for r, _, _, _ in v),
-                "run_max_ns": max(r for r, _, _, _ in v),
-                "late_median_ns": statistics.median(x[2] for x in v),
-                "waited_median_ns": statistics.median(x[3] for x in v),
+                "run_median_ns": statistics.median(x.run for x in v),
+                "run_max_ns": max(x.run for x in v),
+                "late_median_ns": statistics.median(x.late for x in v),
+                "waited_median_ns": statistics.median(x.waited for x in v),
                 "last_end_ns": last,
                 "adds_ns": max(0, last - prev),
             }
         )
         prev = max(prev, last)
     return rows
+
+
+class _TaskTime(NamedTuple):
+    run: int  # from its inputs ready (or its start, if later) to its end
+    end: int
+    late: int  # its start past its inputs ready
+    waited: int  # its inputs ready past its start
 
 
 def main(argv: list[str] | None = None) -> dict:
