@@ -691,8 +691,10 @@ __device__ inline void linear_ring(const XL& x, const RingJob& j, const View* re
     gemv_ring(x, j, res, norm_eps > 0.f ? rs : nullptr, norm_eps, out, smem, used);
     return;
   }
-  if (norm_eps > 0.f) row_rsqrt(x.x, norm_eps, rs);
-  if (norm_eps <= 0.f) rs = nullptr;
+  if (norm_eps > 0.f)
+    row_rsqrt(x.x, norm_eps, rs);
+  else
+    rs = nullptr;
   if (out.rows <= 8)
     gemv_mma_ring<1>(x, j, res, rs, out, smem, used);
   else
