@@ -223,3 +223,33 @@ def test_the_kernel_compiles_with_its_ab_knobs_turned():
     knobs = (("MK_TG_WEIGHT_RING", "1"), ("MK_TG_THREAD_FENCE", "0"))
     spec = dataclasses.replace(kernel_ext.SPEC, defines=kernel_ext.SPEC.defines + knobs)
     assert jit.compile_check(["kernels/taskgraph.cu"], spec=spec) == []
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_every_linear_of_a_qwen3_width_layer_reads_what_the_weight_ring_serves(B):
+    # the ring (kernels/taskgraph.cuh ring_job) takes a linear task whose weight read covers
+    # whole rows of its buffer (ld == cols), at batch 1 with K <= 12288 (x's row in 24 KB), at
+    # batch 2..16 with 8-aligned rows; a decode layer's linears all qualify at Qwen3-8B's widths
+    cfg = models.DecoderConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=1
+    )
+    e = lambda *s: torch.empty(*s, dtype=torch.bfloat16)  # noqa: E731 (values are never read)
+    H, D, F = cfg.hidden, cfg.head_dim, cfg.intermediate
+    layer = models.Layer(
+        attn_norm=e(H), wq=e(32 * D, H), wo=e(H, 32 * D), mlp_norm=e(H), wg=e(F, H), wu=e(F, H),
+        wd=e(H, F), k_cache=e(B, 8, 64, D), v_cache=e(B, 8, 64, D),
+    )  # fmt: skip
+    g = models.decode_graph(cfg, [layer], e(H), B, 64)
+    _, low = _lowered(g, 1, units=132)
+    ids = {n: i for i, n in enumerate(low.buffers)}
+    F_ = dv.FIELD
+    linears = 0
+    for row in dv.encode_tasks(low, 1, ids).tolist():
+        if dv.OPS[row[F_["op"]]] not in ("linear", "norm_linear", "silu_linear"):
+            continue
+        linears += 1
+        assert row[F_["out_rows"]] == B <= dv.GEMV_ROWS
+        cols = low.buffers[list(low.buffers)[row[F_["read1_buf"]]]][1][1]
+        assert row[F_["read1_c0"]] == 0 and row[F_["read1_cols"]] == cols  # whole rows: ld == K
+        assert cols % 8 == 0 and (B > 1 or 2 * cols <= 24 * 1024)
+    assert linears >= 4 * 100  # q, o, gate/up, down: about one task per unit each
