@@ -67,7 +67,9 @@ struct RingBwdParams {
 };
 
 // The producer warpgroup's registers: besides the TMA thread it runs the plan's waits (thread 0)
-// and the intra_sm comm tasks (warp 1), which spill at the plain backward's 24.
+// and the intra_sm comm tasks (warp 1), which spill at the plain backward's 24. Kept at 24: 40
+// and 56 ran slower (benchmarks/results/ring_bwd_regs_2026-12-07.txt); a knob for that A/B
+// (tools/ab_ring_bwd.sh REGS).
 #ifndef MK_RING_BWD_PRODUCER_REGS
 #define MK_RING_BWD_PRODUCER_REGS 24
 #endif

@@ -1,7 +1,7 @@
 // A TaskGraph as one persistent launch (issue 36): the TaskGraph engine (kernels/taskgraph.cuh) on
 // the persistent template, which runs the plan's tables (mkernel/taskgraph/lower.py): counted pads
-// ready[task] and ready_rows[band] per rank, each task waiting for the tiles it reads (a whole
-// band's count at once) and raising its own.
+// ready[task] and ready_group[group] per rank, each task waiting for the tiles it reads (a read
+// of several tiles: its group's count at once) and raising its own.
 //
 //   rank r's CTAs: unit u runs tasks u, u + n, ... in order; task i is the same tile on every
 //   rank and every rank's list is a topological order, so a wait of task i needs only tasks < i:

@@ -138,7 +138,7 @@ def test_per_rank_tensors_may_come_stacked_on_a_leading_rank_dimension():
 def test_attention_is_split_over_chunks_of_the_cache_and_combined(length, chunk):
     """attention_decode lowered as partials over ``chunk`` cached positions (the last one
     shorter) and their combine: each (sequence, kv head) has ceil(length / chunk) partial tasks,
-    the combine waits once for their band, and the result is the whole-cache softmax's."""
+    the combine waits once for their group, and the result is the whole-cache softmax's."""
     B, Hq, Hkv, S, D = 2, 8, 2, 80, 16
     g = TaskGraph()
     q = g.input("q", (B, Hq * D))

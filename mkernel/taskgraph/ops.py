@@ -19,7 +19,7 @@ Tiles (``Blocks``: rows, cols):
                          a row (b, h) of the partials value, the chunk's columns (its softmax
                          average of V for the G query heads of h, then each head's log-sum-exp)
       attention_combine  sequence b x kv head h: q's columns of the G heads; reads the (b, h)
-                         row of every chunk (one band) and weighs each by exp(its lse - max)
+                         row of every chunk (one group) and weighs each by exp(its lse - max)
     all_reduce        block x block; reads that rectangle on every rank (pull-reduce, rank order)
     all_gather        rank q's rows x block of columns; reads q's rows of x on rank q
     reduce_scatter    block x block of my rows; reads rows r * M/W + .. of x on every rank
