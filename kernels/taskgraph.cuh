@@ -222,16 +222,22 @@ struct PlainX {
   __device__ __forceinline__ int K() const { return x.cols; }
   __device__ __forceinline__ uint4 load(int b, int k) const { return ld_vec(x.at(b, k)); }
 };
+// silu(gate) * up of 8 values: silu_mul's tile and silu_linear's x loads (the same math, so the
+// fused path rounds as the unfused value is stored).
+__device__ __forceinline__ void silu_mul_vec(const uint4& gate, const uint4& up, float* y) {
+  float u[kVec];
+  to_f32(gate, y);
+  to_f32(up, u);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) y[j] = y[j] / (1.f + __expf(-y[j])) * u[j];
+}
 struct SiluX {
   View x;
   __device__ __forceinline__ int K() const { return x.cols / 2; }
   __device__ __forceinline__ uint4 load(int b, int k) const {
-    float g[kVec], u[kVec];
-    to_f32(ld_vec(x.at(b, k)), g);
-    to_f32(ld_vec(x.at(b, K() + k)), u);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) g[j] = g[j] / (1.f + __expf(-g[j])) * u[j];
-    return to_bf16(g);
+    float y[kVec];
+    silu_mul_vec(ld_vec(x.at(b, k)), ld_vec(x.at(b, K() + k)), y);
+    return to_bf16(y);
   }
 };
 
@@ -936,11 +942,7 @@ __device__ inline void run_task(const Params& p, int id, char* smem, unsigned& u
     case kOpSiluMul: {
       const View g = rd(0), u = rd(1);
       for_each_vec(out, [&](int r, int c, float* y) {
-        float a[kVec], b[kVec];
-        to_f32(ld_vec(g.at(r, c)), a);
-        to_f32(ld_vec(u.at(r, c)), b);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) y[j] = a[j] / (1.f + __expf(-a[j])) * b[j];
+        silu_mul_vec(ld_vec(g.at(r, c)), ld_vec(u.at(r, c)), y);
       });
       break;
     }
