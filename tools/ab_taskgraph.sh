@@ -8,7 +8,8 @@
 # tree, and each tree's max error against the fp32 step (BACKOFF="256 0": also those
 # Schedule(backoff_ns=) per case, tools/taskgraph_time.py). TESTS=1: first the TaskGraph GPU tests
 # in each variant tree (tests/gpu/test_taskgraph_kernel_gpu.py; the head's run in the suite);
-# SANITIZE=1: memcheck, racecheck and synccheck over tests/gpu/sanitize_taskgraph.py there too.
+# SANITIZE=1: memcheck, racecheck and synccheck over tests/gpu/sanitize_taskgraph.py there too
+# (tests and sanitizers of every tree run at once). ROUNDS=0: no timing.
 set -u
 ROUNDS=${ROUNDS:-3}
 VARIANTS=${VARIANTS:-MK_TG_WEIGHT_RING=1}
@@ -36,8 +37,9 @@ if [ "${TESTS:-0}" = 1 ]; then
   for t in "${ORDER[@]:1}"; do
     (cd "${TREE[$t]}" && PYTHONPATH=${TREE[$t]} timeout 300 python -m pytest -q -x \
       tests/gpu/test_taskgraph_kernel_gpu.py >"$OUT/tests_${t//[=,]/_}.log" 2>&1
-     echo "tests $t rc=$?: $(tail -n 1 "$OUT/tests_${t//[=,]/_}.log")")
+     echo "tests $t rc=$?: $(tail -n 1 "$OUT/tests_${t//[=,]/_}.log")") &
   done
+  wait
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then  # compute-sanitizer over tests/gpu/sanitize_taskgraph.py
   for t in "${ORDER[@]:1}"; do
@@ -46,9 +48,10 @@ if [ "${SANITIZE:-0}" = 1 ]; then  # compute-sanitizer over tests/gpu/sanitize_t
         --error-exitcode 9 --print-limit 5 python tests/gpu/sanitize_taskgraph.py \
         >"$OUT/san_${tool}_${t//[=,]/_}.log" 2>&1
        echo "sanitize $tool $t rc=$?: $(grep -h "ERROR SUMMARY\|hazards displayed" \
-         "$OUT/san_${tool}_${t//[=,]/_}.log" | tail -n 1)")
+         "$OUT/san_${tool}_${t//[=,]/_}.log" | tail -n 1)") &
     done
   done
+  wait  # the trees and tools at once: correctness runs, sharing the GPU changes nothing they check
 fi
 for r in $(seq "$ROUNDS"); do
   for t in "${ORDER[@]}"; do
