@@ -61,17 +61,20 @@ class Layer:
 
 
 def random_decoder(
-    cfg: DecoderConfig, batch: int, seq: int, seed: int = 0
+    cfg: DecoderConfig, batch: int, seq: int, seed: int = 0, device: str | torch.device = "cpu"
 ) -> tuple[list[Layer], torch.Tensor]:
-    """Seeded bf16 weights and caches of ``cfg.layers`` layers, and the final norm's weight."""
-    g = torch.Generator().manual_seed(seed)
+    """Seeded bf16 weights and caches of ``cfg.layers`` layers, and the final norm's weight, made
+    on ``device`` by its own generator (so the bits differ between devices; a device's are the
+    same every run). NOTE: a GPU makes an 8-layer Qwen3-shaped model in milliseconds, where the
+    CPU takes ~17 s a case (2 cores): device time the decode benchmark does not spend."""
+    g = torch.Generator(device=device).manual_seed(seed)
     H, D, F_ = cfg.hidden, cfg.head_dim, cfg.intermediate
 
     def w(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * scale).to(bf16)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(bf16)
 
     def norm() -> torch.Tensor:
-        return (1 + 0.1 * torch.randn(H, generator=g)).to(bf16)
+        return (1 + 0.1 * torch.randn(H, generator=g, device=device)).to(bf16)
 
     layers = []
     for _ in range(cfg.layers):
