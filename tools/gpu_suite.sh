@@ -2,8 +2,10 @@
 # The whole GPU suite on one device machine in parallel groups (inside tools/device_session.sh,
 # cwd the snapshot): each extension built once first (four builds at once), then one pytest
 # process per group, all at once on the one GPU. The groups are correctness tests, not timings,
-# so sharing the GPU changes nothing they assert; it turns ~15 min of serial runs into one call.
-# LIMIT: seconds per group (default 420); SPLIT: groups of the smaller files (default 3). Logs: $OUT/suite_<group>.log; the summary lines last.
+# so sharing the GPU changes nothing they assert. Why: run one after another they take more than
+# one 600 s device call (the smaller files alone took ~410 s, one H100).
+# LIMIT: seconds per group (default 420); SPLIT: groups of the smaller files (default 3).
+# Logs: $OUT/suite_<group>.log; each group's pytest summary line last.
 set -u
 LIMIT=${LIMIT:-420}
 OUT=${OUT:-/tmp/out}
