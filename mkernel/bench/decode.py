@@ -183,8 +183,6 @@ def run(
 
 
 if __name__ == "__main__":
-    import argparse
-
     from . import cli
 
     args = cli(
