@@ -65,8 +65,8 @@ def random_decoder(
 ) -> tuple[list[Layer], torch.Tensor]:
     """Seeded bf16 weights and caches of ``cfg.layers`` layers, and the final norm's weight, made
     on ``device`` by its own generator (so the bits differ between devices; a device's are the
-    same every run). NOTE: a GPU makes an 8-layer Qwen3-shaped model in milliseconds, where the
-    CPU takes ~17 s a case (2 cores): device time the decode benchmark does not spend."""
+    same every run). NOTE: the CPU took 16.9 s for one 8-layer Qwen3-shaped case (2 cores), so
+    the decode benchmark and the TaskGraph probe make theirs on the GPU."""
     g = torch.Generator(device=device).manual_seed(seed)
     H, D, F_ = cfg.hidden, cfg.head_dim, cfg.intermediate
 

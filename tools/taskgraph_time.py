@@ -13,9 +13,9 @@ import sys
 import torch
 
 from mkernel.bench.decode import CFG
-from mkernel.models import DecoderConfig, decode_graph, torch_decode
+from mkernel.models import DecoderConfig, decode_graph, random_decoder, torch_decode
 from mkernel.schedule import Schedule
-from mkernel.taskgraph.probe import _time, gpu_decoder
+from mkernel.taskgraph.probe import _time
 
 tag = sys.argv[1]
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -24,7 +24,7 @@ torch.manual_seed(0)
 if os.environ.get("WARM"):  # a small graph at batch 1 and 8: builds the extension, little memory
     small = DecoderConfig(hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024)
     for B in (1, 8):
-        layers, final = gpu_decoder(small, B, 256)
+        layers, final = random_decoder(small, B, 256, device="cuda")
         x = torch.randn(B, small.hidden, device="cuda").bfloat16()
         got = decode_graph(small, layers, final, B, 256).compile()(x=x)["y"].float()
         err = float((got - torch_decode(small, layers, final, x, 256)).abs().max())
@@ -32,7 +32,7 @@ if os.environ.get("WARM"):  # a small graph at batch 1 and 8: builds the extensi
     sys.exit(0)
 fns = {}
 for B, kv in CASES:
-    layers, final = gpu_decoder(CFG, B, kv)
+    layers, final = random_decoder(CFG, B, kv, device="cuda")
     g = decode_graph(CFG, layers, final, B, kv)
     x = (torch.randn(B, CFG.hidden, device="cuda")).bfloat16()
     want = torch_decode(CFG, layers, final, x, kv)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..models import DecoderConfig, Layer, decode_graph
+from ..models import DecoderConfig, decode_graph, random_decoder
 from ..schedule import Schedule
 from .compiled import compile_graph
 from .device import gpu_blocks
@@ -53,27 +53,6 @@ def qwen3_shaped(layers: int) -> DecoderConfig:
     return DecoderConfig(
         hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, layers=layers
     )
-
-
-def gpu_decoder(cfg: DecoderConfig, batch: int, seq: int) -> tuple[list[Layer], torch.Tensor]:
-    """models.random_decoder's shapes, made on the GPU (a real model's weights are slow on CPU)."""
-    H, D, F = cfg.hidden, cfg.head_dim, cfg.intermediate
-    layers = []
-    for _ in range(cfg.layers):
-        layers.append(
-            Layer(
-                attn_norm=1 + 0.1 * _rand(H),
-                wq=_rand(cfg.heads * D, H, scale=H**-0.5),
-                wo=_rand(H, cfg.heads * D, scale=(cfg.heads * D) ** -0.5),
-                mlp_norm=1 + 0.1 * _rand(H),
-                wg=_rand(F, H, scale=H**-0.5),
-                wu=_rand(F, H, scale=H**-0.5),
-                wd=_rand(H, F, scale=F**-0.5),
-                k_cache=_rand(batch, cfg.kv_heads, seq, D),
-                v_cache=_rand(batch, cfg.kv_heads, seq, D),
-            )
-        )
-    return layers, 1 + 0.1 * _rand(H)
 
 
 def node_times(
@@ -175,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                     km = compile_graph(g, blocks=gpu_blocks(m * sms))
                     extra[(N, K, B, m)] = (lambda k=km, x=x: k(x=x), N * K * 2)
     cfg = qwen3_shaped(args.layers)
-    layers, final = gpu_decoder(cfg, 1, args.kv)
+    layers, final = random_decoder(cfg, 1, args.kv, device="cuda")
     g = decode_graph(cfg, layers, final, 1, args.kv)
     # the fallback on the kernel's tiles (its own 4 x 32 default would be thousands of tasks)
     kern = g.compile()
@@ -222,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _trace(args) -> dict:
     cfg = qwen3_shaped(args.layers)
-    layers, final = gpu_decoder(cfg, args.batch, args.kv)
+    layers, final = random_decoder(cfg, args.batch, args.kv, device="cuda")
     g = decode_graph(cfg, layers, final, args.batch, args.kv)
     fuse = not args.no_fuse
     rows = node_times(g, {"x": _rand(args.batch, cfg.hidden)}, chrome=args.chrome, fuse=fuse)
